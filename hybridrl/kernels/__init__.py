@@ -1,0 +1,84 @@
+"""Fused RL kernels: KL penalties, masked GAE, masked whitening (compiled ops or references).
+
+Public API (numerically verl's; see shared DESIGN.md "Semantics to match" and docs/kernels.md):
+- ``kl_penalty(logprob, ref_logprob, kind) -> Tensor``: per-token KL estimate [*shape], with
+  gradients for both inputs; ``kind`` in ``KL_KINDS``.
+- ``gae(token_level_rewards, values, response_mask, gamma, lam) -> (advantages, returns)``:
+  [B, T] each, no whitening, no grad.
+- ``masked_whiten(values, mask) -> Tensor``: whitened [*shape] over the masked elements.
+
+Each call runs the compiled ``hybridrl::*`` op when it is built for the tensors' device, else the
+pure-torch reference (``hybridrl.kernels.reference``) after a single RuntimeWarning.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridrl.kernels import ops, reference
+from hybridrl.kernels.reference import KL_KINDS, parse_kl_kind
+
+__all__ = ["KL_KINDS", "gae", "kl_penalty", "masked_whiten"]
+
+
+def _use_compiled(op: str, tensor: torch.Tensor) -> bool:
+    if ops.compiled_available(op, tensor.device.type):
+        return True
+    ops.warn_fallback(tensor.device.type)
+    return False
+
+
+def _check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{name_b} must have the shape of {name_a} {tuple(a.shape)}, "
+                         f"got {tuple(b.shape)}")
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL penalty [*shape] between logprob and ref_logprob [*shape].
+
+    kind: "k1"/"kl" (logp - ref), "abs", "k2"/"mse" (0.5 (logp - ref)^2), "k3"/"low_var_kl"
+    (clamped exp(ref - logp) - (ref - logp) - 1); a trailing "+" keeps the value and takes k2's
+    gradient. Differentiable in both inputs; the dtype is the promoted input dtype.
+    """
+    fwd_code, bwd_code = parse_kl_kind(kind)
+    _check_same_shape("logprob", logprob, "ref_logprob", ref_logprob)
+    if not _use_compiled("kl_forward", logprob):
+        return reference.kl_penalty_ref(logprob, ref_logprob, kind)
+    dtype = torch.result_type(logprob, ref_logprob)
+    return torch.ops.hybridrl.kl_forward(logprob.to(dtype), ref_logprob.to(dtype),
+                                         fwd_code, bwd_code)
+
+
+def gae(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+        gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [B, T], returns [B, T]) by masked GAE, bootstrap 0, no whitening, no grad.
+
+    Masked-out steps (mask 0, e.g. multi-turn observation tokens) pass the running value and
+    advantage through unchanged; returns = advantages + values.
+    """
+    if values.dim() != 2:
+        raise ValueError(f"values must be 2-D [B, T], got shape {tuple(values.shape)}")
+    _check_same_shape("values", values, "token_level_rewards", token_level_rewards)
+    _check_same_shape("values", values, "response_mask", response_mask)
+    if not _use_compiled("gae", values):
+        return reference.gae_ref(token_level_rewards, values, response_mask, gamma, lam)
+    dtype = torch.result_type(token_level_rewards, values)
+    if not dtype.is_floating_point:
+        raise ValueError(f"values must be floating point, got {dtype}")
+    with torch.no_grad():
+        return torch.ops.hybridrl.gae(token_level_rewards.to(dtype), values.to(dtype),
+                                      response_mask.to(dtype), float(gamma), float(lam))
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(values - mean) * rsqrt(var + 1e-8) [*shape]; mean and unbiased var over mask != 0.
+
+    Raises ValueError when the mask sums to 0 or 1 (verl's behaviour). Differentiable through
+    the reference; the compiled op is used when no input requires grad.
+    """
+    _check_same_shape("values", values, "mask", mask)
+    needs_grad = torch.is_grad_enabled() and values.requires_grad
+    if needs_grad or not _use_compiled("masked_whiten", values):
+        return reference.masked_whiten_ref(values, mask)
+    return torch.ops.hybridrl.masked_whiten(values, mask.to(values.dtype))

@@ -1,0 +1,105 @@
+"""Binding of the compiled ``hybridrl::*`` custom ops, with fake kernels and autograd.
+
+Contract:
+- ``hybridrl._C`` (C++ CPU kernels, always built when the compiler works) defines the op schemas and
+  CPU kernels; ``hybridrl._C_cuda`` (built only against a CUDA torch with nvcc) adds CUDA kernels.
+- ``load()`` imports them once and registers, on the Python side, a fake (meta) kernel for every op
+  and the autograd formula of ``kl_forward``, so the ops trace under torch.compile and run in a loss.
+- ``compiled_available(op, device_type)`` says whether a compiled kernel exists for that device;
+  when it does not, ``warn_fallback`` emits one warning per device type and callers use the
+  pure-torch references of ``hybridrl.kernels.reference``.
+
+Op schemas (see csrc/ops.cpp):
+  kl_forward(Tensor logprob, Tensor ref_logprob, int fwd_kind, int bwd_kind) -> Tensor
+  kl_backward(Tensor grad, Tensor logprob, Tensor ref_logprob, int bwd_kind) -> Tensor
+      (the gradient w.r.t. logprob; w.r.t. ref_logprob it is its negation: every estimator is a
+      function of logprob - ref_logprob)
+  gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam) -> (Tensor, Tensor)
+  masked_whiten(Tensor values, Tensor mask) -> Tensor
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+OP_NAMES = ("kl_forward", "kl_backward", "gae", "masked_whiten")
+
+
+@functools.cache
+def load() -> bool:
+    """Import the compiled extension(s) and register the Python-side pieces; False if unbuilt."""
+    try:
+        from hybridrl import _C  # noqa: F401  (registers schemas + CPU kernels)
+    except ImportError:
+        return False
+    try:
+        from hybridrl import _C_cuda  # noqa: F401  (registers CUDA kernels)
+    except ImportError:
+        pass
+    _register_fake_kernels()
+    _register_autograd()
+    return True
+
+
+@torch.compiler.assume_constant_result
+def compiled_available(op: str, device_type: str) -> bool:
+    """True when ``hybridrl::op`` has a compiled kernel for ``device_type`` ("cpu", "cuda")."""
+    if not load():
+        return False
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"hybridrl::{op}", key)
+
+
+@functools.cache
+def warn_fallback(device_type: str) -> None:
+    """Warn once per device type that the pure-torch references are in use."""
+    warnings.warn(
+        f"hybridrl.kernels: compiled ops are not available for device {device_type!r}; "
+        "using the pure-torch references (slower, same numbers). Rebuild with "
+        "`pip install --no-build-isolation -e .` to get the csrc kernels.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _register_fake_kernels() -> None:
+    @torch.library.register_fake("hybridrl::kl_forward")
+    def _kl_forward_fake(logprob, ref_logprob, fwd_kind, bwd_kind):
+        return torch.empty_like(logprob, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("hybridrl::kl_backward")
+    def _kl_backward_fake(grad, logprob, ref_logprob, bwd_kind):
+        return torch.empty_like(logprob, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("hybridrl::gae")
+    def _gae_fake(rewards, values, mask, gamma, lam):
+        out = torch.empty_like(values, memory_format=torch.contiguous_format)
+        return out, torch.empty_like(out)
+
+    @torch.library.register_fake("hybridrl::masked_whiten")
+    def _masked_whiten_fake(values, mask):
+        return torch.empty_like(values, memory_format=torch.contiguous_format)
+
+
+def _kl_setup_context(ctx, inputs, output):
+    logprob, ref_logprob, _fwd_kind, bwd_kind = inputs
+    ctx.save_for_backward(logprob, ref_logprob)
+    ctx.bwd_kind = bwd_kind
+
+
+def _kl_backward(ctx, grad):
+    logprob, ref_logprob = ctx.saved_tensors
+    grad_logprob = None
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        grad_logprob = torch.ops.hybridrl.kl_backward(grad, logprob, ref_logprob, ctx.bwd_kind)
+    grad_ref = -grad_logprob if ctx.needs_input_grad[1] else None
+    return (grad_logprob if ctx.needs_input_grad[0] else None), grad_ref, None, None
+
+
+def _register_autograd() -> None:
+    torch.library.register_autograd(
+        "hybridrl::kl_forward", _kl_backward, setup_context=_kl_setup_context
+    )
