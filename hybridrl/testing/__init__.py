@@ -1,0 +1,1 @@
+"""Helpers for testing distributed code on CPU (gloo ranks in local processes)."""
