@@ -1,0 +1,75 @@
+"""PPO/GRPO algorithm math as pure functions (verl's numbers), plus plug-in registries.
+
+- ``masked``: masked sum/mean/var/whiten, entropy from logits.
+- ``agg``: ``agg_loss`` (token-mean, seq-mean-token-sum, seq-mean-token-mean,
+  seq-mean-token-sum-norm) with optional global DP normalizers (``compute_agg_normalizers``).
+- ``advantages``: ``compute_advantage`` over ``ADVANTAGE_ESTIMATORS`` (gae, grpo, yours).
+- ``losses``: policy loss (``POLICY_LOSSES``: vanilla, yours), value, entropy, KL loss, actor loss.
+- ``kl_control``: fixed/adaptive KL controllers and the in-reward KL penalty.
+
+No process group is needed except by ``compute_agg_normalizers`` when given a DP group.
+The training loop lives elsewhere (``hybridrl.ppo.trainer``).
+"""
+
+from hybridrl.ppo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantage,
+    gae_advantages,
+    grpo_advantages,
+    register_advantage_estimator,
+)
+from hybridrl.ppo.agg import AGG_MODES, AggNormalizers, agg_loss, compute_agg_normalizers
+from hybridrl.ppo.kl_control import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_in_reward,
+    build_kl_controller,
+)
+from hybridrl.ppo.losses import (
+    POLICY_LOSSES,
+    actor_loss,
+    compute_policy_loss,
+    entropy_loss,
+    kl_loss,
+    register_policy_loss,
+    value_loss,
+    vanilla_policy_loss,
+)
+from hybridrl.ppo.masked import (
+    entropy_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+from hybridrl.ppo.registry import Registry
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGG_MODES",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "AggNormalizers",
+    "FixedKLController",
+    "Registry",
+    "actor_loss",
+    "agg_loss",
+    "apply_kl_in_reward",
+    "build_kl_controller",
+    "compute_advantage",
+    "compute_agg_normalizers",
+    "compute_policy_loss",
+    "entropy_from_logits",
+    "entropy_loss",
+    "gae_advantages",
+    "grpo_advantages",
+    "kl_loss",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "register_advantage_estimator",
+    "register_policy_loss",
+    "value_loss",
+    "vanilla_policy_loss",
+]
