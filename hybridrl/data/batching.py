@@ -1,0 +1,185 @@
+"""Mini-batches and token-budget micro-batches as index lists (pure functions, no torch state).
+
+Contract. Every function returns lists of indices into the caller's batch, so the caller gathers
+rows (``x[idx]``), runs them, and restores the original order with :func:`inverse_order`.
+
+* ``split_mini_batches(batch_size, mini_batch_size, shuffle, seed)``: consecutive (optionally
+  seeded-shuffled) chunks of ``mini_batch_size``; ``batch_size`` must be a multiple of it.
+* ``karmarkar_karp(values, k, equal_size)``: the largest-differencing heuristic for a k-way
+  partition with balanced sums. With ``equal_size`` every part has ``len(values) // k`` or one more
+  items (sorted values are dealt k at a time, then partial partitions are merged pairwise, biggest
+  part of one with the smallest of the other, largest spread first).
+* ``plan_dp_partition(seqlens, dp_size)``: equal-count, token-balanced split across DP ranks.
+* ``plan_micro_batches(seqlens, max_token_len)``: the fewest micro-batches (>= ceil(total/budget))
+  whose KK-balanced token sums all fit ``max_token_len`` (ppo_max_token_len_per_gpu). A sequence
+  longer than the budget cannot fit anywhere: it gets a micro-batch of its own, is listed in
+  ``plan.oversized`` and a warning is issued. No other micro-batch ever exceeds the budget.
+* ``plan_dp_micro_batches(seqlens, dp_size, max_token_len)``: both, with (by default) the same
+  number of micro-batches on every rank (pipeline schedules need it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class MicroBatchPlan:
+    """Micro-batches (lists of indices into the caller's batch) and the oversized indices."""
+
+    micro_batches: list[list[int]]
+    oversized: list[int] = field(default_factory=list)
+
+
+def split_mini_batches(
+    batch_size: int, mini_batch_size: int, shuffle: bool = False, seed: int = 0
+) -> list[list[int]]:
+    """``batch_size // mini_batch_size`` index lists of ``mini_batch_size`` each."""
+    if mini_batch_size < 1 or batch_size < 1 or batch_size % mini_batch_size:
+        raise ValueError(
+            f"ppo_mini_batch_size={mini_batch_size} must be >= 1 and divide the batch size "
+            f"{batch_size}"
+        )
+    order = np.random.default_rng(seed).permutation(batch_size) if shuffle else range(batch_size)
+    order = [int(i) for i in order]
+    return [order[s : s + mini_batch_size] for s in range(0, batch_size, mini_batch_size)]
+
+
+def _merge(a: list[tuple[int, list[int]]], b: list[tuple[int, list[int]]]):
+    """Pair a's i-th largest part with b's i-th smallest; parts sorted by sum, descending."""
+    merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))]
+    merged.sort(key=lambda part: (-part[0], part[1]))
+    return merged
+
+
+def karmarkar_karp(values: Sequence[int], k: int, equal_size: bool = False) -> list[list[int]]:
+    """Split ``range(len(values))`` into ``k`` parts with balanced sums of ``values``.
+
+    Parts are returned with indices ascending, ordered by their smallest index (empty parts last).
+    """
+    if k < 1:
+        raise ValueError(f"number of partitions k={k}; allowed: >= 1")
+    if any(v < 0 for v in values):
+        raise ValueError("karmarkar_karp: values must be >= 0 (sequence lengths)")
+    items = sorted(((int(v), i) for i, v in enumerate(values)), reverse=True)
+    if equal_size:
+        items += [(0, -1)] * (-len(items) % k)  # dummies (index -1) even out the chunks
+        chunks = [items[s : s + k] for s in range(0, len(items), k)]
+        states = [[(v, [i]) for v, i in chunk] for chunk in chunks]
+    else:
+        states = [[(v, [i])] + [(0, [])] * (k - 1) for v, i in items]
+    heap = [(-(s[0][0] - s[-1][0]), n, s) for n, s in enumerate(states)]
+    heapq.heapify(heap)
+    counter = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = _merge(a, b)
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), counter, merged))
+        counter += 1
+    parts = [sorted(i for i in idx if i >= 0) for _, idx in heap[0][2]] if heap else []
+    parts += [[] for _ in range(k - len(parts))]
+    return sorted(parts, key=lambda p: (not p, p[0] if p else 0))
+
+
+def plan_dp_partition(seqlens: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Indices for each DP rank: counts differ by at most one, token sums KK-balanced."""
+    if dp_size < 1:
+        raise ValueError(f"dp_size={dp_size}; allowed: >= 1")
+    if len(seqlens) < dp_size:
+        raise ValueError(f"{len(seqlens)} sequences cannot feed dp_size={dp_size} ranks")
+    return karmarkar_karp(seqlens, dp_size, equal_size=True)
+
+
+def _fits(parts: list[list[int]], lens: Sequence[int], budget: int) -> bool:
+    return all(sum(lens[i] for i in p) <= budget for p in parts)
+
+
+def plan_micro_batches(
+    seqlens: Sequence[int], max_token_len: int, min_num_micro_batches: int = 1
+) -> MicroBatchPlan:
+    """Token-budget micro-batches over ``range(len(seqlens))`` (see module docstring).
+
+    ``min_num_micro_batches`` asks for at least that many (capped at the number of sequences).
+    """
+    if max_token_len < 1:
+        raise ValueError(f"ppo_max_token_len_per_gpu={max_token_len}; allowed: >= 1")
+    if not seqlens:
+        return MicroBatchPlan([])
+    oversized = [i for i, n in enumerate(seqlens) if n > max_token_len]
+    if oversized:
+        warnings.warn(
+            f"{len(oversized)} sequence(s) longer than ppo_max_token_len_per_gpu={max_token_len} "
+            f"(lengths {[int(seqlens[i]) for i in oversized]}) each run alone in a micro-batch",
+            stacklevel=2,
+        )
+    rest = [i for i, n in enumerate(seqlens) if n <= max_token_len]
+    lens = [int(seqlens[i]) for i in rest]
+    want = max(min_num_micro_batches - len(oversized), math.ceil(sum(lens) / max_token_len), 1)
+    parts: list[list[int]] = []
+    if rest:
+        m = min(want, len(rest))
+        parts = karmarkar_karp(lens, m)
+        while not _fits(parts, lens, max_token_len):  # ends by m = len(rest): singletons fit
+            m += 1
+            parts = karmarkar_karp(lens, m)
+    micro = [[rest[j] for j in p] for p in parts if p] + [[i] for i in oversized]
+    micro.sort(key=lambda p: p[0])
+    return MicroBatchPlan(micro, oversized)
+
+
+def plan_dp_micro_batches(
+    seqlens: Sequence[int], dp_size: int, max_token_len: int, same_count: bool = True
+) -> list[MicroBatchPlan]:
+    """Per DP rank, its micro-batches as indices into the global batch.
+
+    With ``same_count`` every rank gets the largest count any rank needs (as far as its number of
+    sequences allows), so all ranks run the same number of forward/backward steps.
+    """
+    ranks = plan_dp_partition(seqlens, dp_size)
+
+    def plan(min_count: int) -> list[MicroBatchPlan]:
+        out = []
+        for idx in ranks:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                local = plan_micro_batches([seqlens[i] for i in idx], max_token_len, min_count)
+            out.append(
+                MicroBatchPlan(
+                    [[idx[j] for j in mb] for mb in local.micro_batches],
+                    [idx[j] for j in local.oversized],
+                )
+            )
+        return out
+
+    plans = plan(1)
+    if same_count:
+        plans = plan(max(len(p.micro_batches) for p in plans))
+    oversized = sorted(i for p in plans for i in p.oversized)
+    if oversized:
+        warnings.warn(
+            f"sequences {oversized} are longer than ppo_max_token_len_per_gpu={max_token_len}; "
+            "each runs alone in a micro-batch",
+            stacklevel=2,
+        )
+    return plans
+
+
+def inverse_order(index_lists: Sequence[Sequence[int]]) -> list[int]:
+    """``inv`` such that ``concat(out_of_each_list)[inv]`` is in the original order.
+
+    The lists must together hold every index 0..n-1 exactly once.
+    """
+    flat = [int(i) for idx in index_lists for i in idx]
+    if sorted(flat) != list(range(len(flat))):
+        raise ValueError("index lists must form a permutation of 0..n-1 (each index once)")
+    inv = [0] * len(flat)
+    for pos, i in enumerate(flat):
+        inv[i] = pos
+    return inv

@@ -1,0 +1,70 @@
+"""User reward functions given by import path, with verl's signature.
+
+Contract. ``load_reward_fn(spec)`` resolves ``"package.module:function"`` (imported with importlib)
+or ``"path/to/file.py:function"`` (loaded from that file) to a callable
+``fn(data_source, solution_str, ground_truth, extra_info, **kwargs)`` returning a float or a dict
+with a "score" key (other numeric keys become metrics). ``normalize_result(value, spec)`` turns
+either form into ``(score, extras)``. A malformed spec, a missing module/file/function or a result
+of another type raises ValueError naming the spec.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import numbers
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _module_from_file(path: str, spec: str):
+    name = "hybridrl_user_reward_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"reward function '{spec}': cannot load file {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def load_reward_fn(spec: str) -> Callable[..., Any]:
+    """The callable named by ``"module:function"`` or ``"file.py:function"``."""
+    module_name, sep, fn_name = str(spec).rpartition(":")
+    if not sep or not module_name or not fn_name:
+        raise ValueError(
+            f"reward function '{spec}': allowed forms are 'package.module:function' "
+            "or 'path/to/file.py:function'"
+        )
+    if module_name.endswith(".py") or os.path.sep in module_name:
+        if not os.path.isfile(module_name):
+            raise ValueError(f"reward function '{spec}': file {module_name} does not exist")
+        module = _module_from_file(module_name, spec)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(
+                f"reward function '{spec}': cannot import {module_name} ({exc})"
+            ) from exc
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"reward function '{spec}': {module_name} has no callable '{fn_name}'")
+    return fn
+
+
+def normalize_result(value: Any, spec: str) -> tuple[float, dict[str, float]]:
+    """``(score, extras)`` from a float/int/bool or a dict with "score" (numeric extras kept)."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"reward function '{spec}' returned a dict without 'score': {value}")
+        extras = {
+            k: float(v) for k, v in value.items() if k != "score" and isinstance(v, numbers.Real)
+        }
+        return float(value["score"]), extras
+    if isinstance(value, numbers.Real):
+        return float(value), {}
+    raise ValueError(
+        f"reward function '{spec}' returned {type(value).__name__}; allowed: a number or a dict "
+        "with a 'score' key"
+    )

@@ -1,0 +1,160 @@
+"""Rule/custom reward dispatch by data_source, penalties, and batch scoring with metrics.
+
+Contract. :data:`REWARD_FNS` is the registry of verl-signature functions
+``fn(data_source, solution_str, ground_truth, extra_info, **kwargs) -> float | {"score": ...}``
+keyed by data_source; builtins: "openai/gsm8k" and "gsm8k" (strict GSM8K), "gsm8k_flexible",
+and "hybridrl/arithmetic". Register your own with ``REWARD_FNS.register(name, fn)``.
+
+``RewardScorer(custom_fn, custom_fn_kwargs, fn_kwargs, ...)`` scores responses: a custom function
+(``"module:function"``, a file path form, or a callable) takes every row, as in verl; otherwise
+the row's data_source picks the registered function, called with ``fn_kwargs.get(data_source, {})``
+(e.g. ``{"openai/gsm8k": {"method": "flexible"}}``). With ``length_penalty`` /
+``repetition_penalty`` on, ``weight * fraction`` (hybridrl.rewards.penalties; weights -0.05 by
+default) is added per sequence. ``score_batch`` returns ``(scores [B] float32, metrics)`` with
+metrics ``critic/score/{mean,max,min}`` (final scores), ``reward/raw_score/mean`` (before
+penalties), ``reward/{length,repetition}_penalty/mean`` when on, ``reward/<extra>/mean`` for the
+numeric extras of dict results and ``reward/source/<data_source>/mean``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from hybridrl.rewards import arithmetic, gsm8k
+from hybridrl.rewards.custom import load_reward_fn, normalize_result
+from hybridrl.rewards.penalties import DEFAULT_WEIGHT, length_fraction, repetition_fraction
+from hybridrl.rewards.registry import Registry
+
+
+def _gsm8k_flexible(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return gsm8k.compute_score(
+        data_source, solution_str, ground_truth, extra_info, **{"method": "flexible", **kwargs}
+    )
+
+
+REWARD_FNS = Registry("reward function (by data_source)")
+REWARD_FNS.register("openai/gsm8k", gsm8k.compute_score)
+REWARD_FNS.register("gsm8k", gsm8k.compute_score)
+REWARD_FNS.register("gsm8k_flexible", _gsm8k_flexible)
+REWARD_FNS.register("hybridrl/arithmetic", arithmetic.compute_score)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+class RewardScorer:
+    """Scores (response, ground truth) pairs (see module docstring)."""
+
+    def __init__(
+        self,
+        custom_fn: str | Callable | None = None,
+        custom_fn_kwargs: dict | None = None,
+        fn_kwargs: dict[str, dict] | None = None,
+        length_penalty: bool = False,
+        length_penalty_weight: float = DEFAULT_WEIGHT,
+        repetition_penalty: bool = False,
+        repetition_penalty_weight: float = DEFAULT_WEIGHT,
+        repetition_ngram: int = 3,
+        registry: Registry = REWARD_FNS,
+    ) -> None:
+        self.custom_name = (
+            custom_fn if isinstance(custom_fn, str) else getattr(custom_fn, "__name__", "")
+        )
+        self.custom_fn = load_reward_fn(custom_fn) if isinstance(custom_fn, str) else custom_fn
+        self.custom_fn_kwargs = dict(custom_fn_kwargs or {})
+        self.fn_kwargs = {k: dict(v) for k, v in (fn_kwargs or {}).items()}
+        self.length_penalty, self.length_penalty_weight = length_penalty, length_penalty_weight
+        self.repetition_penalty = repetition_penalty
+        self.repetition_penalty_weight = repetition_penalty_weight
+        self.repetition_ngram = repetition_ngram
+        self.registry = registry
+
+    def score_one(
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None
+    ) -> tuple[float, dict[str, float]]:
+        """``(score, extras)`` of one response, before penalties."""
+        if self.custom_fn is not None:
+            result = self.custom_fn(
+                data_source, solution_str, ground_truth, extra_info, **self.custom_fn_kwargs
+            )
+            return normalize_result(result, self.custom_name)
+        fn = self.registry.get(data_source)
+        result = fn(
+            data_source,
+            solution_str,
+            ground_truth,
+            extra_info,
+            **self.fn_kwargs.get(data_source, {}),
+        )
+        return normalize_result(result, data_source)
+
+    def _penalties(
+        self, response_ids: Sequence[Sequence[int]] | None, max_response_length: int | None, n: int
+    ) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        if not (self.length_penalty or self.repetition_penalty):
+            return out
+        if response_ids is None or len(response_ids) != n:
+            raise ValueError("reward penalties need response_ids: one token list per response")
+        if self.length_penalty:
+            if max_response_length is None:
+                raise ValueError(
+                    "reward.length_penalty needs max_response_length (rollout.response_length)"
+                )
+            out["length_penalty"] = [
+                self.length_penalty_weight * length_fraction(len(ids), max_response_length)
+                for ids in response_ids
+            ]
+        if self.repetition_penalty:
+            out["repetition_penalty"] = [
+                self.repetition_penalty_weight * repetition_fraction(ids, self.repetition_ngram)
+                for ids in response_ids
+            ]
+        return out
+
+    def score_batch(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[Any],
+        data_sources: Sequence[str],
+        extra_infos: Sequence[dict | None] | None = None,
+        response_ids: Sequence[Sequence[int]] | None = None,
+        max_response_length: int | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Per-sequence scores [B] (with penalties) and metrics (see module docstring)."""
+        n = len(responses)
+        if n == 0 or len(ground_truths) != n or len(data_sources) != n:
+            raise ValueError(
+                f"score_batch: {n} responses, {len(ground_truths)} ground truths, "
+                f"{len(data_sources)} data sources; allowed: the same number (>= 1) of each"
+            )
+        extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
+        raw, extras = [], defaultdict(list)
+        for i in range(n):
+            score, extra = self.score_one(
+                data_sources[i], responses[i], ground_truths[i], extra_infos[i]
+            )
+            raw.append(score)
+            for k, v in extra.items():
+                extras[k].append(v)
+        penalties = self._penalties(response_ids, max_response_length, n)
+        final = [raw[i] + sum(p[i] for p in penalties.values()) for i in range(n)]
+        scores = torch.tensor(final, dtype=torch.float32)
+        metrics = {
+            "critic/score/mean": _mean(final),
+            "critic/score/max": max(final),
+            "critic/score/min": min(final),
+            "reward/raw_score/mean": _mean(raw),
+        }
+        metrics.update({f"reward/{k}/mean": _mean(v) for k, v in penalties.items()})
+        metrics.update({f"reward/{k}/mean": _mean(v) for k, v in extras.items()})
+        by_source = defaultdict(list)
+        for src, s in zip(data_sources, final):
+            by_source[src].append(s)
+        metrics.update({f"reward/source/{k}/mean": _mean(v) for k, v in by_source.items()})
+        return scores, metrics
