@@ -1,0 +1,97 @@
+"""Algorithm and reward sections: advantage estimator, KL control and the reward function.
+
+Contract: ``AlgorithmConfig`` picks the advantage estimator (``gae`` trains a critic, ``grpo``
+normalizes within each prompt's group) and where the KL to the reference enters (in the reward
+through ``kl_ctrl``, and/or as a loss term via ``actor.use_kl_loss``). ``RewardConfig`` picks how
+sequences are scored. Both validate in ``__post_init__`` with the full key in every message.
+"""
+
+from dataclasses import dataclass
+
+from hybridrl.config._fields import (
+    check_choice,
+    check_non_negative,
+    check_positive,
+    check_range,
+    knob,
+    section,
+)
+from hybridrl.config.roles import KL_KINDS
+
+ADV_ESTIMATORS = ("gae", "grpo")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+GSM8K_METHODS = ("strict", "flexible")
+
+
+@dataclass(frozen=True)
+class KLCtrlConfig:
+    """Controller of the in-reward KL coefficient beta."""
+
+    type: str = knob("fixed", "fixed (beta = kl_coef forever) | adaptive (beta *= 1 + "
+                     "clip(kl/target_kl - 1, -0.2, 0.2) * n_steps/horizon).")
+    kl_coef: float = knob(0.001, "Initial (or fixed) beta.")
+    target_kl: float = knob(0.1, "Adaptive controller: KL the controller steers toward.")
+    horizon: int = knob(10000, "Adaptive controller: horizon (in samples) of the update.")
+
+    def __post_init__(self) -> None:
+        check_choice("algorithm.kl_ctrl.type", self.type, KL_CTRL_TYPES)
+        check_non_negative("algorithm.kl_ctrl.kl_coef", self.kl_coef)
+        check_positive("algorithm.kl_ctrl.target_kl", self.target_kl)
+        check_positive("algorithm.kl_ctrl.horizon", self.horizon)
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Advantage estimation and the in-reward KL penalty."""
+
+    adv_estimator: str = knob("gae", "Advantage estimator: gae (critic + GAE) | grpo "
+                              "(group-relative, no critic).")
+    gamma: float = knob(1.0, "GAE discount factor.")
+    lam: float = knob(1.0, "GAE lambda.")
+    norm_adv_by_std_in_grpo: bool = knob(True, "GRPO: divide by the group's std (False = "
+                                         "Dr.GRPO, mean-centering only).")
+    use_kl_in_reward: bool = knob(False, "Subtract beta * KL(actor || ref) from token rewards.")
+    kl_penalty: str = knob("kl", "KL estimator of the in-reward penalty (same names as "
+                           "actor.kl_loss_type).")
+    kl_ctrl: KLCtrlConfig = section(KLCtrlConfig, "In-reward KL coefficient controller.")
+
+    def __post_init__(self) -> None:
+        check_choice("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        check_range("algorithm.gamma", self.gamma, 0.0, 1.0)
+        check_range("algorithm.lam", self.lam, 0.0, 1.0)
+        check_choice("algorithm.kl_penalty", self.kl_penalty, KL_KINDS)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Sequence scoring: builtin scorers by data_source, a user function or a reward model."""
+
+    reward_fn: str = knob("", "User scorer as 'module:function' with verl's signature "
+                          "(data_source, solution_str, ground_truth, extra_info); empty = the "
+                          "builtin scorer registered for each sample's data_source.")
+    reward_model_path: str = knob("", "Local HF folder of a reward model (critic architecture, "
+                                  "score at the last response token); empty = none.")
+    gsm8k_method: str = knob("strict", "GSM8K answer extraction: strict ('#### N') | flexible "
+                             "(last number).")
+    format_score: float = knob(0.0, "Arithmetic task: score of a well-formed but wrong answer.")
+    use_length_penalty: bool = knob(False, "Add length_penalty_weight * response_len / "
+                                    "rollout.response_length to each score.")
+    length_penalty_weight: float = knob(-0.05, "Weight of the length penalty (<= 0).")
+    use_repetition_penalty: bool = knob(False, "Add repetition_penalty_weight * (fraction of "
+                                        "repeated n-grams) to each score.")
+    repetition_penalty_weight: float = knob(-0.05, "Weight of the repetition penalty (<= 0).")
+
+    def __post_init__(self) -> None:
+        if self.reward_fn:
+            module, _, func = self.reward_fn.partition(":")
+            if not module or not func:
+                raise ValueError("reward.reward_fn must look like 'package.module:function'; "
+                                 f"got {self.reward_fn!r}")
+        if self.reward_fn and self.reward_model_path:
+            raise ValueError("set at most one of reward.reward_fn and reward.reward_model_path")
+        check_choice("reward.gsm8k_method", self.gsm8k_method, GSM8K_METHODS)
+        check_range("reward.format_score", self.format_score, 0.0, 1.0)
+        for name in ("length_penalty_weight", "repetition_penalty_weight"):
+            if getattr(self, name) > 0:
+                raise ValueError(f"reward.{name} must be <= 0 (it is a penalty); "
+                                 f"got {getattr(self, name)!r}")

@@ -1,0 +1,60 @@
+"""Model section: which policy network to train.
+
+Contract: ``ModelConfig`` names either a local HF folder (``path``; sizes then come from its
+config.json and the size fields here are ignored) or, with ``path`` empty, the builtin llama-family
+model whose sizes are the fields below (defaults: a tiny model that trains on a CPU in seconds).
+``__post_init__`` checks the builtin sizes (head divisibility, GQA grouping) and the dtype; checks
+that involve the parallel layout live in ``HybridRLConfig``.
+"""
+
+from dataclasses import dataclass
+
+from hybridrl.config._fields import check_choice, check_positive, knob
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy model (actor; the critic and reference start from it unless told otherwise)."""
+
+    path: str = knob("", "Local HF folder (config.json + *.safetensors) of a Llama/Qwen2-style "
+                     "model; empty = the builtin llama with the sizes below.")
+    tokenizer_path: str = knob("", "Local HF tokenizer folder; empty = `model.path` when set, "
+                               "else the builtin character-level tokenizer.")
+    hidden_size: int = knob(64, "Builtin model: hidden size.")
+    num_layers: int = knob(4, "Builtin model: number of transformer layers.")
+    num_attention_heads: int = knob(4, "Builtin model: number of query heads.")
+    num_query_groups: int = knob(2, "Builtin model: number of key/value heads (GQA groups); "
+                                 "equal to num_attention_heads for plain multi-head attention.")
+    ffn_hidden_size: int = knob(128, "Builtin model: SwiGLU intermediate size.")
+    vocab_size: int = knob(128, "Builtin model: vocabulary size (before megatron's TP padding); "
+                           "must cover the tokenizer.")
+    max_position_embeddings: int = knob(1024, "Builtin model: longest sequence (prompt + "
+                                        "response) the model is built for.")
+    rope_theta: float = knob(10000.0, "Builtin model: RoPE base.")
+    norm_eps: float = knob(1e-5, "Builtin model: RMSNorm epsilon.")
+    tie_word_embeddings: bool = knob(False, "Builtin model: share the input embedding with "
+                                     "the output layer.")
+    dtype: str = knob("fp32", "Parameter/compute dtype: fp32 | bf16 | fp16 (optimizer state "
+                      "stays fp32).")
+
+    def __post_init__(self) -> None:
+        check_choice("model.dtype", self.dtype, DTYPES)
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                     "ffn_hidden_size", "vocab_size", "max_position_embeddings", "rope_theta",
+                     "norm_eps"):
+            check_positive(f"model.{name}", getattr(self, name))
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.num_attention_heads ({self.num_attention_heads})")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"model.num_query_groups ({self.num_query_groups})")
+
+    @property
+    def is_builtin(self) -> bool:
+        """True when the builtin model (sizes above) is used instead of an HF folder."""
+        return not self.path

@@ -1,0 +1,116 @@
+"""Parallel, reshard and kernels sections: the two layouts and how weights move between them.
+
+Contract: ``ParallelConfig`` is the training layout (tp, pp, dp, cp = ep = 1, Megatron rank order)
+plus the generation layout ``gen`` (tp, pp, grouping). ``dp = 0`` means "derive from the world
+size"; ``resolve_dp(world_size)`` returns dp or raises ``ValueError`` naming the fields. Checks that
+need only these numbers run in ``__post_init__``; checks that also need the reshard strategy run in
+``HybridRLConfig``. The rank math itself lives in ``hybridrl.parallel``.
+"""
+
+from dataclasses import dataclass
+
+from hybridrl.config._fields import check_choice, check_non_negative, check_positive, knob, section
+
+AXES = ("tp", "cp", "ep", "dp", "pp")
+GROUPINGS = ("hybridflow", "vanilla")
+RESHARD_STRATEGIES = ("auto", "allgather", "vanilla", "zero_redundancy", "p2p")
+
+
+@dataclass(frozen=True)
+class GenParallelConfig:
+    """Generation layout: N = pp*tp*dg*dp, dg = (train tp*pp)/(gen tp*pp) micro-DP replicas."""
+
+    tp: int = knob(1, "Generation tensor-parallel size (tg).")
+    pp: int = knob(1, "Generation pipeline-parallel size (pg).")
+    grouping: str = knob("hybridflow", "hybridflow (training shard nested in the generation "
+                         "shard; needs gen.tp | tp and gen.pp | pp) | vanilla (HybridFlow-V).")
+
+    def __post_init__(self) -> None:
+        check_positive("parallel.gen.tp", self.tp)
+        check_positive("parallel.gen.pp", self.pp)
+        check_choice("parallel.gen.grouping", self.grouping, GROUPINGS)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Training layout N = tp*cp*ep*dp*pp and the generation layout derived from it."""
+
+    tp: int = knob(1, "Training tensor-parallel size (t).")
+    pp: int = knob(1, "Training pipeline-parallel size (p).")
+    dp: int = knob(0, "Training data-parallel size (d); 0 = world_size / (tp*pp*cp*ep).")
+    cp: int = knob(1, "Context-parallel size (must be 1 for now).")
+    ep: int = knob(1, "Expert-parallel size (must be 1 for now).")
+    order: str = knob("tp-cp-ep-dp-pp", "Megatron rank order, leftmost axis varies fastest.")
+    gen: GenParallelConfig = section(GenParallelConfig, "Generation (rollout) layout.")
+
+    def __post_init__(self) -> None:
+        check_positive("parallel.tp", self.tp)
+        check_positive("parallel.pp", self.pp)
+        check_non_negative("parallel.dp", self.dp)
+        for name in ("cp", "ep"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"parallel.{name} must be 1 (not implemented yet); "
+                                 f"got {getattr(self, name)!r}")
+        tokens = self.order.split("-")
+        if sorted(tokens) != sorted(AXES):
+            raise ValueError("parallel.order must be a '-'-joined permutation of "
+                             f"{', '.join(AXES)}; got {self.order!r}")
+        gen_model = self.gen.tp * self.gen.pp
+        if (self.tp * self.pp) % gen_model:
+            raise ValueError(
+                f"parallel.gen.tp*parallel.gen.pp ({self.gen.tp}*{self.gen.pp} = {gen_model}) "
+                f"must divide parallel.tp*parallel.pp ({self.tp}*{self.pp} = {self.tp * self.pp})")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one training replica: tp*pp*cp*ep."""
+        return self.tp * self.pp * self.cp * self.ep
+
+    @property
+    def nested(self) -> bool:
+        """True when every training shard lies inside a generation shard (gen.tp | tp, gen.pp | pp)."""
+        return self.tp % self.gen.tp == 0 and self.pp % self.gen.pp == 0
+
+    @property
+    def micro_dp(self) -> int:
+        """dg: generation replicas inside one training replica, (tp*pp)/(gen.tp*gen.pp)."""
+        return (self.tp * self.pp) // (self.gen.tp * self.gen.pp)
+
+    def resolve_dp(self, world_size: int) -> int:
+        """The training DP size for ``world_size`` ranks (derived when dp = 0, else checked)."""
+        mp = self.model_parallel_size
+        if world_size < 1 or world_size % mp:
+            raise ValueError(f"world size {world_size} is not divisible by parallel.tp*pp*cp*ep "
+                             f"= {self.tp}*{self.pp}*{self.cp}*{self.ep} = {mp}")
+        if self.dp and self.dp * mp != world_size:
+            raise ValueError(f"parallel.dp = {self.dp} does not fit world size {world_size}: "
+                             f"tp*pp*cp*ep*dp = {mp * self.dp}; set parallel.dp={world_size // mp} "
+                             "or 0 (derive)")
+        return world_size // mp
+
+
+@dataclass(frozen=True)
+class ReshardConfig:
+    """How training weights reach the rollout engine each step."""
+
+    strategy: str = knob("auto", "auto (zero_redundancy when the shards nest, else p2p) | "
+                         "allgather | vanilla | zero_redundancy | p2p.")
+    bucket_mb: int = knob(256, "Transfer bucket size in MiB (peak transient memory is about "
+                          "two buckets).")
+
+    def __post_init__(self) -> None:
+        check_choice("reshard.strategy", self.strategy, RESHARD_STRATEGIES)
+        check_positive("reshard.bucket_mb", self.bucket_mb)
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    """Choice between the compiled csrc ops and their pure-torch references."""
+
+    use_compiled: bool | str = knob("auto", "true (fail if the extension is not built) | false "
+                                    "(pure-torch references) | auto (compiled when built).")
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.use_compiled, bool) or self.use_compiled == "auto"):
+            raise ValueError("kernels.use_compiled must be one of true | false | 'auto'; "
+                             f"got {self.use_compiled!r}")

@@ -1,0 +1,45 @@
+"""Rollout section: the generation engine and its sampling parameters.
+
+Contract: ``RolloutConfig`` selects the engine (``builtin`` runs anywhere; ``sglang`` needs a
+GPU and the ``gpu`` extra) and the sampling knobs hybridrl itself uses. Engine-specific options
+are not mirrored here: ``engine_kwargs`` is passed through to the engine untouched (its keys are
+not checked). The generation parallel layout lives in ``parallel.gen``.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from hybridrl.config._fields import (
+    check_choice,
+    check_non_negative,
+    check_positive,
+    check_range,
+    knob,
+)
+
+ENGINES = ("builtin", "sglang")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Response generation for training and validation."""
+
+    engine: str = knob("builtin", "Generation engine: builtin (pure torch, any device) | sglang.")
+    n: int = knob(1, "Responses sampled per prompt (GRPO needs >= 2).")
+    response_length: int = knob(512, "Maximum number of generated tokens per response.")
+    temperature: float = knob(1.0, "Sampling temperature (0 = greedy).")
+    top_p: float = knob(1.0, "Nucleus sampling mass, in (0, 1].")
+    top_k: int = knob(-1, "Keep the k most likely tokens; -1 = off.")
+    val_temperature: float = knob(0.0, "Sampling temperature for validation (0 = greedy).")
+    engine_kwargs: dict[str, Any] = knob({}, "Passed unchanged to the engine's constructor "
+                                         "(e.g. sglang's mem_fraction_static).")
+
+    def __post_init__(self) -> None:
+        check_choice("rollout.engine", self.engine, ENGINES)
+        check_positive("rollout.n", self.n)
+        check_positive("rollout.response_length", self.response_length)
+        check_non_negative("rollout.temperature", self.temperature)
+        check_non_negative("rollout.val_temperature", self.val_temperature)
+        check_range("rollout.top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"rollout.top_k must be -1 (off) or >= 1; got {self.top_k!r}")

@@ -1,0 +1,73 @@
+"""Trainer section: run length, evaluation/checkpoint cadence, resume, logging, KL guard.
+
+Contract: ``TrainerConfig`` holds what the PPO loop needs that is not a model, data or algorithm
+knob. ``total_steps`` (when > 0) wins over ``total_epochs``. The KL guard (``kl_guard``) stops a
+step whose measured policy KL exceeds ``max_kl`` and, with ``rollback``, restores the weights from
+before that step instead of failing.
+"""
+
+from dataclasses import dataclass
+
+from hybridrl.config._fields import (
+    check_choice,
+    check_freq,
+    check_non_negative,
+    check_positive,
+    knob,
+    section,
+)
+
+RESUME_MODES = ("auto", "disable", "path")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class KLGuardConfig:
+    """Guard against a policy step that moves too far from the rollout policy."""
+
+    max_kl: float = knob(0.0, "Threshold on the step's actor/ppo_kl; 0 = guard off.")
+    rollback: bool = knob(True, "Over the threshold: restore the pre-step weights and skip the "
+                          "batch (True) or stop training with an error (False).")
+    max_rollbacks: int = knob(3, "Consecutive rollbacks allowed before training stops.")
+
+    def __post_init__(self) -> None:
+        check_non_negative("trainer.kl_guard.max_kl", self.max_kl)
+        check_positive("trainer.kl_guard.max_rollbacks", self.max_rollbacks)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Run length, cadence, checkpoints and logging of the PPO loop."""
+
+    total_epochs: int = knob(1, "Passes over the training prompts (used when total_steps is 0).")
+    total_steps: int = knob(0, "PPO steps to run; 0 = total_epochs worth of steps.")
+    save_freq: int = knob(-1, "Save a checkpoint every this many steps (-1 = only at the end).")
+    test_freq: int = knob(-1, "Validate every this many steps (-1 = never).")
+    val_before_train: bool = knob(False, "Validate once before the first step.")
+    checkpoint_dir: str = knob("outputs/checkpoints", "Folder for checkpoints "
+                               "(global_step_N/ subfolders).")
+    resume: str = knob("auto", "auto (latest checkpoint in checkpoint_dir if any) | disable | "
+                       "path (resume_path).")
+    resume_path: str = knob("", "Checkpoint folder to resume from when resume is 'path'.")
+    logger: list[str] = knob(["console"], "Metric sinks: any of " + ", ".join(LOGGERS) + ".")
+    project_name: str = knob("hybridrl", "Project name given to the loggers.")
+    experiment_name: str = knob("default", "Run name given to the loggers.")
+    seed: int = knob(1, "Seed of model initialization and sampling.")
+    device: str = knob("auto", "auto (cuda when available) | cpu | cuda.")
+    kl_guard: KLGuardConfig = section(KLGuardConfig, "Rollback on excessive policy KL.")
+
+    def __post_init__(self) -> None:
+        check_positive("trainer.total_epochs", self.total_epochs)
+        check_non_negative("trainer.total_steps", self.total_steps)
+        check_freq("trainer.save_freq", self.save_freq)
+        check_freq("trainer.test_freq", self.test_freq)
+        if not self.checkpoint_dir:
+            raise ValueError("trainer.checkpoint_dir must be a folder path; got ''")
+        check_choice("trainer.resume", self.resume, RESUME_MODES)
+        if (self.resume == "path") != bool(self.resume_path):
+            raise ValueError("trainer.resume_path must be set exactly when trainer.resume is "
+                             f"'path'; got resume={self.resume!r}, resume_path={self.resume_path!r}")
+        for name in self.logger:
+            check_choice("trainer.logger[]", name, LOGGERS)
+        check_choice("trainer.device", self.device, DEVICES)
