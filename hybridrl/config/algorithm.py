@@ -66,7 +66,8 @@ class AlgorithmConfig:
 class RewardConfig:
     """Sequence scoring: builtin scorers by data_source, a user function or a reward model."""
 
-    reward_fn: str = knob("", "User scorer as 'module:function' with verl's signature "
+    reward_fn: str = knob("", "User scorer as 'package.module:function' or "
+                          "'path/to/file.py:function', with verl's signature "
                           "(data_source, solution_str, ground_truth, extra_info); empty = the "
                           "builtin scorer registered for each sample's data_source.")
     reward_model_path: str = knob("", "Local HF folder of a reward model (critic architecture, "
@@ -74,18 +75,19 @@ class RewardConfig:
     gsm8k_method: str = knob("strict", "GSM8K answer extraction: strict ('#### N') | flexible "
                              "(last number).")
     format_score: float = knob(0.0, "Arithmetic task: score of a well-formed but wrong answer.")
-    use_length_penalty: bool = knob(False, "Add length_penalty_weight * response_len / "
-                                    "rollout.response_length to each score.")
+    use_length_penalty: bool = knob(False, "Add length_penalty_weight * min(response "
+                                    "tokens / rollout.response_length, 1) to each score.")
     length_penalty_weight: float = knob(-0.05, "Weight of the length penalty (<= 0).")
-    use_repetition_penalty: bool = knob(False, "Add repetition_penalty_weight * (fraction of "
-                                        "repeated n-grams) to each score.")
+    use_repetition_penalty: bool = knob(False, "Add repetition_penalty_weight * (fraction "
+                                        "of repeated 3-grams in the response) to each score.")
     repetition_penalty_weight: float = knob(-0.05, "Weight of the repetition penalty (<= 0).")
 
     def __post_init__(self) -> None:
         if self.reward_fn:
             module, _, func = self.reward_fn.partition(":")
             if not module or not func:
-                raise ValueError("reward.reward_fn must look like 'package.module:function'; "
+                raise ValueError("reward.reward_fn must look like 'package.module:function' or "
+                                 "'path/to/file.py:function'; "
                                  f"got {self.reward_fn!r}")
         if self.reward_fn and self.reward_model_path:
             raise ValueError("set at most one of reward.reward_fn and reward.reward_model_path")

@@ -20,14 +20,14 @@ class SyntheticDataConfig:
 
     task: str = knob("arithmetic", "none | arithmetic (multi-digit addition, answer after "
                      "'####').")
-    num_digits: int = knob(2, "Arithmetic: digits per operand.")
+    max_digits: int = knob(2, "Arithmetic: operands are drawn from [0, 10**max_digits).")
     train_size: int = knob(2048, "Number of generated training prompts.")
     val_size: int = knob(64, "Number of generated validation prompts.")
     dir: str = knob("outputs/data", "Folder the generated parquet files are written to.")
 
     def __post_init__(self) -> None:
         check_choice("data.synthetic.task", self.task, SYNTHETIC_TASKS)
-        for name in ("num_digits", "train_size", "val_size"):
+        for name in ("max_digits", "train_size", "val_size"):
             check_positive(f"data.synthetic.{name}", getattr(self, name))
 
 
