@@ -1,0 +1,156 @@
+"""Rule rewards (gsm8k strict/flexible, arithmetic), custom functions, penalties, batch scoring."""
+
+import textwrap
+
+import pytest
+
+from hybridrl.rewards import REWARD_FNS, Registry, RewardScorer, arithmetic, gsm8k, load_reward_fn
+from hybridrl.rewards.penalties import length_fraction, repetition_fraction
+
+STRICT_CASES = [
+    ("The answer is\n#### 72", "72", 1.0),
+    ("#### 1,200", "1200", 1.0),  # "," stripped
+    ("#### $5", "5", 0.0),  # "$" is not in the number pattern, so no "#### <number>" match
+    ("#### 5$", "5", 1.0),  # "5" matched; "$" after it is not part of the match
+    ("#### 3\nwait, recount\n#### 4", "4", 1.0),  # last match wins
+    ("#### 3\nwait, recount\n#### 4", "3", 0.0),
+    ("answer: 72", "72", 0.0),  # no "#### "
+    ("####72", "72", 0.0),  # the space is required
+    ("#### -3.50", "-3.5", 0.0),  # exact string match, no numeric equality
+    ("#### -3.50", "-3.50", 1.0),
+    ("#### 8" + "x" * 300, "8", 0.0),  # outside the last 300 characters
+    ("#### 8" + "x" * 294, "8", 1.0),  # 6 + 294 = 300 characters: inside
+]
+
+
+@pytest.mark.parametrize("text,truth,expected", STRICT_CASES)
+def test_gsm8k_strict(text, truth, expected):
+    assert gsm8k.compute_score("openai/gsm8k", text, truth) == expected
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so 3 apples and then 7 more make 10.", "10."),  # verbatim: the trailing "." stays
+        ("total 1,234", "1,234"),  # nothing stripped in flexible mode
+        ("costs 5 dollars.", "5"),  # last match is "." -> skipped, then "5"
+        ("no digits here", None),
+        ("#### 12 and then -4", "-4"),
+    ],
+)
+def test_gsm8k_flexible_extraction(text, expected):
+    assert gsm8k.extract_answer(text, "flexible") == expected
+
+
+def test_gsm8k_flexible_scoring_and_format_score():
+    assert gsm8k.compute_score("gsm8k", "I get 42", "42", method="flexible") == 1.0
+    assert gsm8k.compute_score("gsm8k", "I get 42", "42") == 0.0  # strict needs ####
+    assert gsm8k.compute_score("gsm8k", "#### 41", "42", format_score=0.1) == 0.1
+    assert gsm8k.compute_score("gsm8k", "none", "42", format_score=0.1) == 0.0
+    with pytest.raises(ValueError, match="method='loose'"):
+        gsm8k.extract_answer("1", "loose")
+
+
+def test_arithmetic_reward():
+    assert arithmetic.compute_score("a", "12 + 30 = 42\n#### 42", "42") == 1.0
+    assert arithmetic.compute_score("a", "#### 042", "42") == 1.0  # integer comparison
+    assert arithmetic.compute_score("a", "#### 41", "42") == 0.0
+    assert arithmetic.compute_score("a", "#### 41", "42", format_score=0.1) == 0.1
+    assert arithmetic.compute_score("a", "42", "42", format_score=0.1) == 0.0
+    assert arithmetic.compute_score("a", "#### 1 then #### -7", "-7") == 1.0
+    with pytest.raises(ValueError, match="not an integer"):
+        arithmetic.compute_score("a", "#### 1", "one")
+
+
+def test_registry():
+    reg = Registry("thing")
+    reg.register("a", len)
+
+    @reg.register("b")
+    def b():
+        return 1
+
+    assert reg.get("a") is len and reg.get("b") is b and reg.names() == ["a", "b"]
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("a", max)
+    reg.register("a", max, override=True)
+    assert reg.get("a") is max
+    with pytest.raises(ValueError, match=r"unknown thing 'c'.*\['a', 'b'\]"):
+        reg.get("c")
+    assert {"openai/gsm8k", "gsm8k", "hybridrl/arithmetic"} <= set(REWARD_FNS.names())
+
+
+def test_dispatch_by_data_source_and_fn_kwargs():
+    scorer = RewardScorer(fn_kwargs={"openai/gsm8k": {"method": "flexible"}})
+    scores, m = scorer.score_batch(
+        ["it is 72", "#### 9", "#### 3"],
+        ["72", "9", "4"],
+        ["openai/gsm8k", "hybridrl/arithmetic", "hybridrl/arithmetic"],
+    )
+    assert scores.tolist() == [1.0, 1.0, 0.0]
+    assert m["reward/source/hybridrl/arithmetic/mean"] == 0.5
+    with pytest.raises(ValueError, match="unknown reward function.*'mystery'"):
+        RewardScorer().score_batch(["x"], ["1"], ["mystery"])
+
+
+def test_custom_function_by_import_path(tmp_path, monkeypatch):
+    module = tmp_path / "my_reward_mod.py"
+    module.write_text(
+        textwrap.dedent("""
+        def as_float(data_source, solution_str, ground_truth, extra_info, bonus=0.0):
+            return float(solution_str == ground_truth) + bonus + extra_info["w"]
+
+        def as_dict(data_source, solution_str, ground_truth, extra_info=None):
+            return {"score": 2.0, "acc": float(solution_str == ground_truth), "tag": "x"}
+
+        def bad(data_source, solution_str, ground_truth, extra_info=None):
+            return "oops"
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = load_reward_fn("my_reward_mod:as_float")
+    assert fn("s", "a", "a", {"w": 0.5}) == 1.5
+    scorer = RewardScorer(custom_fn="my_reward_mod:as_float", custom_fn_kwargs={"bonus": 1.0})
+    scores, _ = scorer.score_batch(["a", "b"], ["a", "a"], ["any", "thing"], [{"w": 0}, {"w": 0}])
+    assert scores.tolist() == [2.0, 1.0]  # 1 + 1 bonus, 0 + 1 bonus
+    by_file = RewardScorer(custom_fn=f"{module}:as_dict")
+    scores, m = by_file.score_batch(["a", "b"], ["a", "a"], ["s", "s"])
+    assert (
+        scores.tolist() == [2.0, 2.0] and m["reward/acc/mean"] == 0.5 and "reward/tag/mean" not in m
+    )
+    with pytest.raises(ValueError, match="returned str"):
+        RewardScorer(custom_fn="my_reward_mod:bad").score_batch(["a"], ["a"], ["s"])
+    for spec, msg in [
+        ("no_colon", "allowed forms"),
+        ("my_reward_mod:missing", "no callable 'missing'"),
+        ("not_a_module_xyz:f", "cannot import"),
+        (f"{tmp_path}/absent.py:f", "does not exist"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            load_reward_fn(spec)
+
+
+def test_penalties():
+    assert length_fraction(30, 120) == 0.25 and length_fraction(500, 120) == 1.0
+    # ids 1 2 1 2 1 2: trigrams (1,2,1) (2,1,2) (1,2,1) (2,1,2) -> 2 distinct of 4 -> 0.5 repeated
+    assert repetition_fraction([1, 2, 1, 2, 1, 2], 3) == 0.5
+    assert repetition_fraction([1, 2, 3, 4], 3) == 0.0
+    assert repetition_fraction([1, 1], 3) == 0.0  # fewer tokens than n
+    scorer = RewardScorer(length_penalty=True, repetition_penalty=True)
+    ids = [[1, 2, 1, 2, 1, 2], [5, 6, 7]]
+    scores, m = scorer.score_batch(
+        ["#### 3", "#### 4"],
+        ["3", "3"],
+        ["hybridrl/arithmetic"] * 2,
+        response_ids=ids,
+        max_response_length=12,
+    )
+    # row 0: 1.0 - 0.05 * 6/12 - 0.05 * 0.5 = 0.95; row 1: 0.0 - 0.05 * 3/12 - 0 = -0.0125
+    assert scores.tolist() == pytest.approx([0.95, -0.0125])
+    assert m["critic/score/mean"] == pytest.approx((0.95 - 0.0125) / 2)
+    assert m["critic/score/max"] == pytest.approx(0.95) and m["reward/raw_score/mean"] == 0.5
+    assert m["reward/length_penalty/mean"] == pytest.approx(-0.05 * (0.5 + 0.25) / 2)
+    with pytest.raises(ValueError, match="max_response_length"):
+        scorer.score_batch(["#### 3"], ["3"], ["gsm8k"], response_ids=[[1]])
+    with pytest.raises(ValueError, match="response_ids"):
+        scorer.score_batch(["#### 3"], ["3"], ["gsm8k"])
