@@ -1,0 +1,35 @@
+# make test / make demo bootstrap .venv themselves (Python 3.11, CPU torch first, then the package).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# reinstall (and rebuild the csrc extension) when the build inputs change
+BUILD_INPUTS := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu)
+
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: .venv test demo lint clean
+
+.venv: $(STAMP)
+
+$(STAMP): $(BUILD_INPUTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	# torch first, pinned: the CPU wheel on local disk, so no dependency can pull a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	touch $@
+
+lint: .venv
+	$(PY) -m ruff check .
+
+test: .venv lint
+	$(PY) -m pytest
+
+demo: .venv
+	$(VENV)/bin/hybridrl layout --world 256 --tp 8 --pp 4 --gen-tp 4 --gen-pp 1
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 8 -m hybridrl.parallel.show \
+		--tp 2 --pp 2 --gen-tp 1 --gen-pp 2
+
+clean:
+	rm -rf $(VENV) build *.egg-info hybridrl/*.so
