@@ -1,0 +1,48 @@
+"""The gloo rank harness: results by rank, first failure's traceback, kills on failure/timeout."""
+
+import time
+
+import pytest
+
+from hybridrl.testing.dist import RankFailure, RankTimeout, run_on_ranks
+
+
+def _sum_of_ranks(rank, world, scale):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return rank, world, t.item() * scale
+
+
+def _rank1_raises(rank, world):
+    if rank == 1:
+        raise ZeroDivisionError("planted failure on rank 1")
+    time.sleep(120)  # would block the test for minutes if the harness did not kill it
+
+
+def _sleep(rank, world, seconds):
+    time.sleep(seconds)
+
+
+def test_results_in_rank_order():
+    out = run_on_ranks(_sum_of_ranks, 3, 2.0, timeout=120)
+    assert out == [(r, 3, 2.0 * (0 + 1 + 2)) for r in range(3)]
+
+
+def test_first_failure_reports_traceback_and_kills_the_rest():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as err:
+        run_on_ranks(_rank1_raises, 3, timeout=120)
+    assert "rank 1 failed" in str(err.value)
+    assert "ZeroDivisionError: planted failure on rank 1" in str(err.value)
+    assert time.monotonic() - start < 60
+
+
+def test_timeout_names_missing_ranks():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as err:
+        run_on_ranks(_sleep, 2, 120, timeout=3)
+    assert "[0, 1]" in str(err.value)
+    assert time.monotonic() - start < 60
