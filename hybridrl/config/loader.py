@@ -13,6 +13,7 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -28,7 +29,7 @@ def load_config(yaml_paths: Sequence[str] = (), overrides: Sequence[str] = ()) -
     kinds = key_kinds(HybridRLConfig)
     merged = OmegaConf.structured(HybridRLConfig)
     for path in yaml_paths:
-        layer = _read_yaml(path)
+        layer = _read_yaml(str(path))
         merged = _merge(merged, layer, kinds, source=str(path))
     for item in overrides:
         if "=" not in item:
@@ -52,13 +53,19 @@ def dump_config(cfg: HybridRLConfig) -> str:
 
 def _read_yaml(path: str) -> DictConfig:
     try:
-        layer = OmegaConf.load(path)
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
     except FileNotFoundError:
-        raise ValueError(f"config file {path!r} does not exist") from None
-    except Exception as err:  # yaml.YAMLError and friends: say which file
-        raise ValueError(f"config file {path!r} is not valid YAML: {_first_line(err)}") from None
-    if not isinstance(layer, DictConfig):
-        raise ValueError(f"config file {path!r} must hold a mapping of sections at top level")
+        raise ValueError(f"config file '{path}' does not exist") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file '{path}' is not valid YAML: {_first_line(err)}") from None
+    if data is None:
+        return OmegaConf.create({})
+    if not isinstance(data, dict):
+        raise ValueError(f"config file '{path}' must hold a mapping of sections at top level; "
+                         f"got {type(data).__name__}")
+    layer = OmegaConf.load(path)  # OmegaConf's YAML flavour (e.g. 1e-5 is a float)
+    assert isinstance(layer, DictConfig)
     return layer
 
 
