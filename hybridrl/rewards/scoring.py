@@ -13,7 +13,8 @@ the row's data_source picks the registered function, called with ``fn_kwargs.get
 default) is added per sequence. ``score_batch`` returns ``(scores [B] float32, metrics)`` with
 metrics ``critic/score/{mean,max,min}`` (final scores), ``reward/raw_score/mean`` (before
 penalties), ``reward/{length,repetition}_penalty/mean`` when on, ``reward/<extra>/mean`` for the
-numeric extras of dict results and ``reward/source/<data_source>/mean``.
+numeric extras of dict results and ``reward/source/<data_source>/mean``. ``score_tokens`` does
+the same from generated token ids [B, R] + response mask (decoding them with the tokenizer).
 """
 
 from __future__ import annotations
@@ -158,3 +159,26 @@ class RewardScorer:
             by_source[src].append(s)
         metrics.update({f"reward/source/{k}/mean": _mean(v) for k, v in by_source.items()})
         return scores, metrics
+
+    def score_tokens(
+        self,
+        tokenizer,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        ground_truths: Sequence[Any],
+        data_sources: Sequence[str],
+        extra_infos: Sequence[dict | None] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """:meth:`score_batch` on generated tokens: ``response_ids``/``response_mask`` [B, R]
+        (right-padded); each row's masked ids are decoded with ``skip_special_tokens=True`` and
+        ``max_response_length`` for the length penalty is R."""
+        if response_ids.dim() != 2 or response_mask.shape != response_ids.shape:
+            raise ValueError(
+                f"response_ids {tuple(response_ids.shape)} / response_mask "
+                f"{tuple(response_mask.shape)}: allowed: equal [B, R] shapes"
+            )
+        ids = [row[mask.bool()].tolist() for row, mask in zip(response_ids, response_mask)]
+        texts = [tokenizer.decode(row, skip_special_tokens=True) for row in ids]
+        return self.score_batch(
+            texts, ground_truths, data_sources, extra_infos, ids, int(response_ids.shape[1])
+        )

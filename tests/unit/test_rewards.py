@@ -3,6 +3,7 @@
 import textwrap
 
 import pytest
+import torch
 
 from hybridrl.rewards import REWARD_FNS, Registry, RewardScorer, arithmetic, gsm8k, load_reward_fn
 from hybridrl.rewards.penalties import length_fraction, repetition_fraction
@@ -154,3 +155,22 @@ def test_penalties():
         scorer.score_batch(["#### 3"], ["3"], ["gsm8k"], response_ids=[[1]])
     with pytest.raises(ValueError, match="response_ids"):
         scorer.score_batch(["#### 3"], ["3"], ["gsm8k"])
+
+
+def test_score_tokens_decodes_masked_ids():
+    from hybridrl.data.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    rows = ["#### 12", "#### 9"]
+    width = 10
+    ids = torch.zeros(2, width, dtype=torch.long)  # pad 0
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for b, text in enumerate(rows):
+        enc = tok.encode(text) + [tok.eos_token_id]
+        ids[b, : len(enc)] = torch.tensor(enc)
+        mask[b, : len(enc)] = 1
+    scorer = RewardScorer(length_penalty=True)
+    scores, _ = scorer.score_tokens(tok, ids, mask, ["12", "8"], ["hybridrl/arithmetic"] * 2)
+    # row 0: correct, 8 tokens (7 chars + eos) of R=10 -> 1 - 0.05 * 0.8 = 0.96
+    # row 1: wrong, 7 tokens -> 0 - 0.05 * 0.7 = -0.035
+    assert scores.tolist() == pytest.approx([0.96, -0.035])
