@@ -1,0 +1,112 @@
+// Shared scalar math of the hybridrl kernels (host and device), the C++ twin of
+// hybridrl/kernels/reference.py. Every formula mirrors the reference op for op (same order of
+// rounding) so fp32 results match it to the last bits where the libm does; `acc_t` is float for
+// fp32/bf16/fp16 inputs (fp32 accumulation) and double for fp64.
+#pragma once
+
+#include <cstdint>
+#include <cmath>
+
+#if defined(__CUDACC__)
+#define HR_HD __host__ __device__ __forceinline__
+#else
+#define HR_HD inline
+#endif
+
+namespace hybridrl {
+
+// Estimator codes, identical to KL_K1.. in hybridrl/kernels/reference.py.
+enum KlKind : int64_t { kK1 = 0, kAbs = 1, kK2 = 2, kK3 = 3 };
+
+constexpr float kKlClamp = 20.0f;   // clamp of (ref - logp) inside k3
+constexpr float kKldClamp = 10.0f;  // clamp of the k3 value
+
+// torch.clamp semantics: NaN propagates, bounds inclusive.
+template <typename acc_t>
+HR_HD acc_t clamp_val(acc_t x, acc_t lo, acc_t hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// exp for |x| <= 20 (k3's clamped argument). CUDA: the accurate libdevice expf (not __expf).
+// CPU, float: a branch-free Cody-Waite reduction + degree-7 Taylor polynomial (<= 2 ulp) that
+// the compiler vectorizes (std::exp does not vectorize without -ffast-math).
+HR_HD float exp_clamped(float x) {
+#if defined(__CUDA_ARCH__)
+  return expf(x);
+#else
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+  const float n = (x * 1.44269504f + shifter) - shifter;  // round(x / ln 2)
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // x - n ln2, |r| <= 0.35
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, |n| <= 29
+  return p * __builtin_bit_cast(float, bits);
+#endif
+}
+
+HR_HD double exp_clamped(double x) { return exp(x); }
+
+// Forward value of estimator KIND on one token.
+template <int64_t KIND, typename acc_t>
+HR_HD acc_t kl_value(acc_t logp, acc_t ref) {
+  if constexpr (KIND == kK1) {
+    return logp - ref;
+  } else if constexpr (KIND == kAbs) {
+    const acc_t d = logp - ref;
+    return d < acc_t(0) ? -d : d;
+  } else if constexpr (KIND == kK2) {
+    const acc_t d = logp - ref;
+    return acc_t(0.5) * (d * d);
+  } else {
+    const acc_t kl = clamp_val<acc_t>(ref - logp, -kKlClamp, kKlClamp);
+    const acc_t kld = (exp_clamped(kl) - kl) - acc_t(1);
+    return clamp_val<acc_t>(kld, -kKldClamp, kKldClamp);
+  }
+}
+
+// d(out)/d(logprob) * grad for estimator KIND; d/d(ref_logprob) is its negation.
+// Mirrors torch autograd of the reference: clamp passes the gradient where lo <= x <= hi.
+template <int64_t KIND, typename acc_t>
+HR_HD acc_t kl_grad(acc_t grad, acc_t logp, acc_t ref) {
+  if constexpr (KIND == kK1) {
+    return grad;
+  } else if constexpr (KIND == kAbs) {
+    const acc_t d = logp - ref;
+    const acc_t sgn = d > acc_t(0) ? acc_t(1) : (d < acc_t(0) ? acc_t(-1) : acc_t(0));
+    return grad * sgn;
+  } else if constexpr (KIND == kK2) {
+    return (acc_t(0.5) * grad) * (acc_t(2) * (logp - ref));
+  } else {
+    const acc_t diff = ref - logp;
+    const acc_t kl = clamp_val<acc_t>(diff, -kKlClamp, kKlClamp);
+    const acc_t e = exp_clamped(kl);
+    const acc_t kld = (e - kl) - acc_t(1);
+    // Selects written as plain ternaries over computed values so they vectorize as blends.
+    const acc_t g_kld = kld >= acc_t(-kKldClamp) ? (kld <= acc_t(kKldClamp) ? grad : acc_t(0))
+                                                   : acc_t(0);
+    const acc_t g_c = g_kld * e - g_kld;  // exp'(kl) = e, and the -kl term
+    const acc_t g_kl = diff >= acc_t(-kKlClamp) ? (diff <= acc_t(kKlClamp) ? g_c : acc_t(0))
+                                                 : acc_t(0);
+    return -g_kl;  // kl = ref - logp
+  }
+}
+
+// One reverse GAE step (verl's loop body); updates nextv and last in place, returns adv_t.
+template <typename acc_t>
+HR_HD acc_t gae_step(acc_t r, acc_t v, acc_t m, acc_t gamma, acc_t gamma_lam, acc_t& nextv,
+                     acc_t& last) {
+  const acc_t delta = (r + gamma * nextv) - v;
+  const acc_t g = delta + gamma_lam * last;
+  const acc_t keep = acc_t(1) - m;
+  nextv = v * m + keep * nextv;
+  last = g * m + keep * last;
+  return last;
+}
+
+}  // namespace hybridrl
