@@ -7,6 +7,7 @@ sequences are scored. Both validate in ``__post_init__`` with the full key in ev
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 from hybridrl.config._fields import (
     check_choice,
@@ -70,6 +71,8 @@ class RewardConfig:
                           "'path/to/file.py:function', with verl's signature "
                           "(data_source, solution_str, ground_truth, extra_info); empty = the "
                           "builtin scorer registered for each sample's data_source.")
+    reward_fn_kwargs: dict[str, Any] = knob({}, "Extra keyword arguments passed to reward_fn on "
+                                            "every call.")
     reward_model_path: str = knob("", "Local HF folder of a reward model (critic architecture, "
                                   "score at the last response token); empty = none.")
     gsm8k_method: str = knob("strict", "GSM8K answer extraction: strict ('#### N') | flexible "
@@ -89,6 +92,8 @@ class RewardConfig:
                 raise ValueError("reward.reward_fn must look like 'package.module:function' or "
                                  "'path/to/file.py:function'; "
                                  f"got {self.reward_fn!r}")
+        if self.reward_fn_kwargs and not self.reward_fn:
+            raise ValueError("reward.reward_fn_kwargs is set but reward.reward_fn is empty")
         if self.reward_fn and self.reward_model_path:
             raise ValueError("set at most one of reward.reward_fn and reward.reward_model_path")
         check_choice("reward.gsm8k_method", self.gsm8k_method, GSM8K_METHODS)

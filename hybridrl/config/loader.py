@@ -35,6 +35,8 @@ def load_config(yaml_paths: Sequence[str] = (), overrides: Sequence[str] = ()) -
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key=value "
                              "(e.g. actor.lr=1e-6)")
+        if item.endswith("="):
+            item += "''"  # `key=` sets the empty string (OmegaConf would read null)
         try:
             layer = OmegaConf.from_dotlist([item])
         except OmegaConfBaseException as err:

@@ -70,6 +70,8 @@ VERL_KEYS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("reward_model.model.path", ("reward.reward_model_path",), "set = enabled"),
     ("custom_reward_function.path", ("reward.reward_fn",),
      "ours is one 'module:function' import path, not a file path plus a name"),
+    ("custom_reward_function.name", ("reward.reward_fn",), "the part after ':'"),
+    ("custom_reward_function.reward_kwargs", ("reward.reward_fn_kwargs",), ""),
     ("data.train_files", ("data.train_files",), ""),
     ("data.val_files", ("data.val_files",), ""),
     ("data.prompt_key", ("data.prompt_key",), ""),

@@ -60,6 +60,7 @@ def test_override_values_are_typed_and_lists_and_dicts_work():
     assert cfg.rollout.engine_kwargs == {"mem_fraction_static": 0.7, "anything": {"nested": 1}}
     assert cfg.kernels.use_compiled is False and cfg.actor.use_kl_loss is True
     assert load_config(overrides=["kernels.use_compiled=auto"]).kernels.use_compiled == "auto"
+    assert load_config(overrides=["model.path=/m", "model.path="]).model.path == ""
 
 
 def test_result_is_real_frozen_dataclasses():
@@ -159,6 +160,7 @@ def test_malformed_inputs(tmp_path):
     ("algorithm.kl_ctrl.type=pid", ["algorithm.kl_ctrl.type must be one of", "'adaptive'"]),
     ("algorithm.kl_ctrl.target_kl=0", ["algorithm.kl_ctrl.target_kl must be > 0"]),
     ("reward.reward_fn=mymodule", ["reward.reward_fn must look like"]),
+    ("reward.reward_fn_kwargs.k=1", ["reward.reward_fn_kwargs is set but reward.reward_fn is empty"]),
     ("reward.gsm8k_method=loose", ["reward.gsm8k_method must be one of", "'flexible'"]),
     ("reward.length_penalty_weight=0.1", ["reward.length_penalty_weight must be <= 0"]),
     ("data.truncation=right", ["data.truncation must be one of", "'error'", "'left'", "'drop'"]),
