@@ -159,8 +159,12 @@ def plan_dp_micro_batches(
         return out
 
     plans = plan(1)
-    if same_count:
-        plans = plan(max(len(p.micro_batches) for p in plans))
+    target = 1
+    while same_count and max(len(p.micro_batches) for p in plans) > target:
+        # a forced larger count can (rarely) need one more part on some rank: iterate to a fixed
+        # point; the target only grows and is bounded by the batch size, so this ends
+        target = max(len(p.micro_batches) for p in plans)
+        plans = plan(target)
     oversized = sorted(i for p in plans for i in p.oversized)
     if oversized:
         warnings.warn(
