@@ -64,7 +64,9 @@ def group_ids(index: Sequence[Any] | torch.Tensor, batch_size: int) -> torch.Ten
     return torch.tensor([first_seen.setdefault(k, len(first_seen)) for k in keys], dtype=torch.long)
 
 
-def group_mean_std(scores_B: torch.Tensor, ids_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def group_mean_std(
+    scores_B: torch.Tensor, ids_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence group mean and unbiased std [B]; a group of one has mean 0 and std 1."""
     ids_B = ids_B.to(scores_B.device)
     n_groups = int(ids_B.max()) + 1 if ids_B.numel() else 0
@@ -91,7 +93,7 @@ def grpo_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantages normalized within each prompt group (see the module docstring)."""
     if index is None:
-        raise ValueError("advantage estimator 'grpo' needs index: one group id (prompt uid) per row")
+        raise ValueError("advantage estimator 'grpo' needs index: a group id (prompt uid) per row")
     scores_B = token_level_rewards.sum(dim=-1)  # [B]
     mean_B, std_B = group_mean_std(scores_B, group_ids(index, scores_B.shape[0]))
     adv_B = scores_B - mean_B

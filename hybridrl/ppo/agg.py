@@ -1,6 +1,6 @@
 """Loss aggregation of a per-token loss matrix into a scalar, invariant to DP sharding.
 
-Modes (``loss_BT``, ``mask_BT`` of shape [B, T]; ``s_b = sum_t loss_bt·m_bt``, ``n_b = sum_t m_bt``):
+Modes (``loss_BT``, ``mask_BT`` [B, T]; ``s_b = sum_t loss_bt·m_bt``, ``n_b = sum_t m_bt``):
 
 - ``token-mean``:              ``sum_b s_b / N_tokens``
 - ``seq-mean-token-sum``:      ``sum_{b: n_b>0} s_b / N_seqs``

@@ -60,7 +60,7 @@ class AdaptiveKLController:
         if init_kl_coef < 0:
             raise ValueError(f"kl_ctrl.kl_coef must be >= 0, got {init_kl_coef}")
         if target_kl <= 0:
-            raise ValueError(f"kl_ctrl.target_kl must be > 0 for the adaptive type, got {target_kl}")
+            raise ValueError(f"kl_ctrl.target_kl must be > 0 (adaptive type), got {target_kl}")
         if horizon <= 0:
             raise ValueError(f"kl_ctrl.horizon must be > 0 for the adaptive type, got {horizon}")
         self.value = float(init_kl_coef)

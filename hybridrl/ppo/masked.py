@@ -38,7 +38,7 @@ def masked_mean(
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of the masked entries of ``values`` (over all dims), Bessel-corrected if unbiased."""
+    """Variance of the masked entries of ``values`` (all dims); Bessel-corrected if unbiased."""
     mean = masked_mean(values, mask)
     var = masked_mean((values - mean) ** 2, mask)
     if unbiased:

@@ -2,8 +2,8 @@
 
 Contract:
 - ``Registry(kind)`` maps names to callables. ``register(name)`` is a decorator; registering a taken
-  name raises ``ValueError`` unless ``override=True``. ``get(name)`` raises ``ValueError`` naming the
-  unknown key and the registered ones.
+  name raises ``ValueError`` unless ``override=True``. ``get(name)`` raises ``ValueError``
+  naming the unknown key and the registered ones.
 - ``call_with_accepted_kwargs(fn, *args, **kwargs)`` calls ``fn`` with only the keyword arguments
   its signature accepts (all of them when it takes ``**kwargs``), so a user-registered function
   declares just the inputs it needs.
@@ -57,7 +57,7 @@ class Registry:
 
 
 def call_with_accepted_kwargs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn(*args, **accepted)`` where accepted are the kwargs that ``fn``'s signature names."""
+    """Call ``fn(*args, **accepted)``: only the kwargs that ``fn``'s signature names."""
     params = inspect.signature(fn).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return fn(*args, **kwargs)
