@@ -72,14 +72,28 @@ def _read_yaml(path: str) -> DictConfig:
 
 
 def _merge(base: DictConfig, layer: DictConfig, kinds: Mapping[str, str], source: str) -> DictConfig:
-    raw = OmegaConf.to_container(layer, resolve=False)
+    raw = _drop_empty_sections(OmegaConf.to_container(layer, resolve=False), kinds, prefix="")
     problems = list(_shape_problems(raw, kinds, prefix=""))
     if problems:
         raise ValueError(f"in {source}: " + "; ".join(problems))
     try:
-        return OmegaConf.merge(base, layer)
+        return OmegaConf.merge(base, OmegaConf.create(raw))
     except OmegaConfBaseException as err:
         raise ValueError(f"{err.full_key or '<top level>'}: {_first_line(err)} (in {source})") from None
+
+
+def _drop_empty_sections(raw: dict, kinds: Mapping[str, str], prefix: str) -> dict:
+    """``raw`` without sections left empty (``actor:`` with every line commented out)."""
+    out = {}
+    for name, value in raw.items():
+        key = f"{prefix}{name}"
+        if kinds.get(key) == "section":
+            if value is None:
+                continue
+            if isinstance(value, dict):
+                value = _drop_empty_sections(value, kinds, key + ".")
+        out[name] = value
+    return out
 
 
 def _shape_problems(raw: Any, kinds: Mapping[str, str], prefix: str):

@@ -70,6 +70,14 @@ def test_result_is_real_frozen_dataclasses():
         cfg.actor.lr = 1.0
 
 
+def test_empty_sections_and_files_are_no_ops(tmp_path):
+    path = tmp_path / "empty_sections.yaml"
+    path.write_text("actor:\nalgorithm:\n  kl_ctrl:\n# nothing else\n")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# only a comment\n")
+    assert load_config([str(path), str(empty)]) == HybridRLConfig()
+
+
 def test_interpolation_between_keys():
     assert load_config(overrides=["actor.lr=${critic.lr}"]).actor.lr == 1e-5
 
