@@ -8,13 +8,14 @@ with a critic-architecture model; ``REWARD_FNS`` is the registry users extend.
 from hybridrl.rewards.custom import load_reward_fn
 from hybridrl.rewards.registry import Registry
 from hybridrl.rewards.reward_model import RewardModelScorer, place_on_last_token
-from hybridrl.rewards.scoring import REWARD_FNS, RewardScorer
+from hybridrl.rewards.scoring import REWARD_FNS, RewardScorer, build_reward_scorer
 
 __all__ = [
     "REWARD_FNS",
     "Registry",
     "RewardModelScorer",
     "RewardScorer",
+    "build_reward_scorer",
     "load_reward_fn",
     "place_on_last_token",
 ]

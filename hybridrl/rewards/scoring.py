@@ -15,6 +15,7 @@ metrics ``critic/score/{mean,max,min}`` (final scores), ``reward/raw_score/mean`
 penalties), ``reward/{length,repetition}_penalty/mean`` when on, ``reward/<extra>/mean`` for the
 numeric extras of dict results and ``reward/source/<data_source>/mean``. ``score_tokens`` does
 the same from generated token ids [B, R] + response mask (decoding them with the tokenizer).
+``build_reward_scorer(cfg)`` builds a scorer from the ``reward`` config section.
 """
 
 from __future__ import annotations
@@ -182,3 +183,26 @@ class RewardScorer:
         return self.score_batch(
             texts, ground_truths, data_sources, extra_infos, ids, int(response_ids.shape[1])
         )
+
+
+def build_reward_scorer(cfg) -> RewardScorer:
+    """A :class:`RewardScorer` from the ``reward`` config section (hybridrl.config.RewardConfig).
+
+    ``gsm8k_method`` applies to the gsm8k data sources, ``format_score`` to the arithmetic task;
+    ``reward_model_path`` is not handled here (the trainer builds the model and a
+    :class:`~hybridrl.rewards.reward_model.RewardModelScorer`).
+    """
+    gsm8k_kwargs = {"method": cfg.gsm8k_method}
+    return RewardScorer(
+        custom_fn=cfg.reward_fn or None,
+        custom_fn_kwargs=dict(cfg.reward_fn_kwargs or {}),
+        fn_kwargs={
+            "openai/gsm8k": gsm8k_kwargs,
+            "gsm8k": gsm8k_kwargs,
+            "hybridrl/arithmetic": {"format_score": cfg.format_score},
+        },
+        length_penalty=cfg.use_length_penalty,
+        length_penalty_weight=cfg.length_penalty_weight,
+        repetition_penalty=cfg.use_repetition_penalty,
+        repetition_penalty_weight=cfg.repetition_penalty_weight,
+    )

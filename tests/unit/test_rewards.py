@@ -174,3 +174,21 @@ def test_score_tokens_decodes_masked_ids():
     # row 0: correct, 8 tokens (7 chars + eos) of R=10 -> 1 - 0.05 * 0.8 = 0.96
     # row 1: wrong, 7 tokens -> 0 - 0.05 * 0.7 = -0.035
     assert scores.tolist() == pytest.approx([0.96, -0.035])
+
+
+def test_build_reward_scorer_from_config():
+    config = pytest.importorskip("hybridrl.config")
+    from hybridrl.rewards import build_reward_scorer
+
+    cfg = config.RewardConfig(gsm8k_method="flexible", format_score=0.1, use_length_penalty=True)
+    scorer = build_reward_scorer(cfg)
+    scores, _ = scorer.score_batch(
+        ["it is 72", "#### 5", "#### 4"],
+        ["72", "4", "4"],
+        ["openai/gsm8k", "hybridrl/arithmetic", "hybridrl/arithmetic"],
+        response_ids=[[1] * 4, [1] * 8, [1] * 2],
+        max_response_length=8,
+    )
+    # flexible finds 72: 1 - 0.05 * 4/8; wrong arithmetic: 0.1 - 0.05 * 1; right: 1 - 0.05 * 2/8
+    assert scores.tolist() == pytest.approx([0.975, 0.05, 0.9875])
+    assert build_reward_scorer(config.RewardConfig()).score_one("gsm8k", "72", "72", None)[0] == 0.0
