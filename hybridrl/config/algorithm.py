@@ -49,7 +49,7 @@ class AlgorithmConfig:
                               "(group-relative, no critic).")
     gamma: float = knob(1.0, "GAE discount factor.")
     lam: float = knob(1.0, "GAE lambda.")
-    norm_adv_by_std_in_grpo: bool = knob(True, "GRPO: divide by the group's std (False = "
+    norm_adv_by_std_in_grpo: bool = knob(True, "GRPO: divide by the group's std (false = "
                                          "Dr.GRPO, mean-centering only).")
     use_kl_in_reward: bool = knob(False, "Subtract beta * KL(actor || ref) from token rewards.")
     kl_penalty: str = knob("kl", "KL estimator of the in-reward penalty (same names as "

@@ -36,8 +36,9 @@ class DataConfig:
     """Prompt datasets and their batching."""
 
     train_files: list[str] = knob([], "Training parquet files; empty = generate synthetic.task.")
-    val_files: list[str] = knob([], "Validation parquet files; empty = synthetic.task's "
-                                "validation split (or no validation without one).")
+    val_files: list[str] = knob([], "Validation parquet files; empty = the synthetic "
+                                "task's validation prompts when train_files is empty too, else no "
+                                "validation.")
     prompt_key: str = knob("prompt", "Column holding the chat-format prompt "
                            "(list of {role, content}).")
     max_prompt_length: int = knob(512, "Longest prompt in tokens (after the chat template).")

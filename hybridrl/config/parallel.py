@@ -18,12 +18,13 @@ RESHARD_STRATEGIES = ("auto", "allgather", "vanilla", "zero_redundancy", "p2p")
 
 @dataclass(frozen=True)
 class GenParallelConfig:
-    """Generation layout: N = pp*tp*dg*dp, dg = (train tp*pp)/(gen tp*pp) micro-DP replicas."""
+    """Generation layout: N = gen.pp*gen.tp*dg*dp with dg = (tp*pp)/(gen.tp*gen.pp) micro-DP."""
 
     tp: int = knob(1, "Generation tensor-parallel size (tg).")
     pp: int = knob(1, "Generation pipeline-parallel size (pg).")
-    grouping: str = knob("hybridflow", "hybridflow (training shard nested in the generation "
-                         "shard; needs gen.tp | tp and gen.pp | pp) | vanilla (HybridFlow-V).")
+    grouping: str = knob("hybridflow", "hybridflow (each training shard nested in its "
+                         "generation shard; needs gen.tp to divide tp and gen.pp to divide pp) | "
+                         "vanilla (HybridFlow-V).")
 
     def __post_init__(self) -> None:
         check_positive("parallel.gen.tp", self.tp)

@@ -42,7 +42,8 @@ class TrainerConfig:
 
     total_epochs: int = knob(1, "Passes over the training prompts (used when total_steps is 0).")
     total_steps: int = knob(0, "PPO steps to run; 0 = total_epochs worth of steps.")
-    save_freq: int = knob(-1, "Save a checkpoint every this many steps (-1 = only at the end).")
+    save_freq: int = knob(-1, "Save a checkpoint every this many steps and after "
+                             "the last one (-1 = never).")
     test_freq: int = knob(-1, "Validate every this many steps (-1 = never).")
     val_before_train: bool = knob(False, "Validate once before the first step.")
     checkpoint_dir: str = knob("outputs/checkpoints", "Folder for checkpoints "
