@@ -45,7 +45,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> t
     _check_same_shape("logprob", logprob, "ref_logprob", ref_logprob)
     if not _use_compiled("kl_forward", logprob):
         return reference.kl_penalty_ref(logprob, ref_logprob, kind)
-    dtype = torch.result_type(logprob, ref_logprob)
+    dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
     return torch.ops.hybridrl.kl_forward(logprob.to(dtype), ref_logprob.to(dtype),
                                          fwd_code, bwd_code)
 
@@ -63,7 +63,7 @@ def gae(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: 
     _check_same_shape("values", values, "response_mask", response_mask)
     if not _use_compiled("gae", values):
         return reference.gae_ref(token_level_rewards, values, response_mask, gamma, lam)
-    dtype = torch.result_type(token_level_rewards, values)
+    dtype = torch.promote_types(token_level_rewards.dtype, values.dtype)
     if not dtype.is_floating_point:
         raise ValueError(f"values must be floating point, got {dtype}")
     with torch.no_grad():
