@@ -3,7 +3,8 @@
 Contract: see each module. ``schema`` reads/writes verl's parquet rows, ``tokenizer`` provides the
 builtin character tokenizer and local HF tokenizers, ``dataset`` tokenizes prompts with
 max_prompt_length handling, ``loader`` yields seeded resumable batches, ``arithmetic`` writes the
-CPU demo task, ``batching`` plans mini/micro-batches (pure index math).
+CPU demo task, ``batching`` plans mini/micro-batches (pure index math), ``build`` makes the
+tokenizer and loaders from the config sections.
 """
 
 from hybridrl.data.dataset import PromptBatch, PromptDataset, collate

@@ -193,5 +193,7 @@ def write_rows(path: str, rows: list[PromptRow]) -> str:
         ]
     )
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    pq.write_table(table, path)
+    tmp = f"{path}.tmp{os.getpid()}"  # several ranks may write the same file: replace atomically
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
     return path
