@@ -3,7 +3,8 @@
 - ``masked``: masked sum/mean/var/whiten, entropy from logits.
 - ``agg``: ``agg_loss`` (token-mean, seq-mean-token-sum, seq-mean-token-mean,
   seq-mean-token-sum-norm) with optional global DP normalizers (``compute_agg_normalizers``).
-- ``advantages``: ``compute_advantage`` over ``ADVANTAGE_ESTIMATORS`` (gae, grpo, yours).
+- ``advantages``: ``compute_advantage`` over ``ADVANTAGE_ESTIMATORS`` (gae, grpo, rloo,
+  reinforce_plus_plus, yours).
 - ``losses``: policy loss (``POLICY_LOSSES``: vanilla, yours), value, entropy, KL loss, actor loss.
 - ``kl_control``: fixed/adaptive KL controllers and the in-reward KL penalty.
 
@@ -17,6 +18,8 @@ from hybridrl.ppo.advantages import (
     gae_advantages,
     grpo_advantages,
     register_advantage_estimator,
+    reinforce_plus_plus_advantages,
+    rloo_advantages,
 )
 from hybridrl.ppo.agg import AGG_MODES, AggNormalizers, agg_loss, compute_agg_normalizers
 from hybridrl.ppo.kl_control import (
@@ -70,6 +73,8 @@ __all__ = [
     "masked_whiten",
     "register_advantage_estimator",
     "register_policy_loss",
+    "reinforce_plus_plus_advantages",
+    "rloo_advantages",
     "value_loss",
     "vanilla_policy_loss",
 ]

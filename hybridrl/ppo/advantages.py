@@ -14,6 +14,10 @@ Built in (verl's numbers):
   unbiased std; a group of one uses mean 0, std 1. ``adv_b = (s_b - mean) / (std + epsilon)``
   (``epsilon`` 1e-6), or ``s_b - mean`` when ``norm_adv_by_std_in_grpo=False`` (Dr. GRPO);
   broadcast over valid tokens (``adv_b · m_bt``); returns = advantages.
+- ``rloo``: ``adv_b = s_b·k/(k-1) - mean·k/(k-1)`` (score minus the mean of the other k-1 group
+  members); a group of one keeps ``s_b``; broadcast over valid tokens; returns = advantages.
+- ``reinforce_plus_plus``: return-to-go ``G_t = r_t + gamma·G_{t+1}`` with ``G`` reset to 0 after
+  a masked step; advantages = masked_whiten(G)·m; returns = G.
 """
 
 from __future__ import annotations
@@ -64,10 +68,10 @@ def group_ids(index: Sequence[Any] | torch.Tensor, batch_size: int) -> torch.Ten
     return torch.tensor([first_seen.setdefault(k, len(first_seen)) for k in keys], dtype=torch.long)
 
 
-def group_mean_std(
+def group_stats(
     scores_B: torch.Tensor, ids_B: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence group mean and unbiased std [B]; a group of one has mean 0 and std 1."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence group (mean, unbiased std, size) [B] each; a group of one: mean 0, std 1."""
     ids_B = ids_B.to(scores_B.device)
     n_groups = int(ids_B.max()) + 1 if ids_B.numel() else 0
     count_G = torch.bincount(ids_B, minlength=n_groups).to(scores_B.dtype)  # [G]
@@ -79,7 +83,7 @@ def group_mean_std(
     single_G = count_G == 1
     mean_G = torch.where(single_G, torch.zeros_like(mean_G), mean_G)
     std_G = torch.where(single_G, torch.ones_like(std_G), std_G)
-    return mean_G[ids_B], std_G[ids_B]
+    return mean_G[ids_B], std_G[ids_B], count_G[ids_B]
 
 
 @register_advantage_estimator("grpo")
@@ -95,12 +99,46 @@ def grpo_advantages(
     if index is None:
         raise ValueError("advantage estimator 'grpo' needs index: a group id (prompt uid) per row")
     scores_B = token_level_rewards.sum(dim=-1)  # [B]
-    mean_B, std_B = group_mean_std(scores_B, group_ids(index, scores_B.shape[0]))
+    mean_B, std_B, _ = group_stats(scores_B, group_ids(index, scores_B.shape[0]))
     adv_B = scores_B - mean_B
     if norm_adv_by_std_in_grpo:
         adv_B = adv_B / (std_B + epsilon)
     adv_BT = adv_B.unsqueeze(-1) * response_mask.to(adv_B.dtype)  # [B, T]
     return adv_BT, adv_BT
+
+
+@register_advantage_estimator("rloo")
+@torch.no_grad()
+def rloo_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Any] | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out baseline: ``s_b - mean(others in the group)``; a group of one keeps ``s_b``."""
+    if index is None:
+        raise ValueError("advantage estimator 'rloo' needs index: a group id (prompt uid) per row")
+    scores_B = token_level_rewards.sum(dim=-1)  # [B]
+    mean_B, _, k_B = group_stats(scores_B, group_ids(index, scores_B.shape[0]))
+    loo_B = scores_B * k_B / (k_B - 1) - mean_B * k_B / (k_B - 1)  # = s_b - mean of the others
+    adv_B = torch.where(k_B > 1, loo_B, scores_B)
+    adv_BT = adv_B.unsqueeze(-1) * response_mask.to(adv_B.dtype)  # [B, T]
+    return adv_BT, adv_BT
+
+
+@register_advantage_estimator("reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus_advantages(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Discounted return-to-go (reset where the mask is 0), masked-whitened over the batch."""
+    mask_BT = response_mask.to(token_level_rewards.dtype)
+    returns_BT = torch.zeros_like(token_level_rewards)
+    running_B = torch.zeros_like(token_level_rewards[:, 0])
+    for t in reversed(range(token_level_rewards.shape[1])):
+        running_B = token_level_rewards[:, t] + gamma * running_B
+        returns_BT[:, t] = running_B
+        running_B = running_B * mask_BT[:, t]
+    return masked_whiten(returns_BT, response_mask) * mask_BT, returns_BT
 
 
 def compute_advantage(

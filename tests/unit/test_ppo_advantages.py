@@ -69,6 +69,14 @@ def test_grpo_random_vs_reference(seed, norm_by_std):
         torch.testing.assert_close(adv, expected, rtol=1e-10, atol=1e-12)
 
 
+def whiten_reference(x, mask):
+    """verl's masked whitening: means divide by (count + 1e-8), Bessel factor n/(n-1)."""
+    sel, n = x[mask > 0], float((mask > 0).sum())
+    mean = sel.sum() / (n + 1e-8)
+    var = ((sel - mean) ** 2).sum() / (n + 1e-8) * n / (n - 1)
+    return (x - mean) / np.sqrt(var + 1e-8)
+
+
 def gae_reference(rewards, values, mask, gamma, lam):
     """DESIGN.md recurrence over python floats, then whitening over the masked entries."""
     B, T = rewards.shape
@@ -82,9 +90,7 @@ def gae_reference(rewards, values, mask, gamma, lam):
             last = g * m + (1 - m) * last
             adv[b, t] = last
     returns = adv + values.numpy()
-    sel = adv[mask.numpy() > 0]
-    whitened = (adv - sel.mean()) / np.sqrt(sel.var(ddof=1) + 1e-8)
-    return whitened, returns
+    return whiten_reference(adv, mask.numpy()), returns
 
 
 def test_gae_hand_case():
@@ -110,7 +116,7 @@ def test_gae_random_vs_reference(seed):
     adv, ret = compute_advantage("gae", rewards, mask, values=values, gamma=gamma, lam=lam)
     ref_adv, ref_ret = gae_reference(rewards, values, mask, gamma, lam)
     np.testing.assert_allclose(ret.numpy(), ref_ret, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(adv.numpy(), ref_adv, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(adv.numpy(), ref_adv, rtol=1e-11, atol=1e-12)
 
 
 def test_estimators_reject_missing_inputs():
@@ -156,3 +162,50 @@ def test_registry_duplicates_and_override():
         reg.get("b")
     with pytest.raises(ValueError, match="non-empty string"):
         reg.register("")
+
+
+def rloo_reference(rewards, mask, index):
+    scores = rewards.sum(-1)
+    out = torch.zeros_like(scores)
+    for i, k in enumerate(index):
+        others = [scores[j] for j, kj in enumerate(index) if kj == k and j != i]
+        out[i] = scores[i] - (sum(others) / len(others) if others else 0.0)
+    return out[:, None] * mask
+
+
+def test_rloo_hand_and_random():
+    rewards, mask = outcome_rewards([1.0, 0.0, 2.0, 4.0], [2, 1, 3, 2], T=3)
+    adv, _ = compute_advantage("rloo", rewards, mask, index=[7, 7, 7, 8])
+    # group 7: 1 - (0+2)/2 = 0, 0 - (1+2)/2 = -1.5, 2 - (1+0)/2 = 1.5; group 8 alone keeps 4
+    assert adv[:, 0].tolist() == pytest.approx([0.0, -1.5, 1.5, 4.0])
+    g = torch.Generator().manual_seed(4)
+    rewards = torch.randn(20, 5, generator=g, dtype=torch.float64)
+    mask = (torch.rand(20, 5, generator=g) < 0.7).double()
+    index = torch.randint(0, 7, (20,), generator=g).tolist()
+    adv, ret = compute_advantage("rloo", rewards, mask, index=index)
+    torch.testing.assert_close(adv, rloo_reference(rewards, mask, index), rtol=1e-10, atol=1e-12)
+    assert torch.equal(adv, ret)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_reinforce_plus_plus_vs_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T, gamma = 4, 6, 0.9
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) < 0.7).double()
+    mask[0] = 1.0
+    ref_ret = np.zeros((B, T))
+    for b in range(B):
+        running = 0.0
+        for t in reversed(range(T)):
+            running = float(rewards[b, t]) + gamma * running
+            ref_ret[b, t] = running
+            running *= float(mask[b, t])  # reset after a masked step
+    ref_adv = whiten_reference(ref_ret, mask.numpy()) * mask.numpy()
+    adv, ret = compute_advantage("reinforce_plus_plus", rewards, mask, gamma=gamma)
+    np.testing.assert_allclose(ret.numpy(), ref_ret, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(adv.numpy(), ref_adv, rtol=1e-11, atol=1e-12)
+    # hand case, one row, gamma 0.5, rewards [1, 2], all valid: G = [1 + 0.5*2, 2] = [2, 2]
+    _, ret = compute_advantage("reinforce_plus_plus", torch.tensor([[1.0, 2.0]]),
+                               torch.ones(1, 2), gamma=0.5)
+    assert ret[0].tolist() == [2.0, 2.0]
