@@ -102,14 +102,13 @@ def compute_agg_normalizers(
         raise ValueError("masks_BT must hold at least one [B, T] mask")
     device = masks[0].device
     counts = torch.zeros(2, dtype=torch.float64, device=device)  # [tokens, seqs]
-    max_len = torch.zeros(1, dtype=torch.float64, device=device)
     for mask in masks:
         if mask.dim() != 2:
             raise ValueError(f"masks_BT must be [B, T] tensors, got shape {tuple(mask.shape)}")
         m = mask.to(torch.float64)
         counts[0] += m.sum()
         counts[1] += (m.sum(dim=-1) > 0).sum()
-        max_len[0] = max(float(max_len[0]), float(mask.shape[-1]))
+    max_len = torch.tensor([max(m.shape[-1] for m in masks)], dtype=torch.float64, device=device)
     dp_size = 1
     if dp_group is not None:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)

@@ -10,7 +10,8 @@ Contract:
   ``kl_BT = kl_penalty(old, ref)·mask``; ``rewards_BT = scores_BT - beta·kl_BT`` with ``beta`` read
   *before* the controller update; ``current_kl`` = mean over sequences of per-sequence masked token
   means; then ``kl_ctrl.update(current_kl, n_steps=B)``. Returns ``(rewards_BT, metrics)`` with
-  ``actor/reward_kl_penalty`` (current_kl) and ``actor/reward_kl_penalty_coeff`` (beta).
+  ``actor/reward_kl_penalty`` (current_kl) and ``actor/reward_kl_penalty_coeff`` (beta). Given a
+  ``dp_group``, current_kl and B are taken over the batch shards of all DP ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from hybridrl.kernels import kl_penalty as kernel_kl_penalty
 from hybridrl.ppo.masked import masked_mean
@@ -101,13 +103,24 @@ def apply_kl_in_reward(
     response_mask_BT: torch.Tensor,
     kl_ctrl: KLController,
     kl_penalty: str = "kl",
+    dp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-level rewards ``scores - beta·kl`` [B, T] and the KL metrics; updates ``kl_ctrl``."""
+    """Token-level rewards ``scores - beta·kl`` [B, T] and the KL metrics; updates ``kl_ctrl``.
+
+    With ``dp_group`` each rank passes its shard of the batch: ``current_kl`` and ``n_steps`` are
+    then taken over the whole batch (one all_reduce), so every rank's controller takes the same
+    step as a single process holding the whole batch.
+    """
     mask_BT = response_mask_BT.to(old_logp_BT.dtype)
     kl_BT = kernel_kl_penalty(old_logp_BT, ref_logp_BT, kl_penalty) * mask_BT  # [B, T]
     beta = kl_ctrl.value
     rewards_BT = token_level_scores_BT - beta * kl_BT
-    current_kl = float(masked_mean(kl_BT, mask_BT, dim=-1).mean())  # mean over B of token means
-    kl_ctrl.update(current_kl=current_kl, n_steps=token_level_scores_BT.shape[0])
+    seq_kl_B = masked_mean(kl_BT, mask_BT, dim=-1)  # [B] per-sequence token means
+    n_seqs = torch.tensor(float(seq_kl_B.numel()), dtype=torch.float64, device=seq_kl_B.device)
+    totals = torch.stack([seq_kl_B.sum().double(), n_seqs])  # [sum of sequence means, B]
+    if dp_group is not None:
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dp_group)
+    current_kl = float(totals[0] / totals[1]) if totals[1] > 0 else 0.0
+    kl_ctrl.update(current_kl=current_kl, n_steps=int(totals[1]))
     metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
     return rewards_BT, metrics
