@@ -180,18 +180,23 @@ def write_rows(path: str, rows: list[PromptRow]) -> str:
     """Write ``rows`` as a verl-schema parquet file at ``path``; returns ``path``."""
     if not rows:
         raise ValueError(f"{path}: refusing to write a parquet file with no rows")
-    table = pa.Table.from_pylist(
-        [
-            {
-                "data_source": r.data_source,
-                "prompt": [{"role": m["role"], "content": m["content"]} for m in r.messages],
-                "ability": r.ability,
-                "reward_model": {"style": r.reward_style, "ground_truth": r.ground_truth},
-                "extra_info": r.extra_info,
-            }
-            for r in rows
-        ]
-    )
+    records = [
+        {
+            "data_source": r.data_source,
+            "prompt": [{"role": m["role"], "content": m["content"]} for m in r.messages],
+            "ability": r.ability,
+            "reward_model": {"style": r.reward_style, "ground_truth": r.ground_truth},
+            "extra_info": r.extra_info,
+        }
+        for r in rows
+    ]
+    try:
+        table = pa.Table.from_pylist(records)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise ValueError(
+            f"{path}: rows do not share one type per column (e.g. ground_truth str in one row, "
+            f"int in another): {exc}"
+        ) from exc
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"  # several ranks may write the same file: replace atomically
     pq.write_table(table, tmp)

@@ -227,3 +227,12 @@ def test_non_utf8_inside_string_prompt_names_file_and_column(tmp_path):
     pq.write_table(table, path)
     with pytest.raises(ValueError, match=r"badbytes\.parquet.*'prompt'.*UTF-8"):
         read_rows(path)
+
+
+def test_write_rows_rejects_mixed_types(tmp_path):
+    rows = [
+        PromptRow("s", [{"role": "user", "content": "q"}], "7"),
+        PromptRow("s", [{"role": "user", "content": "q"}], 7),
+    ]
+    with pytest.raises(ValueError, match=r"mixed\.parquet: rows do not share"):
+        write_rows(str(tmp_path / "mixed.parquet"), rows)
