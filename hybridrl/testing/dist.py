@@ -6,7 +6,7 @@ Contract:
   torch per process). The fork server preloads torch (and ``preload`` modules), so ranks start in
   well under a second each. Each rank joins a gloo default group on a free localhost port, sets
   one intra-op thread, calls ``fn(rank, world_size, *args)`` and sends back its return value
-  (which must pickle).
+  (which must pickle; tensors are copied, so they may be returned as they are).
 - Returns the per-rank results as a list indexed by rank. If any rank raises, the others are
   killed and ``RankFailure`` carries the first failing rank's traceback. If the ranks have not all
   finished within ``timeout`` seconds, all are killed and ``RankTimeout`` names the missing ranks.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -70,7 +71,9 @@ def _rank_main(fn, rank, world_size, port, args, results, threads):
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # plain pickle copies tensor bytes; the queue's own pickler would share them by file
+        # descriptor, which breaks once this process exits
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report everything, including SystemExit from user code
         results.put((rank, False, traceback.format_exc()))
 
@@ -132,5 +135,5 @@ def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
             continue
         if not ok:
             raise RankFailure(f"rank {rank} failed:\n{value}")
-        out[rank] = value
+        out[rank] = pickle.loads(value)
     return [out[r] for r in range(world_size)]

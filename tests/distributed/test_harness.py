@@ -13,7 +13,7 @@ def _sum_of_ranks(rank, world, scale):
 
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
-    return rank, world, t.item() * scale
+    return rank, world, t.item() * scale, torch.full((2, 3), float(rank))
 
 
 def _rank1_raises(rank, world):
@@ -27,8 +27,12 @@ def _sleep(rank, world, seconds):
 
 
 def test_results_in_rank_order():
+    import torch
+
     out = run_on_ranks(_sum_of_ranks, 3, 2.0, timeout=120)
-    assert out == [(r, 3, 2.0 * (0 + 1 + 2)) for r in range(3)]
+    assert [o[:3] for o in out] == [(r, 3, 2.0 * (0 + 1 + 2)) for r in range(3)]
+    for r, o in enumerate(out):  # tensors come back as copies, after their rank has exited
+        assert torch.equal(o[3], torch.full((2, 3), float(r)))
 
 
 def test_first_failure_reports_traceback_and_kills_the_rest():
