@@ -75,6 +75,8 @@ setup(
     extras_require={
         # GPU-only extras; apex is never listed (see shared DESIGN.md: PyPI's `apex` is unrelated).
         "gpu": ["sglang", "transformer-engine[pytorch]"],
+        # HF tokenizer folders and HF model classes (imported lazily where used)
+        "hf": ["transformers>=4.40"],
         "test": ["pytest>=7", "ruff>=0.5", "transformers>=4.40", "einops", "ninja"],
     },
     entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},

@@ -45,7 +45,7 @@ from hybridrl.ppo.masked import (
     masked_var,
     masked_whiten,
 )
-from hybridrl.ppo.registry import Registry
+from hybridrl.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

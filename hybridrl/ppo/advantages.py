@@ -29,7 +29,7 @@ import torch
 
 from hybridrl.kernels import gae as kernel_gae
 from hybridrl.kernels import masked_whiten
-from hybridrl.ppo.registry import Registry, call_with_accepted_kwargs
+from hybridrl.registry import Registry, call_with_accepted_kwargs
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
 

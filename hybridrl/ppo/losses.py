@@ -27,7 +27,7 @@ import torch
 from hybridrl.kernels import kl_penalty as kernel_kl_penalty
 from hybridrl.ppo.agg import AggNormalizers, agg_loss, check_agg_mode
 from hybridrl.ppo.masked import masked_mean
-from hybridrl.ppo.registry import Registry, call_with_accepted_kwargs
+from hybridrl.registry import Registry, call_with_accepted_kwargs
 
 Metrics = dict[str, torch.Tensor]
 POLICY_LOSSES = Registry("policy loss")

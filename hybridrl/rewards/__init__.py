@@ -5,8 +5,8 @@ returns per-sequence scores + metrics; ``RewardModelScorer`` (reward_model) scor
 with a critic-architecture model; ``REWARD_FNS`` is the registry users extend.
 """
 
+from hybridrl.registry import Registry
 from hybridrl.rewards.custom import load_reward_fn
-from hybridrl.rewards.registry import Registry
 from hybridrl.rewards.reward_model import RewardModelScorer, place_on_last_token
 from hybridrl.rewards.scoring import REWARD_FNS, RewardScorer, build_reward_scorer
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from hybridrl.registry import Registry
 from hybridrl.rewards import arithmetic, gsm8k
 from hybridrl.rewards.custom import load_reward_fn, normalize_result
 from hybridrl.rewards.penalties import DEFAULT_WEIGHT, length_fraction, repetition_fraction
-from hybridrl.rewards.registry import Registry
 
 
 def _gsm8k_flexible(data_source, solution_str, ground_truth, extra_info=None, **kwargs):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridrl.ppo.advantages import ADVANTAGE_ESTIMATORS, compute_advantage
-from hybridrl.ppo.registry import Registry
+from hybridrl.registry import Registry
 
 
 def outcome_rewards(scores, lengths, T):
