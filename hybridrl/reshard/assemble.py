@@ -1,0 +1,98 @@
+"""Assemble received rows into the rank's generation shard and hand them to a format/sink.
+
+Contract:
+- ``Assembler(plan, rank, fmt, sink=None)`` receives canonical row pieces (``accept``), keeps one
+  buffer per destination interval (``plan.dests[rank]``), and as soon as a parameter's interval is
+  complete it cuts this rank's gen piece out of it, converts it with ``fmt(spec, piece)`` (a pure
+  local permutation returning ``[(name, tensor)]``, see hybridrl.reshard.formats) and frees the
+  buffer. ``flush()`` (called by the executor after every bucket) passes the newly converted
+  tensors to ``sink`` (e.g. an engine's weight loader); without a sink they are kept and
+  returned by ``result()``.
+- Gen pieces with no real rows (vocab chunks past the vocabulary) are emitted at construction.
+- ``live_bytes``: canonical bytes of open buffers plus converted tensors kept (for peak checks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hybridrl.reshard.planner import Plan
+from hybridrl.reshard.specs import ParamSpec
+
+Format = Callable[[ParamSpec, torch.Tensor], list[tuple[str, torch.Tensor]]]
+Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+class Assembler:
+    def __init__(self, plan: Plan, rank: int, fmt: Format, sink: Sink | None = None,
+                 dtype: torch.dtype = torch.float32):
+        self.plan, self.rank, self.fmt, self.sink, self.dtype = plan, rank, fmt, sink, dtype
+        self.dests = plan.dests[rank]
+        self.gen_specs: dict[str, list[ParamSpec]] = {}
+        self.regions: dict[str, list] = {}  # key -> [buffer, rows filled]
+        self.pending: list[tuple[str, torch.Tensor]] = []
+        self.kept: dict[str, torch.Tensor] = {}
+        self.open_bytes = self.kept_bytes = 0
+        for spec in plan.specs:
+            iv = plan.gen.interval(spec, rank)
+            if iv is None:
+                continue
+            if iv[1] > iv[0]:
+                self.gen_specs.setdefault(spec.key, []).append(spec)
+            else:  # nothing real to receive: all padding
+                self._emit(spec, torch.empty(spec.piece_shape(0), dtype=dtype))
+        missing = set(self.gen_specs) - set(self.dests)
+        if missing:
+            raise AssertionError(f"plan gives rank {rank} no destination for {sorted(missing)}")
+
+    @property
+    def live_bytes(self) -> int:
+        return self.open_bytes + self.kept_bytes
+
+    def _emit(self, spec: ParamSpec, piece: torch.Tensor) -> None:
+        out = self.fmt(spec, piece)
+        self.pending += out
+        if self.sink is None:
+            self.kept_bytes += piece.numel() * piece.element_size()
+
+    def accept(self, key: str, lo: int, hi: int, data: torch.Tensor) -> None:
+        """Rows [lo, hi) of ``key`` in canonical layout (shape: piece_shape(hi - lo))."""
+        dlo, dhi = self.dests[key]
+        spec = self.plan.spec(key)
+        if key not in self.regions:
+            buf = torch.empty(spec.piece_shape(dhi - dlo), dtype=data.dtype)
+            self.regions[key] = [buf, 0]
+            self.open_bytes += buf.numel() * buf.element_size()
+        region = self.regions[key]
+        region[0].narrow(spec.cut_dim, lo - dlo, hi - lo).copy_(data)
+        region[1] += hi - lo
+        if region[1] == dhi - dlo:
+            self._complete(key)
+
+    def _complete(self, key: str) -> None:
+        buf, _ = self.regions.pop(key)
+        dlo, dhi = self.dests[key]
+        self.open_bytes -= buf.numel() * buf.element_size()
+        for spec in self.gen_specs.get(key, []):
+            glo, ghi = self.plan.gen.interval(spec, self.rank)
+            piece = buf.narrow(spec.cut_dim, glo - dlo, ghi - glo)
+            if (glo, ghi) != (dlo, dhi):
+                piece = piece.clone()  # do not pin the full-tensor buffer of the baselines
+            self._emit(spec, piece)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        if self.sink is not None:
+            self.sink(self.pending)
+        else:
+            self.kept.update(self.pending)
+        self.pending = []
+
+    def result(self) -> dict[str, torch.Tensor]:
+        if self.regions:
+            raise AssertionError(f"rank {self.rank}: incomplete parameters {sorted(self.regions)}")
+        self.flush()
+        return self.kept

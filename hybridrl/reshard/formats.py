@@ -1,0 +1,148 @@
+"""Weight formats the reshard delivers: each a local permutation of a canonical gen piece.
+
+Contract (a format is ``fmt(spec, piece) -> [(name, tensor)]``, piece = canonical rows of the
+rank's gen shard, see hybridrl.reshard.specs):
+- ``megatron_format(gen, rank)``: megatron-core GPTModel tensors of the gen layout, stage-local
+  layer names, vocab chunks padded with zero rows to ``gen.vocab_chunk``.
+- ``engine_format(shape, gen, rank)``: the per-TP-rank format shared by SGLang and the builtin
+  engine: HF-style names with global layer indices, ``self_attn.qkv_proj.weight`` = [q; k; v] of
+  the rank's heads, ``mlp.gate_up_proj.weight`` = [gate; up] of the rank's slice, ``o_proj``,
+  ``down_proj``, vocab-parallel ``embed_tokens`` / ``lm_head`` padded to ``gen.vocab_chunk`` (build
+  ``gen`` with the engine's ``vocab_pad``, SGLang: 64). Tied models send ``lm_head`` only as the
+  last stage's copy (pp > 1). ValueError when gen TP cannot split the KV heads.
+- ``hf_format(shape)``: full HF tensors for export (q_proj, k_proj, v_proj, gate_proj, up_proj,
+  down_proj, o_proj, norms, embed_tokens, lm_head unless tied); needs full pieces (gen tp = 1).
+- ``build_format(name, shape, gen, rank)`` picks one by name (``FORMATS``).
+- ``hf_to_canonical(shape, hf)``: the inverse of ``hf_format`` (full canonical tensors by key).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridrl.reshard.placement import Placement
+from hybridrl.reshard.specs import (
+    EMBED,
+    FINAL_NORM,
+    OUTPUT,
+    LlamaShape,
+    ParamSpec,
+    build_specs,
+    to_storage,
+)
+
+_LAYER_NAMES = {  # megatron suffix -> HF suffix (engine packing for qkv / fc1)
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def hf_name(spec: ParamSpec) -> str:
+    """HF / engine name of a megatron parameter (qkv -> qkv_proj, fc1 -> gate_up_proj)."""
+    if spec.layer is None:
+        return {EMBED: "model.embed_tokens.weight", FINAL_NORM: "model.norm.weight",
+                OUTPUT: "lm_head.weight"}[spec.name]
+    suffix = spec.name.split(f"layers.{spec.layer}.", 1)[1]
+    return f"model.layers.{spec.layer}.{_LAYER_NAMES[suffix]}"
+
+
+def split_qkv(shape: LlamaShape, piece: torch.Tensor):
+    """Canonical qkv rows of whole groups [Gr*(hpg+2)*hd, H] -> q [Gr*hpg*hd, H], k, v [Gr*hd, H]."""
+    hpg, hd = shape.heads_per_group, shape.head_dim
+    g = piece.view(-1, hpg + 2, hd, piece.shape[-1])  # [Gr, hpg+2, hd, H]
+    q = g[:, :hpg].reshape(-1, piece.shape[-1])
+    return q, g[:, hpg].reshape(-1, piece.shape[-1]), g[:, hpg + 1].reshape(-1, piece.shape[-1])
+
+
+def megatron_format(gen: Placement, rank: int):
+    def fmt(spec: ParamSpec, piece: torch.Tensor):
+        name = spec.local_name(gen.pp, gen.num_layers)
+        return [(name, to_storage(spec, piece, gen.vocab_chunk).contiguous())]
+
+    return fmt
+
+
+def check_engine_split(shape: LlamaShape, tp: int) -> None:
+    if shape.num_query_groups % tp:
+        raise ValueError(
+            f"gen tp={tp} cannot split num_key_value_heads={shape.num_query_groups}: the engine "
+            f"format needs num_key_value_heads % tp == 0 (choose gen tp dividing "
+            f"{shape.num_query_groups})"
+        )
+
+
+def engine_format(shape: LlamaShape, gen: Placement, rank: int):
+    check_engine_split(shape, gen.tp)
+
+    def fmt(spec: ParamSpec, piece: torch.Tensor):
+        name = hf_name(spec)
+        if spec.kind == "qkv":
+            return [(name, torch.cat(split_qkv(shape, piece)))]  # [q; k; v]
+        if spec.kind == "fc1":
+            return [(name, piece.reshape(-1, piece.shape[-1]).contiguous())]  # [gate; up]
+        return [(name, to_storage(spec, piece, gen.vocab_chunk).contiguous())]
+
+    return fmt
+
+
+def hf_format(shape: LlamaShape):
+    def fmt(spec: ParamSpec, piece: torch.Tensor):
+        if piece.shape[spec.cut_dim] != spec.rows:
+            raise ValueError(f"hf_format needs full tensors; {spec.name} has "
+                             f"{piece.shape[spec.cut_dim]} of {spec.rows} rows (use gen tp=1)")
+        if spec.tied_copy:
+            return []
+        name = hf_name(spec)
+        if spec.kind == "qkv":
+            base = name.rsplit(".", 2)[0]
+            q, k, v = split_qkv(shape, piece)
+            return [(f"{base}.q_proj.weight", q), (f"{base}.k_proj.weight", k),
+                    (f"{base}.v_proj.weight", v)]
+        if spec.kind == "fc1":
+            base = name.rsplit(".", 2)[0]
+            return [(f"{base}.gate_proj.weight", piece[0].contiguous()),
+                    (f"{base}.up_proj.weight", piece[1].contiguous())]
+        return [(name, piece.contiguous())]
+
+    return fmt
+
+
+def hf_to_canonical(shape: LlamaShape, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full canonical tensors by key from full HF tensors (inverse of ``hf_format``)."""
+    out = {}
+    hpg, hd, H = shape.heads_per_group, shape.head_dim, shape.hidden
+    for spec in build_specs(shape):
+        if spec.tied_copy:
+            continue
+        name = hf_name(spec)
+        base = name.rsplit(".", 2)[0]
+        if spec.kind == "qkv":
+            q = hf[f"{base}.q_proj.weight"].view(-1, hpg, hd, H)  # [G, hpg, hd, H]
+            k = hf[f"{base}.k_proj.weight"].view(-1, 1, hd, H)
+            v = hf[f"{base}.v_proj.weight"].view(-1, 1, hd, H)
+            out[spec.key] = torch.cat([q, k, v], dim=1).reshape(spec.shape)
+        elif spec.kind == "fc1":
+            out[spec.key] = torch.stack([hf[f"{base}.gate_proj.weight"], hf[f"{base}.up_proj.weight"]])
+        else:
+            out[spec.key] = hf[name]
+    return out
+
+
+FORMATS = ("megatron", "engine", "hf")
+
+
+def build_format(name: str, shape: LlamaShape, gen: Placement, rank: int):
+    """The format called ``name`` (one of FORMATS) for ``rank`` of the gen placement."""
+    if name == "megatron":
+        return megatron_format(gen, rank)
+    if name == "engine":
+        return engine_format(shape, gen, rank)
+    if name == "hf":
+        return hf_format(shape)
+    raise ValueError(f"format must be one of {FORMATS}, got {name!r}")

@@ -1,0 +1,138 @@
+"""Where each rank's piece of every parameter lives, for a training or a generation layout.
+
+Contract:
+- ``Placement`` is a frozen, pure description of one layout of ``world`` ranks: TP size ``tp``,
+  PP size ``pp``, and for every rank its ``(tp_rank, pp_rank, replica)`` coordinates, plus the
+  rows per TP rank of the vocab-parallel tensors (``vocab_chunk``). It does not need nesting, so it
+  describes ANY generation layout (e.g. gen tp > train tp), which ``GenLayout`` cannot.
+- ``train_placement(layout, shape)``: megatron's training layout (replica = DP index; vocab padded
+  to make_vocab_size_divisible_by * tp, as megatron does).
+- ``gen_placement(train, shape, tp, pp, grouping=..., vocab_pad=None)``: the generation layout.
+  ``grouping="hybridflow"`` / ``"vanilla"`` take the coordinates of ``GenLayout`` (needs tg | t and
+  pg | p; replica = dp * dg + micro_dp). ``grouping="consecutive"`` works for any (tg, pg) whose
+  product divides the world: rank r has gen_tp = r % tg, gen_pp = (r // tg) % pg, replica =
+  r // (tg * pg) (gen TP groups on neighbouring ranks, as an engine launcher would place them).
+  ``vocab_pad=None`` keeps megatron's padded vocab of the TRAINING model split tg ways (the gen
+  shard of a megatron model); an int (SGLang: 64) pads the real vocab to that multiple first, as
+  the rollout engine does. Either way a chunk is ceil(padded / tg) rows.
+- Nothing here touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hybridrl.parallel.layout import GenLayout, TrainLayout
+from hybridrl.reshard.specs import LlamaShape, ParamSpec, check_split
+
+GROUPINGS = ("hybridflow", "vanilla", "consecutive")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """tp x pp shards replicated over replicas; ``coords[r] = (tp_rank, pp_rank, replica)``."""
+
+    tp: int
+    pp: int
+    num_layers: int
+    vocab_chunk: int
+    coords: tuple[tuple[int, int, int], ...]
+    grouping: str = "train"
+    _index: dict = dataclasses.field(default=None, repr=False, compare=False)
+    _exact: dict = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        index: dict[tuple[int, int], list[int]] = {}
+        exact: dict[tuple[int, int, int], int] = {}
+        for r, (b, a, rep) in enumerate(self.coords):
+            if (b, a, rep) in exact:
+                raise ValueError(f"ranks {exact[(b, a, rep)]} and {r} share coords {(b, a, rep)}")
+            exact[(b, a, rep)] = r
+            if not (0 <= b < self.tp and 0 <= a < self.pp):
+                raise ValueError(f"rank {r}: coords {(b, a)} outside tp={self.tp}, pp={self.pp}")
+            index.setdefault((b, a), []).append(r)
+        if len(index) != self.tp * self.pp:
+            raise ValueError(f"placement leaves some of the tp*pp={self.tp * self.pp} shards empty")
+        object.__setattr__(self, "_index", {k: tuple(v) for k, v in index.items()})
+        object.__setattr__(self, "_exact", exact)
+
+    @property
+    def world(self) -> int:
+        return len(self.coords)
+
+    def ranks_at(self, tp_rank: int, pp_rank: int) -> tuple[int, ...]:
+        """Ranks holding shard (tp_rank, pp_rank), ascending."""
+        return self._index[(tp_rank, pp_rank)]
+
+    def rank_at(self, tp_rank: int, pp_rank: int, replica: int) -> int | None:
+        """The rank holding shard (tp_rank, pp_rank) in ``replica`` (None if that has no rank)."""
+        return self._exact.get((tp_rank, pp_rank, replica))
+
+    def replica(self, rank: int) -> int:
+        return self.coords[rank][2]
+
+    def interval(self, spec: ParamSpec, rank: int) -> tuple[int, int] | None:
+        """Canonical rows [lo, hi) that ``rank`` holds of ``spec`` (None: not on its stage)."""
+        b, a, _ = self.coords[rank]
+        if not spec.on_stage(self.pp, self.num_layers, a):
+            return None
+        return spec.tp_interval(self.tp, b, self.vocab_chunk)
+
+    def pieces(self, spec: ParamSpec) -> dict[tuple[int, int], list[tuple[int, int]]]:
+        """Distinct non-empty pieces of ``spec``: {(lo, hi): [(tp_rank, pp_rank) shards]}."""
+        out: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for a in range(self.pp):
+            if not spec.on_stage(self.pp, self.num_layers, a):
+                continue
+            for b in range(self.tp):
+                lo, hi = spec.tp_interval(self.tp, b, self.vocab_chunk)
+                if hi > lo:
+                    out.setdefault((lo, hi), []).append((b, a))
+        return out
+
+
+def train_placement(layout: TrainLayout, shape: LlamaShape) -> Placement:
+    check_split(shape, layout.tp, layout.pp, "train")
+    coords = []
+    for r in range(layout.world):
+        c = layout.coords(r)
+        coords.append((c["tp"], c["pp"], c["dp"]))
+    chunk = shape.padded_vocab(layout.tp) // layout.tp
+    return Placement(layout.tp, layout.pp, shape.layers, chunk, tuple(coords), "train")
+
+
+def gen_placement(
+    train: TrainLayout,
+    shape: LlamaShape,
+    tp: int,
+    pp: int = 1,
+    grouping: str = "hybridflow",
+    vocab_pad: int | None = None,
+) -> Placement:
+    """The generation placement of ``tp`` x ``pp`` shards on the training ranks (see module doc)."""
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+    if not isinstance(tp, int) or not isinstance(pp, int) or tp < 1 or pp < 1:
+        raise ValueError(f"gen tp and pp must be positive integers, got tp={tp!r}, pp={pp!r}")
+    check_split(shape, tp, pp, "gen")
+    if train.world % (tp * pp):
+        raise ValueError(f"gen tp*pp={tp}*{pp} must divide world={train.world}")
+    if grouping == "consecutive":
+        coords = tuple((r % tp, (r // tp) % pp, r // (tp * pp)) for r in range(train.world))
+    else:
+        gen = GenLayout(train, tp=tp, pp=pp, grouping=grouping)  # raises unless tg | t, pg | p
+        coords = []
+        for r in range(train.world):
+            gc = gen.coords(r)
+            coords.append((gc.gen_tp, gc.gen_pp, gc.dp * gen.dg + gc.micro_dp))
+        coords = tuple(coords)
+    padded = shape.padded_vocab(train.tp) if vocab_pad is None else -(-shape.vocab // vocab_pad) * vocab_pad
+    chunk = -(-padded // tp)
+    return Placement(tp, pp, shape.layers, chunk, coords, grouping)
+
+
+def default_gen_placement(train: TrainLayout, shape: LlamaShape, tp: int, pp: int = 1,
+                          vocab_pad: int | None = None) -> Placement:
+    """HybridFlow grouping when the gen shards nest in the training shards, else consecutive."""
+    nested = train.tp % tp == 0 and train.pp % pp == 0
+    return gen_placement(train, shape, tp, pp, "hybridflow" if nested else "consecutive", vocab_pad)

@@ -1,0 +1,272 @@
+"""Pure reshard planner: which rank sends which canonical rows of which parameter to whom.
+
+Contract:
+- ``plan_reshard(train, gen, specs, strategy, bucket_mb, itemsize)`` needs no process group; every
+  rank calls it with the same arguments and gets the same ``Plan``, keeping its own part.
+- A rank's *destination* is a row interval per parameter key: its generation shard for
+  ``zero_redundancy`` and ``p2p``; the whole model for the baselines ``allgather`` and ``vanilla``
+  (they materialize full tensors, as DeepSpeed-Chat and HybridFlow-V do, then slice).
+- Sources (see docs/reshard.md for the costs):
+  * ``allgather``: every element has one owner among all N = t*p*d ranks (each TP piece split
+    evenly over its holders); a rank receives every element it does not own: (tpd-1)/(tpd)*M.
+  * ``vanilla``: owners within the rank's training DP replica (t*p ranks): (tp-1)/(tp)*M.
+  * ``zero_redundancy``: HybridFlow grouping only (tg | t, pg | p). A rank keeps what it holds and
+    receives the rest of its gen shard from its micro-DP group (same DP replica, same gen
+    coordinates): (dg-1)/(tp)*M. Rows no micro-DP peer holds (vocab chunks that a different
+    padding does not nest) come from the nearest holder, as in p2p.
+  * ``p2p``: any (tg, pg); a rank keeps what it holds and receives exactly the missing rows, each
+    from a holder in its own DP replica when one exists: the minimum volume.
+- Transfers are cut into chunks of at most ``bucket_mb`` MiB and grouped greedily, in parameter
+  order, into buckets in which no rank receives or sends more than ``bucket_mb`` MiB.
+- ``Plan`` reports bytes received / sent, destination bytes and peak bytes per rank
+  (peak = destination + the two largest consecutive buckets' send+receive buffers, the executor's
+  live set). ``summarize`` gives the same per-rank byte counts without listing transfers (CLI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from hybridrl.reshard.placement import Placement
+from hybridrl.reshard.specs import ParamSpec
+
+STRATEGIES = ("allgather", "vanilla", "zero_redundancy", "p2p")
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Rows [lo, hi) of parameter ``key`` (canonical view) from ``src`` to ``dst``."""
+
+    key: str
+    src: int
+    dst: int
+    lo: int
+    hi: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    strategy: str
+    train: Placement
+    gen: Placement
+    specs: tuple[ParamSpec, ...]
+    itemsize: int
+    bucket_bytes: int
+    dests: tuple[dict[str, tuple[int, int]], ...]  # per rank: key -> destination rows
+    locals: tuple[tuple[tuple[str, int, int], ...], ...]  # per rank: rows it copies from itself
+    buckets: tuple[tuple[Transfer, ...], ...]
+
+    def spec(self, key: str) -> ParamSpec:
+        return next(s for s in self.specs if s.key == key)
+
+    def rank_buckets(self, rank: int) -> list[tuple[list[Transfer], list[Transfer]]]:
+        """Per bucket: (this rank's sends, this rank's receives), in plan order."""
+        return [([t for t in b if t.src == rank], [t for t in b if t.dst == rank])
+                for b in self.buckets]
+
+    def recv_bytes(self, rank: int) -> int:
+        return sum(t.nbytes for b in self.buckets for t in b if t.dst == rank)
+
+    def sent_bytes(self, rank: int) -> int:
+        return sum(t.nbytes for b in self.buckets for t in b if t.src == rank)
+
+    def dest_bytes(self, rank: int) -> int:
+        return sum((hi - lo) * self.spec(k).row_numel * self.itemsize
+                   for k, (lo, hi) in self.dests[rank].items())
+
+    def transient_bytes(self, rank: int) -> int:
+        """Largest send+receive buffer bytes of two consecutive buckets (live at once)."""
+        per = [sum(t.nbytes for t in b if rank in (t.src, t.dst)) for b in self.buckets]
+        pairs = [a + b for a, b in zip(per, per[1:])] or per or [0]
+        return max(pairs)
+
+    def peak_bytes(self, rank: int) -> int:
+        return self.dest_bytes(rank) + self.transient_bytes(rank)
+
+
+def zero_redundancy_reason(train: Placement, gen: Placement) -> str | None:
+    """Why zero_redundancy does not apply (None when it does)."""
+    if train.tp % gen.tp or train.pp % gen.pp:
+        return (f"needs gen tp | train tp and gen pp | train pp; got tg={gen.tp}, t={train.tp}, "
+                f"pg={gen.pp}, p={train.pp} (use p2p)")
+    if gen.grouping != "hybridflow":
+        return f"needs the hybridflow gen grouping, got {gen.grouping!r}"
+    return None
+
+
+def _subtract(lo: int, hi: int, taken: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, cur = [], lo
+    for a, b in sorted(taken):
+        if a > cur:
+            out.append((cur, min(a, hi)))
+        cur = max(cur, b)
+        if cur >= hi:
+            break
+    if cur < hi:
+        out.append((cur, hi))
+    return [(a, b) for a, b in out if b > a]
+
+
+def _clip(parts, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """(src, a, b) parts clipped to [lo, hi), empty ones dropped."""
+    out = []
+    for s, a, b in parts:
+        a, b = max(a, lo), min(b, hi)
+        if b > a:
+            out.append((s, a, b))
+    return out
+
+
+class Sourcer:
+    """Chooses, for a (rank, key, rows) destination, the source rank of every row."""
+
+    def __init__(self, strategy: str, train: Placement, gen: Placement, specs: Sequence[ParamSpec]):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if strategy == "zero_redundancy" and (why := zero_redundancy_reason(train, gen)):
+            raise ValueError(f"zero_redundancy: {why}")
+        if train.world != gen.world:
+            raise ValueError(f"train world={train.world} != gen world={gen.world}")
+        self.strategy, self.train, self.gen = strategy, train, gen
+        self.by_key: dict[str, list[ParamSpec]] = {}
+        for s in specs:
+            self.by_key.setdefault(s.key, []).append(s)
+        self._pieces: dict[str, list] = {}
+        self._owners: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+
+    def pieces(self, key: str) -> list[tuple[int, int, tuple[tuple[int, int], ...]]]:
+        """Training pieces of ``key`` over every name storing it: (lo, hi, (tp, pp) shards)."""
+        if key not in self._pieces:
+            merged: dict[tuple[int, int], list[tuple[int, int]]] = {}
+            for spec in self.by_key[key]:
+                for iv, shards in self.train.pieces(spec).items():
+                    merged.setdefault(iv, []).extend(shards)
+            self._pieces[key] = [(lo, hi, tuple(sh)) for (lo, hi), sh in sorted(merged.items())]
+        return self._pieces[key]
+
+    def in_replica(self, shards, rep: int) -> list[int]:
+        return sorted(self.train.rank_at(b, a, rep) for b, a in shards)
+
+    def everywhere(self, shards) -> list[int]:
+        return sorted(r for b, a in shards for r in self.train.ranks_at(b, a))
+
+    def owners(self, key: str, group: int, members: Callable) -> list[tuple[int, int, int]]:
+        """Each piece split evenly over ``members(shards)``: [(owner, lo, hi)] (cached per group)."""
+        if (key, group) not in self._owners:
+            out = []
+            for lo, hi, shards in self.pieces(key):
+                cands = members(shards)
+                k = len(cands)
+                for j, h in enumerate(cands):
+                    a, b = lo + (hi - lo) * j // k, lo + (hi - lo) * (j + 1) // k
+                    if b > a:
+                        out.append((h, a, b))
+            self._owners[(key, group)] = out
+        return self._owners[(key, group)]
+
+    def held(self, rank: int, key: str) -> list[tuple[int, int]]:
+        out = []
+        for spec in self.by_key[key]:
+            iv = self.train.interval(spec, rank)
+            if iv is not None and iv[1] > iv[0]:
+                out.append(iv)
+        return out
+
+    def _nearest(self, rank: int, key: str, rest) -> list[tuple[int, int, int]]:
+        """Rows not held by ``rank``: from a holder in its own DP replica."""
+        out, rep = [], self.train.replica(rank)
+        for lo, hi, shards in self.pieces(key):
+            near = self.in_replica(shards, rep)
+            src = near[rank % len(near)]
+            for a, b in rest:
+                out += _clip([(src, lo, hi)], a, b)
+        return out
+
+    def sources(self, rank: int, key: str, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """[(src, a, b)] covering [lo, hi) exactly once; src == rank means a local copy."""
+        t, g = self.train, self.gen
+        if self.strategy == "allgather":
+            return _clip(self.owners(key, -1, self.everywhere), lo, hi)
+        rep = t.replica(rank)
+        if self.strategy == "vanilla":
+            return _clip(self.owners(key, rep, lambda sh: self.in_replica(sh, rep)), lo, hi)
+        out = [(rank, a, b) for iv in self.held(rank, key) for _, a, b in _clip([(rank, *iv)], lo, hi)]
+        rest = _subtract(lo, hi, [(a, b) for _, a, b in out])
+        if self.strategy == "zero_redundancy" and rest:
+            gt, gp, _ = g.coords[rank]
+            group = (rep * g.pp + gp) * g.tp + gt
+
+            def micro_dp(shards):
+                return [h for h in self.in_replica(shards, rep) if g.coords[h][:2] == (gt, gp)]
+
+            got = [p for a, b in rest for p in _clip(self.owners(key, group, micro_dp), a, b)]
+            out += got
+            rest = [iv for a, b in rest for iv in _subtract(a, b, [(x, y) for _, x, y in got])]
+        if rest:
+            out += self._nearest(rank, key, rest)
+        return out
+
+
+def destinations(strategy: str, gen: Placement, specs: Sequence[ParamSpec], rank: int):
+    """key -> rows this rank must assemble (gen shard, or the full tensor for the baselines)."""
+    out: dict[str, tuple[int, int]] = {}
+    for spec in specs:
+        if strategy in ("allgather", "vanilla"):
+            out.setdefault(spec.key, (0, spec.rows))
+            continue
+        iv = gen.interval(spec, rank)
+        if iv is not None and iv[1] > iv[0]:
+            out[spec.key] = iv
+    return out
+
+
+def plan_reshard(
+    train: Placement,
+    gen: Placement,
+    specs: Sequence[ParamSpec],
+    strategy: str,
+    bucket_mb: float = 64,
+    itemsize: int = 2,
+) -> Plan:
+    """The full, deterministic plan (see module doc)."""
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    src = Sourcer(strategy, train, gen, specs)
+    dests = tuple(destinations(strategy, gen, specs, r) for r in range(train.world))
+    locs: list[list[tuple[str, int, int]]] = [[] for _ in range(train.world)]
+    transfers: list[Transfer] = []
+    bucket_bytes = max(1, int(bucket_mb * MiB))
+    for key in dict.fromkeys(s.key for s in specs):
+        row_bytes = src.by_key[key][0].row_numel * itemsize
+        step = max(1, bucket_bytes // row_bytes)
+        for r in range(train.world):
+            if key not in dests[r]:
+                continue
+            for s, a, b in src.sources(r, key, *dests[r][key]):
+                if s == r:
+                    locs[r].append((key, a, b))
+                    continue
+                for c in range(a, b, step):
+                    d = min(b, c + step)
+                    transfers.append(Transfer(key, s, r, c, d, (d - c) * row_bytes))
+    buckets = _bucket(transfers, bucket_bytes)
+    return Plan(strategy, train, gen, tuple(specs), itemsize, bucket_bytes, dests,
+                tuple(tuple(x) for x in locs), buckets)
+
+
+def _bucket(transfers: list[Transfer], cap: int) -> tuple[tuple[Transfer, ...], ...]:
+    """Greedy, in order: a new bucket when some rank would receive or send more than ``cap``."""
+    buckets, cur, recv, sent = [], [], {}, {}
+    for t in transfers:
+        if cur and (recv.get(t.dst, 0) + t.nbytes > cap or sent.get(t.src, 0) + t.nbytes > cap):
+            buckets.append(tuple(cur))
+            cur, recv, sent = [], {}, {}
+        cur.append(t)
+        recv[t.dst] = recv.get(t.dst, 0) + t.nbytes
+        sent[t.src] = sent.get(t.src, 0) + t.nbytes
+    if cur:
+        buckets.append(tuple(cur))
+    return tuple(buckets)

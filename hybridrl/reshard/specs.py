@@ -1,0 +1,252 @@
+"""Parameter specs of a llama-family megatron-core GPTModel, derived from the model shape.
+
+Contract:
+- ``LlamaShape`` is the frozen model description (hidden, ffn, heads, query groups, head_dim, vocab,
+  layers, tied, megatron's ``make_vocab_size_divisible_by``); ``from_hf_config`` reads an HF
+  config.json dict, ``PRESETS`` holds llama-7b/13b/34b/70b.
+- ``build_specs(shape, naming)`` returns one ``ParamSpec`` per logical megatron parameter, named as
+  megatron-core's GPTModel names it with GLOBAL layer indices (``naming="local"``: the local layer
+  spec's ``input_layernorm``/``pre_mlp_layernorm``; ``"te"``: the TE-fused ``layer_norm_weight``).
+- Every parameter is described in a *canonical* full view that does not depend on any layout;
+  a TP slice is always a half-open row interval ``[lo, hi)`` along the spec's ``cut_dim``:
+
+  ====== ============================ ======= =============================================
+  kind   canonical full shape          cut_dim  megatron storage of TP rank b (of n)
+  ====== ============================ ======= =============================================
+  qkv    [G*(hpg+2)*hd, H]            0        rows of groups [b*G/n, (b+1)*G/n), each group
+                                               [q(hpg*hd); k(hd); v(hd)] (megatron interleave)
+  fc1    [2, F, H]                    1        [2, F/n, H] viewed as [gate_b; up_b] = [2F/n, H]
+  row    [H, X] (proj X=heads*hd,     1        [H, X/n]
+         fc2 X=F)
+  vocab  [V, H] (V unpadded)          0        [chunk, H], chunk = Vpad/n; real rows
+                                               [b*chunk, min((b+1)*chunk, V)), padding after
+  norm   [H]                          0        replicated, the whole vector
+  ====== ============================ ======= =============================================
+
+  G = num_query_groups, hpg = heads/G, hd = head_dim, F = ffn, H = hidden.
+- Tied embeddings: megatron keeps a copy named ``output_layer.weight`` on the last stage only when
+  pp > 1; its ``key`` is the embedding's (the same full tensor). ``on_stage`` knows this.
+- Bad shapes or layouts raise ``ValueError`` naming the field and the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+KINDS = ("qkv", "fc1", "row", "vocab", "norm")
+NAMINGS = ("local", "te")
+EMBED = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaShape:
+    """Sizes of a llama-family decoder (RMSNorm, SwiGLU, GQA, RoPE, no biases)."""
+
+    hidden: int
+    ffn: int
+    heads: int
+    num_query_groups: int
+    layers: int
+    vocab: int
+    head_dim: int | None = None
+    tied: bool = False
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self) -> None:
+        for f in ("hidden", "ffn", "heads", "num_query_groups", "layers", "vocab",
+                  "make_vocab_size_divisible_by"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} must be a positive integer, got {v!r}")
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if self.heads % self.num_query_groups:
+            raise ValueError(
+                f"heads={self.heads} must be divisible by num_query_groups={self.num_query_groups}"
+            )
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.heads // self.num_query_groups
+
+    def padded_vocab(self, tp: int) -> int:
+        """megatron's padding: round vocab up to make_vocab_size_divisible_by * tp."""
+        m = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab // m) * m
+
+    def num_params(self) -> int:
+        return sum(s.numel for s in build_specs(self) if not s.tied_copy)
+
+    @staticmethod
+    def from_hf_config(cfg: dict) -> LlamaShape:
+        """From an HF llama/qwen2-style config.json dict."""
+        try:
+            heads = int(cfg["num_attention_heads"])
+            return LlamaShape(
+                hidden=int(cfg["hidden_size"]),
+                ffn=int(cfg["intermediate_size"]),
+                heads=heads,
+                num_query_groups=int(cfg.get("num_key_value_heads", heads)),
+                layers=int(cfg["num_hidden_layers"]),
+                vocab=int(cfg["vocab_size"]),
+                head_dim=cfg.get("head_dim"),
+                tied=bool(cfg.get("tie_word_embeddings", False)),
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
+
+
+PRESETS = {
+    "llama-7b": LlamaShape(4096, 11008, 32, 32, 32, 32000),
+    "llama-13b": LlamaShape(5120, 13824, 40, 40, 40, 32000),
+    "llama-34b": LlamaShape(8192, 22016, 64, 8, 48, 32000),  # CodeLlama-34B
+    "llama-70b": LlamaShape(8192, 28672, 64, 8, 80, 32000),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One megatron parameter: canonical full ``shape``, TP cut along ``cut_dim`` (see module doc)."""
+
+    name: str  # megatron name, global layer index
+    key: str  # full-weights key (tied output -> the embedding's)
+    kind: str
+    shape: tuple[int, ...]
+    cut_dim: int
+    layer: int | None = None  # None: embedding (first stage) / final norm, output (last stage)
+    last_stage: bool = False
+    tied_copy: bool = False
+    unit: int = 1  # TP slices are whole multiples of ``unit`` rows (a qkv query group)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[self.cut_dim]
+
+    @property
+    def row_numel(self) -> int:
+        return self.numel // self.rows
+
+    def piece_shape(self, rows: int) -> tuple[int, ...]:
+        s = list(self.shape)
+        s[self.cut_dim] = rows
+        return tuple(s)
+
+    def stage(self, pp: int, num_layers: int) -> int:
+        if self.layer is None:
+            return pp - 1 if self.last_stage else 0
+        return self.layer // (num_layers // pp)
+
+    def on_stage(self, pp: int, num_layers: int, stage: int) -> bool:
+        """Whether megatron holds this parameter on ``stage`` of ``pp`` stages."""
+        if self.tied_copy and pp == 1:
+            return False  # megatron reuses the embedding when one stage holds both ends
+        return self.stage(pp, num_layers) == stage
+
+    def tp_interval(self, n: int, b: int, vocab_chunk: int | None = None) -> tuple[int, int]:
+        """Real rows [lo, hi) of TP rank b of n (vocab: chunk rows per rank, clipped to V)."""
+        if self.kind == "norm":
+            return 0, self.rows
+        if self.kind == "vocab":
+            lo = min(b * vocab_chunk, self.rows)
+            return lo, min(lo + vocab_chunk, self.rows)
+        per = self.rows // n
+        return b * per, (b + 1) * per
+
+    def local_name(self, pp: int, num_layers: int) -> str:
+        """The name megatron gives it on its stage (layer index local to the stage)."""
+        if self.layer is None:
+            return self.name
+        offset = self.stage(pp, num_layers) * (num_layers // pp)
+        return self.name.replace(f"layers.{self.layer}.", f"layers.{self.layer - offset}.", 1)
+
+
+def check_split(shape: LlamaShape, tp: int, pp: int, what: str = "train") -> None:
+    """ValueError unless megatron can shard ``shape`` with (tp, pp)."""
+    if shape.num_query_groups % tp:
+        raise ValueError(
+            f"{what} tp={tp} cannot split num_query_groups={shape.num_query_groups} KV heads: "
+            f"need num_query_groups % tp == 0"
+        )
+    if shape.ffn % tp:
+        raise ValueError(f"{what} tp={tp} must divide ffn={shape.ffn}")
+    if shape.layers % pp:
+        raise ValueError(f"{what} pp={pp} must divide layers={shape.layers}")
+
+
+def _layer_specs(s: LlamaShape, layer: int, naming: str) -> list[ParamSpec]:
+    p = f"decoder.layers.{layer}."
+    if naming == "te":
+        ln1, ln2 = "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
+    else:
+        ln1, ln2 = "input_layernorm.weight", "pre_mlp_layernorm.weight"
+    group_rows = (s.heads_per_group + 2) * s.head_dim
+    H = s.hidden
+
+    def spec(suffix, kind, shape, cut, unit=1):
+        return ParamSpec(p + suffix, p + suffix, kind, shape, cut, layer=layer, unit=unit)
+
+    return [
+        spec(ln1, "norm", (H,), 0),
+        spec("self_attention.linear_qkv.weight", "qkv",
+             (s.num_query_groups * group_rows, H), 0, unit=group_rows),
+        spec("self_attention.linear_proj.weight", "row", (H, s.heads * s.head_dim), 1),
+        spec(ln2, "norm", (H,), 0),
+        spec("mlp.linear_fc1.weight", "fc1", (2, s.ffn, H), 1),
+        spec("mlp.linear_fc2.weight", "row", (H, s.ffn), 1),
+    ]
+
+
+def build_specs(shape: LlamaShape, naming: str = "local") -> list[ParamSpec]:
+    """Every logical GPTModel parameter, in megatron's order (embedding, layers, norm, output)."""
+    if naming not in NAMINGS:
+        raise ValueError(f"naming must be one of {NAMINGS}, got {naming!r}")
+    H, V = shape.hidden, shape.vocab
+    specs = [ParamSpec(EMBED, EMBED, "vocab", (V, H), 0)]
+    for layer in range(shape.layers):
+        specs += _layer_specs(shape, layer, naming)
+    specs.append(ParamSpec(FINAL_NORM, FINAL_NORM, "norm", (H,), 0, last_stage=True))
+    if shape.tied:
+        specs.append(ParamSpec(OUTPUT, EMBED, "vocab", (V, H), 0, last_stage=True, tied_copy=True))
+    else:
+        specs.append(ParamSpec(OUTPUT, OUTPUT, "vocab", (V, H), 0, last_stage=True))
+    return specs
+
+
+def storage_shape(spec: ParamSpec, n: int, vocab_chunk: int | None = None) -> tuple[int, ...]:
+    """Shape of megatron's tensor on one TP rank of n (vocab: ``vocab_chunk`` rows, padded)."""
+    if spec.kind == "vocab":
+        return (vocab_chunk, spec.shape[1])
+    if spec.kind == "norm":
+        return spec.shape
+    if spec.kind == "fc1":
+        return (2 * spec.shape[1] // n, spec.shape[2])
+    return spec.piece_shape(spec.rows // n)
+
+
+def canonical_view(spec: ParamSpec, storage, real_rows: int):
+    """View of a megatron storage tensor in the canonical layout (padding rows dropped)."""
+    if spec.kind == "vocab":
+        return storage[:real_rows]
+    if spec.kind == "fc1":
+        return storage.view(2, storage.shape[0] // 2, storage.shape[1])
+    return storage
+
+
+def to_storage(spec: ParamSpec, piece, vocab_chunk: int | None = None):
+    """Inverse of ``canonical_view``: megatron storage from a canonical piece (pads vocab with 0)."""
+    if spec.kind == "vocab":
+        out = piece.new_zeros((vocab_chunk, piece.shape[1]))
+        out[: piece.shape[0]] = piece
+        return out
+    if spec.kind == "fc1":
+        return piece.reshape(2 * piece.shape[1], piece.shape[2])
+    return piece
