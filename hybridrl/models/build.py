@@ -1,0 +1,169 @@
+"""Build the actor, critic and reference as megatron-core GPTModel stages on this rank.
+
+Contract:
+- ``build_model(spec, groups, role, dtype=..., seed=...)`` returns a ``ShardedModel``: this rank's
+  pipeline stage (``groups.pp_rank``) and TP slice (``groups.tp_rank``) of a llama-family GPTModel
+  built from ``spec`` (see ``hybridrl.models.spec``). Every rank of the layout must call it with
+  the same arguments (construction of a tied model with pp > 1 does one collective).
+- roles: ``"actor"`` (logits head, trainable), ``"critic"`` (same trunk; the last stage's output
+  layer is a replicated scalar ``ValueHead``, embeddings never tied), ``"reference"`` (actor
+  architecture, frozen: ``requires_grad`` False, eval mode, no optimizer).
+- Layer spec: transformer-engine when CUDA is available and ``transformer_engine`` imports, else
+  megatron's local spec. On CPU ``cpu_compat.install()`` runs first (the only CPU workaround site).
+- Initialization is seeded and, on CPU, independent of tp (megatron initializes the full master
+  weight and slices it), so the same seed gives the same global model for every layout.
+- The groups are handed to megatron with ``apply_megatron_groups`` when they are not installed yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hybridrl.models import cpu_compat
+from hybridrl.models.spec import LlamaSpec, check_layout, padded_vocab_size, to_transformer_config
+
+ROLES = ("actor", "critic", "reference")
+
+
+@dataclasses.dataclass
+class ShardedModel:
+    """One rank's stage/slice of a model plus everything needed to run and convert it."""
+
+    role: str
+    module: torch.nn.Module  # megatron GPTModel (this stage only)
+    spec: LlamaSpec
+    groups: object  # hybridrl ParallelGroups
+    pg_collection: object  # megatron ProcessGroupCollection of the same groups
+    config: object  # megatron TransformerConfig
+    padded_vocab_size: int
+    dtype: str
+    uses_te: bool
+
+    @property
+    def vocab_start(self) -> int:
+        """First (padded) vocab id of this TP rank's slice."""
+        return self.groups.tp_rank * self.padded_vocab_size // self.groups.tp_size
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.spec.num_layers // self.groups.pp_size
+
+    @property
+    def layer_offset(self) -> int:
+        """Global index of this stage's first layer."""
+        return self.groups.pp_rank * self.layers_per_stage
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar value per token, replicated on every TP rank; called like megatron's output layer."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, std: float, seed: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))  # [1, H]
+        generator = torch.Generator().manual_seed(seed)  # the same head for every layout
+        torch.nn.init.normal_(self.weight, mean=0.0, std=std, generator=generator)
+        self.sequence_parallel = False
+
+    def forward(self, hidden_SBH: torch.Tensor, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_SBH, self.weight), None  # [S, B, 1]
+
+
+def _transformer_engine_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(use_te: bool):
+    """megatron-core layer spec for a llama layer (TE fused or local modules)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def _ensure_megatron_groups(groups):
+    """Install ``groups`` into megatron's parallel_state unless they already are."""
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.parallel.megatron import apply_megatron_groups, to_process_group_collection
+
+    installed = ps._TENSOR_MODEL_PARALLEL_GROUP is groups.tp
+    pgc = (to_process_group_collection(groups) if installed and
+           ps._PIPELINE_MODEL_PARALLEL_GROUP is groups.pp else apply_megatron_groups(groups))
+    if ps._GLOBAL_MEMORY_BUFFER is None:  # scratch space of the local attention's baddbmm
+        ps._set_global_memory_buffer()
+    return pgc
+
+
+def _seed(seed: int, tp_rank: int) -> None:
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=tp_rank)
+    else:
+        cpu_compat.seed_cpu_rng_tracker(seed, tp_rank)
+
+
+def build_model(
+    spec: LlamaSpec, groups, role: str = "actor", *, dtype: str = "fp32", seed: int = 1,
+    **config_overrides,
+) -> ShardedModel:
+    """This rank's stage of the ``role`` model for ``spec`` on ``groups.train``."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    check_layout(spec, groups.train)
+    cpu_compat.install()
+    pgc = _ensure_megatron_groups(groups)
+    config = to_transformer_config(spec, groups.train, dtype, **config_overrides)
+    if groups.pp_size > 1:
+        config.variable_seq_lengths = True  # micro-batches may differ in [B, T]
+    use_te = _transformer_engine_available()
+    vocab = padded_vocab_size(spec.vocab_size, groups.tp_size)
+    _seed(seed, groups.tp_rank)
+    with cpu_compat.cpu_model_construction():
+        module = GPTModel(
+            config, layer_spec(use_te), vocab_size=vocab,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings and role != "critic",
+            position_embedding_type="rope", rotary_base=int(spec.rope_theta)
+            if float(spec.rope_theta).is_integer() else spec.rope_theta,
+            pg_collection=pgc,
+        )
+    if role == "critic" and groups.is_last_stage:
+        module.output_layer = ValueHead(spec.hidden_size, config.params_dtype,
+                                        config.init_method_std, seed)
+    if torch.cuda.is_available():
+        module.cuda(torch.cuda.current_device())
+    if role == "reference":
+        module.requires_grad_(False)
+        module.eval()
+    return ShardedModel(role=role, module=module, spec=spec, groups=groups, pg_collection=pgc,
+                        config=config, padded_vocab_size=vocab, dtype=dtype, uses_te=use_te)
+
+
+def build_actor(spec: LlamaSpec, groups, **kwargs) -> ShardedModel:
+    return build_model(spec, groups, "actor", **kwargs)
+
+
+def build_critic(spec: LlamaSpec, groups, **kwargs) -> ShardedModel:
+    return build_model(spec, groups, "critic", **kwargs)
+
+
+def build_reference(spec: LlamaSpec, groups, **kwargs) -> ShardedModel:
+    return build_model(spec, groups, "reference", **kwargs)

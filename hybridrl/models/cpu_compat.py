@@ -1,0 +1,174 @@
+"""The one place that makes megatron-core 0.16 run on CPU (gloo); nothing else knows about it.
+
+Contract:
+- ``install()`` is idempotent and does nothing when CUDA is available. On a CPU-only torch it
+  applies the three workarounds below, each limited to the megatron modules that need it, and
+  returns True. Call it before building a model or running a schedule (hybridrl.models does).
+- ``cpu_model_construction()`` is a context manager used around GPTModel construction on CPU.
+- ``seed_cpu_rng_tracker(seed, tp_rank)`` plays ``model_parallel_cuda_manual_seed`` on CPU.
+
+What megatron-core assumes and what is patched (see docs/models.md):
+1. ``torch.cuda.current_device()`` / ``device="cuda"`` to place small tensors: RoPE frequencies,
+   the default causal mask, the GlobalMemoryBuffer, the pipeline schedules' token counter and the
+   p2p shape/receive buffers. Each affected megatron module gets a *module-local* ``torch`` proxy
+   (``_CpuTorch``) that maps the CUDA device to CPU and turns ``synchronize`` into a no-op; every
+   other attribute is the real torch. The global ``torch`` is untouched.
+2. The CUDA RNG tracker (dropout inside TP regions forks "model-parallel-rng"): replaced by a
+   tracker with the same interface over CPU generator states.
+3. ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied output weight to CUDA
+   (``weight.data.cuda()``) before the first/last-stage all-reduce: during construction
+   ``Tensor.cuda`` is the identity on CPU-only torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+
+# megatron modules whose global ``torch`` is replaced by the CPU proxy
+PATCHED_MODULES = (
+    "megatron.core.utils",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.pipeline_parallel.schedules",
+)
+_CPU = torch.device("cpu")
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand")
+
+
+def _cpu_device(device):
+    """Map any CUDA device spec to the CPU; leave everything else alone."""
+    if device is None:
+        return None
+    if isinstance(device, int) or torch.device(device).type == "cuda":
+        return _CPU
+    return device
+
+
+class _CpuCuda:
+    """``torch.cuda`` as megatron's modules see it on CPU: the current device is the CPU."""
+
+    def current_device(self):
+        return _CPU
+
+    def synchronize(self, *args, **kwargs):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch:
+    """Module-local stand-in for ``torch``: factory functions place "cuda" tensors on the CPU."""
+
+    def __init__(self):
+        self.cuda = _CpuCuda()
+        for name in _FACTORIES:
+            setattr(self, name, self._factory(getattr(torch, name)))
+
+    @staticmethod
+    def _factory(fn):
+        def wrapped(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+class CpuRNGStatesTracker:
+    """Same interface as megatron's CudaRNGStatesTracker, over CPU generator states."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        if seed in self.seeds_ or name in self.states_:
+            raise ValueError(f"rng tracker: seed {seed} or state {name!r} already added")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise KeyError(f"rng state {name!r} was never added to the tracker")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def _install_rng_tracker() -> CpuRNGStatesTracker:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+        mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    return mrandom._CUDA_RNG_STATE_TRACKER
+
+
+def seed_cpu_rng_tracker(seed: int, tp_rank: int) -> None:
+    """CPU twin of megatron's ``model_parallel_cuda_manual_seed`` (same seed offsets)."""
+    tracker = _install_rng_tracker()
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.add("model-parallel-rng", seed + 2718 + tp_rank)  # megatron's TP offset
+    tracker.add("expert-parallel-rng", seed + 1024 + tp_rank)  # ep = 1
+
+
+def install() -> bool:
+    """Apply the CPU workarounds once per process; False (nothing done) when CUDA is available."""
+    if torch.cuda.is_available():
+        return False
+    proxy = None
+    for name in PATCHED_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _CpuTorch):
+            proxy = proxy or _CpuTorch()
+            module.torch = proxy
+    _install_rng_tracker()
+    return True
+
+
+def _tensor_stays_put(self, *args, **kwargs):
+    return self
+
+
+@contextlib.contextmanager
+def cpu_model_construction():
+    """While building a model on CPU-only torch, ``Tensor.cuda`` returns the tensor itself."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = _tensor_stays_put
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original

@@ -1,0 +1,129 @@
+"""PPO forward over micro-batches through megatron-core's pipeline schedule.
+
+Contract:
+- A micro-batch is a dict with ``input_ids`` [B, T] (right-padded: every sequence starts at
+  position 0; megatron's RoPE uses positions 0..T-1) and optionally ``labels`` [B, T] (default: the
+  next token, ``input_ids`` shifted left, last column 0). Any other keys ride along to the loss.
+- ``model_outputs(model, output, batch)`` turns the last stage's raw output into per-token
+  tensors: actor/reference ``{"logprobs": [B, T], "entropy": [B, T]}`` (vocab-parallel, see
+  ``vocab_parallel``), critic ``{"values": [B, T]}``. Position t scores ``labels[:, t]``.
+- ``run_microbatches(model, microbatches, loss_fn=None, forward_only=True)`` runs megatron's
+  forward(-backward) schedule for ``groups.pp_size`` stages. On the last pipeline stage it returns
+  one dict per micro-batch: with ``loss_fn`` None the detached outputs; otherwise
+  ``loss_fn(outputs, batch) -> (loss scalar, metrics dict)`` is called there and its loss is
+  back-propagated (megatron divides it by the number of micro-batches). Other stages return [].
+- ``broadcast_from_last_stage(obj, groups)`` hands a picklable result to every stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.models.build import ShardedModel
+from hybridrl.models.vocab_parallel import vocab_parallel_logprobs_entropy
+
+LossFn = Callable[[dict, dict], tuple[torch.Tensor, dict]]
+
+
+def next_token_labels(input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """labels[:, t] = input_ids[:, t + 1]; the last column (nothing to predict) is 0."""
+    labels_BT = torch.zeros_like(input_ids_BT)
+    labels_BT[:, :-1] = input_ids_BT[:, 1:]
+    return labels_BT
+
+
+def model_outputs(
+    model: ShardedModel, output: torch.Tensor, batch: dict, *, with_entropy: bool = True,
+    temperature: float = 1.0,
+) -> dict[str, torch.Tensor]:
+    """Per-token outputs from the last stage's GPTModel output ([B, T, V/tp] or [B, T, 1])."""
+    if model.role == "critic":
+        return {"values": output[..., 0].float()}  # [B, T]
+    labels_BT = batch.get("labels")
+    if labels_BT is None:
+        labels_BT = next_token_labels(batch["input_ids"])
+    logp_BT, entropy_BT = vocab_parallel_logprobs_entropy(
+        output, labels_BT.to(output.device), model.groups.tp,
+        vocab_start=model.vocab_start, vocab_size=model.spec.vocab_size,
+        temperature=temperature, with_entropy=with_entropy,
+    )
+    out = {"logprobs": logp_BT}
+    if entropy_BT is not None:
+        out["entropy"] = entropy_BT
+    return out
+
+
+def _loss_func(model, batch, loss_fn, options, output):
+    outputs = model_outputs(model, output, batch, **options)
+    if loss_fn is None:
+        zero = output.new_zeros(())
+        return zero, {k: v.detach() for k, v in outputs.items()}
+    loss, metrics = loss_fn(outputs, batch)
+    # clone: megatron divides the returned loss in place by the number of micro-batches
+    metrics = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in metrics.items()}
+    return loss, {"loss": loss.detach().clone(), **metrics}
+
+
+def _forward_step(model, loss_fn, options, data_iterator, module):
+    batch = next(data_iterator)
+    input_ids_BT = batch["input_ids"].to(model.device)
+    b, t = input_ids_BT.shape
+    position_ids_BT = torch.arange(t, device=input_ids_BT.device).expand(b, t)
+    output = module(input_ids_BT, position_ids_BT, None)
+    return output, functools.partial(_loss_func, model, batch, loss_fn, options)
+
+
+def run_microbatches(
+    model: ShardedModel,
+    microbatches: Sequence[dict],
+    loss_fn: LossFn | None = None,
+    *,
+    forward_only: bool = True,
+    with_entropy: bool = True,
+    temperature: float = 1.0,
+) -> list[dict]:
+    """Forward (and backward unless ``forward_only``) over ``microbatches``; last-stage results."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not microbatches:
+        raise ValueError("microbatches must hold at least one micro-batch, got 0")
+    if not forward_only and loss_fn is None:
+        raise ValueError("a backward pass needs loss_fn")
+    shapes = [tuple(mb["input_ids"].shape) for mb in microbatches]
+    if any(len(s) != 2 for s in shapes):
+        raise ValueError(f"input_ids must be [B, T]; got shapes {shapes}")
+    options = {"with_entropy": with_entropy, "temperature": temperature}
+    step = functools.partial(_forward_step, model, loss_fn, options)
+    schedule = get_forward_backward_func(pp_size=model.groups.pp_size)
+    grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+    was_training = model.module.training
+    if forward_only:
+        model.module.eval()
+    extra = {}
+    if model.groups.pp_size > 1:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        extra["p2p_communicator"] = P2PCommunicator(pp_group=model.groups.pp, config=model.config)
+    with grad_mode:
+        results = schedule(
+            forward_step_func=step, data_iterator=iter(microbatches), model=[model.module],
+            num_microbatches=len(microbatches), seq_length=max(s[1] for s in shapes),
+            micro_batch_size=max(s[0] for s in shapes), forward_only=forward_only,
+            pg_collection=model.pg_collection, **extra,
+        )
+    model.module.train(was_training)
+    return list(results) if model.groups.is_last_stage else []
+
+
+def broadcast_from_last_stage(obj, groups):
+    """Send a picklable object from the last pipeline stage to every stage of the pipeline."""
+    if groups.pp_size == 1:
+        return obj
+    box = [obj if groups.is_last_stage else None]
+    dist.broadcast_object_list(box, src=groups.members["pp"][-1], group=groups.pp)
+    return box[0]

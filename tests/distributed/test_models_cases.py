@@ -1,0 +1,139 @@
+"""Rank-side bodies of the model tests (module-level so the forkserver ranks can import them).
+
+Every function returns plain numpy/python values (tensors do not survive the result queue).
+A "case" is a dict: tp, pp, folder (HF checkpoint), and what to run (see ``run_cases``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+LR, WEIGHT_DECAY, GRAD_CLIP = 1e-3, 0.01, 0.05
+ENTROPY_COEF = 0.01
+
+
+def make_batch(seed: int, n_seqs: int, seq_len: int, vocab: int) -> dict[str, np.ndarray]:
+    """The global batch every layout sees: token ids, per-token advantages and returns."""
+    g = np.random.default_rng(seed)
+    return {
+        "input_ids": g.integers(0, vocab, size=(n_seqs, seq_len)),
+        "advantages": g.standard_normal((n_seqs, seq_len)).astype(np.float32),
+        "returns": g.standard_normal((n_seqs, seq_len)).astype(np.float32),
+    }
+
+
+def split_microbatches(batch: dict, dp_size: int, dp_rank: int, n_micro: int) -> list[dict]:
+    """This DP rank's contiguous share of the batch, cut into ``n_micro`` micro-batches."""
+    n = len(batch["input_ids"]) // dp_size
+    mine = {k: torch.as_tensor(v[dp_rank * n:(dp_rank + 1) * n]) for k, v in batch.items()}
+    size = n // n_micro
+    return [{k: v[i * size:(i + 1) * size] for k, v in mine.items()} for i in range(n_micro)]
+
+
+def actor_loss(outputs: dict, batch: dict):
+    """A PPO-shaped objective: -adv * logp (token mean) minus an entropy bonus."""
+    logp, entropy = outputs["logprobs"][:, :-1], outputs["entropy"][:, :-1]
+    adv = batch["advantages"][:, :-1].to(logp.device)
+    pg = -(adv * logp).mean()
+    ent = entropy.mean()
+    loss = pg - ENTROPY_COEF * ent
+    return loss, {"pg": pg.detach(), "entropy": ent.detach()}
+
+
+def critic_loss(outputs: dict, batch: dict):
+    values = outputs["values"]
+    loss = 0.5 * ((values - batch["returns"].to(values.device)) ** 2).mean()
+    return loss, {"vf": loss.detach()}
+
+
+def _groups(world: int, tp: int, pp: int):
+    from hybridrl.parallel.groups import build_groups
+    from hybridrl.parallel.layout import TrainLayout
+
+    return build_groups(TrainLayout(world=world, tp=tp, pp=pp))
+
+
+def _logprob_case(groups, case: dict) -> dict:
+    from hybridrl.models.forward import run_microbatches
+    from hybridrl.models.hf_io import build_from_hf
+
+    model = build_from_hf(case["folder"], groups, "actor")
+    mbs = split_microbatches(case["batch"], groups.dp_size, groups.dp_rank, case["n_micro"])
+    out = run_microbatches(model, mbs)
+    if not groups.is_last_stage or groups.tp_rank != 0:
+        return {}
+    return {
+        "dp_rank": groups.dp_rank,
+        "logprobs": np.concatenate([o["logprobs"].numpy() for o in out]),
+        "entropy": np.concatenate([o["entropy"].numpy() for o in out]),
+    }
+
+
+def _train_case(groups, case: dict) -> dict:
+    from hybridrl.models.hf_io import build_from_hf, export_hf
+    from hybridrl.models.naming import named_local_parameters
+    from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
+
+    role = case.get("role", "actor")
+    model = build_from_hf(case["folder"], groups, role)
+    cfg = OptimConfig(lr=LR, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP)
+    opt = ModelOptimizer(model, cfg)
+    mbs = split_microbatches(case["batch"], groups.dp_size, groups.dp_rank, case["n_micro"])
+    loss_fn = critic_loss if role == "critic" else actor_loss
+    metrics = train_step(model, opt, mbs, loss_fn)
+    zero_grads = [n for n, p in named_local_parameters(model)
+                  if p.requires_grad and not bool(p.grad.abs().sum() > 0)]
+    export_hf(model, case["out"])
+    return {"metrics": metrics, "zero_grads": zero_grads, "vocab_start": model.vocab_start}
+
+
+def _critic_values_case(groups, case: dict) -> dict:
+    from hybridrl.models.forward import run_microbatches
+    from hybridrl.models.hf_io import build_from_hf
+    from hybridrl.models.naming import named_local_parameters
+
+    model = build_from_hf(case["folder"], groups, "critic")
+    mbs = split_microbatches(case["batch"], groups.dp_size, groups.dp_rank, case["n_micro"])
+    out = run_microbatches(model, mbs)
+    if not groups.is_last_stage or groups.tp_rank != 0:
+        return {}
+    head = dict(named_local_parameters(model))["output_layer.weight"]
+    return {"dp_rank": groups.dp_rank, "head": head.detach().numpy(),
+            "values": np.concatenate([o["values"].numpy() for o in out])}
+
+
+def _roundtrip_case(groups, case: dict) -> dict:
+    from hybridrl.models.hf_io import build_from_hf, export_hf
+    from hybridrl.models.naming import named_local_parameters
+
+    model = build_from_hf(case["folder"], groups, case.get("role", "actor"))
+    export_hf(model, case["out"])
+    again = build_from_hf(case["out"], groups, case.get("role", "actor"))
+    a, b = named_local_parameters(model), named_local_parameters(again)
+    same = [n1 == n2 and torch.equal(p1, p2) for (n1, p1), (n2, p2) in zip(a, b)]
+    return {"exact": len(a) == len(b) and all(same), "n_params": len(a)}
+
+
+CASE_KINDS = {
+    "logprobs": _logprob_case,
+    "train": _train_case,
+    "critic_values": _critic_values_case,
+    "roundtrip": _roundtrip_case,
+}
+
+
+def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Run every case in order on this rank (all ranks run the same list)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    groups_by_layout = {}
+    results = []
+    for case in cases:
+        key = (case["tp"], case["pp"])
+        if key not in groups_by_layout:
+            groups_by_layout[key] = _groups(world, *key)
+        torch.manual_seed(0)
+        results.append(CASE_KINDS[case["kind"]](groups_by_layout[key], case))
+    return results
