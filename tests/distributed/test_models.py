@@ -111,6 +111,7 @@ def suite(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     untied = _save_tiny(str(root / "untied"), tie=False)
     tied = _save_tiny(str(root / "tied"), tie=True, seed=1)
+    qwen2 = _save_tiny(str(root / "qwen2"), tie=False, arch="qwen2", seed=2)
     batch = cases_mod.make_batch(0, N_SEQS, SEQ, VOCAB)
     common = dict(batch=batch, n_micro=N_MICRO)
     w8 = [
@@ -124,6 +125,9 @@ def suite(tmp_path_factory):
              **common),
         dict(kind="roundtrip", tp=2, pp=2, folder=untied, out=str(root / "rt_untied")),
         dict(kind="roundtrip", tp=2, pp=2, folder=tied, out=str(root / "rt_tied")),
+        dict(kind="train", tp=2, pp=2, folder=tied, out=str(root / "step222_tied"), **common),
+        dict(kind="logprobs", tp=2, pp=2, folder=qwen2, **common),
+        dict(kind="roundtrip", tp=2, pp=1, folder=qwen2, out=str(root / "rt_qwen2")),
     ]
     w4 = [dict(kind="logprobs", tp=2, pp=2, folder=untied, **common)]
     w1 = [
@@ -134,7 +138,7 @@ def suite(tmp_path_factory):
     res = {8: run_on_ranks(cases_mod.run_cases, 8, w8, timeout=400, preload=("megatron.core",)),
            4: run_on_ranks(cases_mod.run_cases, 4, w4, timeout=200, preload=("megatron.core",)),
            1: run_on_ranks(cases_mod.run_cases, 1, w1, timeout=200, preload=("megatron.core",))}
-    return dict(root=root, untied=untied, tied=tied, batch=batch, cases={8: w8, 4: w4, 1: w1},
+    return dict(root=root, untied=untied, tied=tied, qwen2=qwen2, batch=batch, cases={8: w8, 4: w4, 1: w1},
                 res=res)
 
 
@@ -143,7 +147,8 @@ def _case_results(suite, world, index):
 
 
 LOGPROB_CASES = [(8, 0, 2, "untied"), (8, 1, 4, "untied"), (8, 2, 4, "untied"),
-                 (8, 3, 2, "tied"), (4, 0, 1, "untied"), (1, 0, 1, "untied")]
+                 (8, 3, 2, "tied"), (8, 10, 2, "qwen2"), (4, 0, 1, "untied"),
+                 (1, 0, 1, "untied")]
 
 
 @pytest.mark.slow
@@ -180,6 +185,18 @@ def test_optimizer_step_222_equals_111_and_transformers(suite):
 
 
 @pytest.mark.slow
+def test_optimizer_step_222_tied_embeddings(suite):
+    """pp=2 keeps two copies of the tied embedding; their gradients must be summed."""
+    ref, ref_norm = _hf_train_step(suite["tied"], suite["batch"])
+    step = _read_folder(suite["root"] / "step222_tied")
+    assert "lm_head.weight" not in step
+    for name, tensor in step.items():
+        torch.testing.assert_close(tensor, ref[name], atol=TOL, rtol=0, msg=name)
+    assert _case_results(suite, 8, 9)[0]["metrics"]["grad_norm"] == pytest.approx(ref_norm,
+                                                                                 rel=1e-5)
+
+
+@pytest.mark.slow
 def test_critic_values_and_gradients(suite):
     results = _case_results(suite, 8, 5)
     values = _assemble(results, "values", 2)
@@ -199,7 +216,7 @@ def test_critic_values_and_gradients(suite):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index,which", [(7, "untied"), (8, "tied")])
+@pytest.mark.parametrize("index,which", [(7, "untied"), (8, "tied"), (11, "qwen2")])
 def test_export_reload_roundtrip_exact(suite, index, which):
     from transformers import AutoConfig
 
@@ -215,3 +232,4 @@ def test_export_reload_roundtrip_exact(suite, index, which):
     assert set(index_json["weight_map"]) == set(source)
     cfg = AutoConfig.from_pretrained(out)
     assert cfg.tie_word_embeddings == (which == "tied") and cfg.num_key_value_heads == 2
+    assert cfg.model_type == ("qwen2" if which == "qwen2" else "llama")
