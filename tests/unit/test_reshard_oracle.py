@@ -9,11 +9,18 @@ import the same helpers.
 
 import torch
 
-from hybridrl.reshard.specs import LlamaShape
+from hybridrl.reshard.specs import LlamaShape, build_specs
 
 SMALL = LlamaShape(hidden=32, ffn=48, heads=16, num_query_groups=8, layers=8, vocab=100,
                    head_dim=4, make_vocab_size_divisible_by=8)
 PAD = 999.0  # training padding rows hold this; it must never reach a destination
+
+
+def balanced(t, p, d):
+    """Layer matrices only, every piece divisible by d: Table 2 holds exactly. (shape, specs)"""
+    shape = LlamaShape(hidden=4, ffn=t * d, heads=t, num_query_groups=t, layers=p, vocab=8,
+                       head_dim=d, make_vocab_size_divisible_by=1)
+    return shape, [s for s in build_specs(shape) if s.kind in ("qkv", "fc1", "row")]
 
 
 def make_hf(shape: LlamaShape, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:

@@ -20,18 +20,12 @@ from hybridrl.reshard.summary import summarize, table2
 from tests.unit.test_reshard_oracle import (
     PAD,
     SMALL,
+    balanced,
     engine_shards,
     make_hf,
     megatron_shards,
     mismatches,
 )
-
-
-def _balanced(t, p, d):
-    """Layer matrices only, every piece divisible by d: Table 2 holds exactly."""
-    shape = LlamaShape(hidden=4, ffn=t * d, heads=t, num_query_groups=t, layers=p, vocab=8,
-                       head_dim=d, make_vocab_size_divisible_by=1)
-    return shape, [s for s in build_specs(shape) if s.kind in ("qkv", "fc1", "row")]
 
 
 def _div(n):
@@ -67,7 +61,7 @@ def test_table2_exact_and_coverage_all_layouts_up_to_16_ranks():
     n = 0
     for w, t, p, tg, pg in _layouts():
         d, dg = w // (t * p), (t * p) // (tg * pg)
-        shape, specs = _balanced(t, p, d)
+        shape, specs = balanced(t, p, d)
         M = sum(s.numel for s in specs) * 2
         train = train_placement(TrainLayout(w, tp=t, pp=p), shape)
         for strategy in STRATEGIES:
