@@ -12,7 +12,8 @@ Contract:
   of each stage writes ``model-000{s+1}-of-000{pp}.safetensors``; global rank 0 writes config.json
   and ``model.safetensors.index.json``. Vocab padding never reaches the files; tied models write no
   ``lm_head.weight``. Collective: every rank of the layout must call it.
-- The slicing math (``hf_slices_for``, ``hf_tensors_from_full``) is pure; see docs/models.md.
+- The slicing math is pure given a reader: ``local_slice_from_hf`` (HF -> this rank's shard) and
+  ``hf_tensors_from_full`` (every TP piece -> HF tensors) are inverse; see docs/models.md.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _layer_local(reader, layer: int, rest: str, model: ShardedModel) -> torch.Te
     raise ValueError(f"no HF mapping for megatron parameter decoder.layers.{layer}.{rest}")
 
 
-def _local_from_hf(reader, name: str, model: ShardedModel) -> torch.Tensor | None:
+def local_slice_from_hf(reader, name: str, model: ShardedModel) -> torch.Tensor | None:
     """The local shard of canonical parameter ``name`` read from HF (None: keep as is)."""
     match = _LAYER.match(name)
     if match:
@@ -145,7 +146,7 @@ def load_hf_weights(model: ShardedModel, folder: str | Path) -> None:
     with contextlib.ExitStack() as stack, torch.no_grad():
         reader = HFReader(folder, stack)
         for name, param in named_local_parameters(model):
-            local = _local_from_hf(reader, name, model)
+            local = local_slice_from_hf(reader, name, model)
             if local is None:
                 continue
             if tuple(local.shape) != tuple(param.shape):

@@ -1,0 +1,110 @@
+"""LlamaSpec from HF configs, layout validation before any weight is read, megatron's config."""
+
+import json
+
+import pytest
+import torch
+
+from hybridrl.models.spec import (
+    LlamaSpec,
+    check_layout,
+    padded_vocab_size,
+    read_hf_spec,
+    to_transformer_config,
+)
+from hybridrl.parallel.layout import TrainLayout
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "intermediate_size": 96, "vocab_size": 100, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+}
+
+
+class _Groups:  # build_from_hf only needs .train before it reads anything
+    def __init__(self, train):
+        self.train = train
+
+
+def _folder(tmp_path, **overrides):
+    cfg = {**LLAMA, **overrides}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    return tmp_path
+
+
+def test_from_hf_config_llama_and_qwen2():
+    spec = LlamaSpec.from_hf_config(LLAMA)
+    assert (spec.num_query_groups, spec.head_dim, spec.rope_theta) == (2, 16, 5e5)
+    assert not spec.qkv_bias and spec.heads_per_group == 2
+    qwen = LlamaSpec.from_hf_config({**LLAMA, "architectures": ["Qwen2ForCausalLM"],
+                                     "model_type": "qwen2", "rope_theta": 1e6,
+                                     "rope_parameters": None})
+    assert qwen.qkv_bias and qwen.rope_theta == 1e6
+    assert LlamaSpec.from_hf_config(spec.to_hf_config()) == spec
+    assert LlamaSpec.from_hf_config(qwen.to_hf_config("bf16")) == qwen
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "architectures"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "rope_type"),
+    ({"num_key_value_heads": 3}, "num_query_groups"),
+])
+def test_unsupported_hf_configs_name_the_field(overrides, needle):
+    with pytest.raises(ValueError, match=needle):
+        LlamaSpec.from_hf_config({**LLAMA, **overrides})
+
+
+@pytest.mark.parametrize("tp,pp,needle", [
+    (4, 1, r"num_query_groups \(num_key_value_heads\)=2 is not divisible by tp=4"),
+    (8, 1, r"num_attention_heads=4 is not divisible by tp=8"),
+    (1, 3, r"num_layers \(num_hidden_layers\)=4 is not divisible by pp=3"),
+])
+def test_layout_errors_come_before_any_weight_is_read(tmp_path, tp, pp, needle):
+    from hybridrl.models.hf_io import build_from_hf
+
+    folder = _folder(tmp_path)  # the weights file is garbage: reading it would fail differently
+    train = TrainLayout(world=tp * pp, tp=tp, pp=pp)
+    with pytest.raises(ValueError, match=needle):
+        build_from_hf(str(folder), _Groups(train))
+
+
+def test_unsupported_architecture_fails_before_weights(tmp_path):
+    from hybridrl.models.hf_io import build_from_hf
+
+    folder = _folder(tmp_path, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        build_from_hf(str(folder), _Groups(TrainLayout(world=1)))
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        read_hf_spec(tmp_path)
+
+
+def test_ffn_divisibility():
+    spec = LlamaSpec.from_hf_config({**LLAMA, "intermediate_size": 91})
+    with pytest.raises(ValueError, match=r"ffn_hidden_size.*=91 is not divisible by tp=2"):
+        check_layout(spec, TrainLayout(world=2, tp=2))
+
+
+@pytest.mark.parametrize("vocab,tp,padded", [(100, 1, 128), (100, 2, 256), (256, 2, 256),
+                                             (151936, 8, 152576), (32000, 4, 32256)])
+def test_padded_vocab_size_is_megatrons_rule(vocab, tp, padded):
+    assert padded_vocab_size(vocab, tp) == padded
+    assert padded % (128 * tp) == 0
+
+
+def test_to_transformer_config():
+    spec = LlamaSpec.from_hf_config({**LLAMA, "head_dim": 32})
+    cfg = to_transformer_config(spec, TrainLayout(world=4, tp=2, pp=2), "bf16")
+    assert (cfg.num_query_groups, cfg.kv_channels, cfg.ffn_hidden_size) == (2, 32, 96)
+    assert cfg.normalization == "RMSNorm" and cfg.gated_linear_unit and not cfg.add_bias_linear
+    assert cfg.params_dtype == torch.bfloat16 and cfg.bf16
+    assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size) == (2, 2)
+    with pytest.raises(ValueError, match="dtype"):
+        to_transformer_config(spec, TrainLayout(world=1), "fp8")
