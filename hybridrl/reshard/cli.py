@@ -1,0 +1,142 @@
+"""``hybridrl plan``: dry run of the train -> gen reshard, per strategy, for any world size.
+
+Contract:
+- ``add_parser(subparsers)`` registers the ``plan`` subcommand (the lead's hybridrl/cli.py calls
+  it); its handler ``args.func(args) -> int`` prints a table, or one JSON object with ``--json``:
+  ``{"model_bytes": M, "strategies": {"allgather": {...}, "vanilla": {...},
+  "zero_redundancy": {...}, "p2p": {...}}, ...}``; each strategy has
+  ``max_bytes_received_per_rank``, ``max_bytes_sent_per_rank``, ``max_peak_bytes_per_rank``,
+  ``est_seconds`` (max bytes in or out of a rank over ``--gbps``) and ``table2_bytes_received``,
+  or only a ``"reason"`` when it does not apply to the layout.
+- Bad input raises ValueError (the top-level CLI prints one line and exits 2). ``main(argv)``
+  runs the subcommand standalone with the same behaviour (tests call it in-process).
+- Costs come from ``summarize`` (no per-element enumeration): 1024 ranks answer in about a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from hybridrl.parallel.layout import TrainLayout
+from hybridrl.reshard.placement import default_gen_placement, gen_placement, train_placement
+from hybridrl.reshard.planner import STRATEGIES, zero_redundancy_reason
+from hybridrl.reshard.specs import PRESETS, LlamaShape, build_specs
+from hybridrl.reshard.summary import summarize, table2
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def load_shape(model: str) -> LlamaShape:
+    """A preset name or a path to an HF config.json (or its folder)."""
+    if model in PRESETS:
+        return PRESETS[model]
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise ValueError(f"--model must be one of {sorted(PRESETS)} or a config.json path, "
+                         f"got {model!r}")
+    with open(path) as f:
+        return LlamaShape.from_hf_config(json.load(f))
+
+
+def plan_report(args: argparse.Namespace) -> dict:
+    """The JSON report of ``hybridrl plan`` (pure: no process group)."""
+    shape = load_shape(args.model)
+    layout = TrainLayout(world=args.world, tp=args.tp, pp=args.pp)
+    train = train_placement(layout, shape)
+    itemsize = DTYPE_BYTES[args.dtype]
+    specs = build_specs(shape)
+    model_bytes = shape.num_params() * itemsize
+    if not args.gbps > 0 or not args.bucket_mb > 0:
+        raise ValueError(f"--gbps and --bucket-mb must be > 0, got {args.gbps}, {args.bucket_mb}")
+    nested_gen = default_gen_placement(layout, shape, args.gen_tp, args.gen_pp)
+    dg = (args.tp * args.pp) // (args.gen_tp * args.gen_pp) if nested_gen.grouping == "hybridflow" else None
+    out = {"model": args.model, "model_bytes": model_bytes, "dtype": args.dtype,
+           "world": args.world, "train": {"tp": args.tp, "pp": args.pp, "dp": layout.dp},
+           "gen": {"tp": args.gen_tp, "pp": args.gen_pp, "dg": dg, "grouping": nested_gen.grouping},
+           "bucket_mb": args.bucket_mb, "gbps": args.gbps, "strategies": {}}
+    for strategy in STRATEGIES:
+        gen = nested_gen
+        if strategy == "zero_redundancy" and (why := zero_redundancy_reason(train, gen)):
+            out["strategies"][strategy] = {"reason": why}
+            continue
+        if strategy == "vanilla" and gen.grouping == "hybridflow":
+            gen = gen_placement(layout, shape, args.gen_tp, args.gen_pp, "vanilla")
+        s = summarize(train, gen, specs, strategy, itemsize, int(args.bucket_mb * (1 << 20)))
+        entry = s.as_dict()
+        entry["est_seconds"] = max(max(s.recv), max(s.sent)) * 8 / (args.gbps * 1e9)
+        if dg is not None:
+            entry["table2_bytes_received"] = float(
+                table2(strategy, args.tp, args.pp, layout.dp, dg, model_bytes))
+        out["strategies"][strategy] = entry
+    return out
+
+
+def _text(rep: dict) -> str:
+    g, t = rep["gen"], rep["train"]
+    lines = [
+        f"{rep['model']}: M = {rep['model_bytes'] / 1e9:.2f} GB ({rep['dtype']}), world "
+        f"{rep['world']}: train p x t x d = {t['pp']} x {t['tp']} x {t['dp']}, gen pg x tg = "
+        f"{g['pp']} x {g['tp']} (grouping {g['grouping']}, dg = {g['dg']})",
+        f"{'strategy':<16} {'recv/rank GB':>12} {'sent/rank GB':>12} {'peak/rank GB':>12} "
+        f"{'est s @' + str(rep['gbps']) + 'Gb/s':>16}",
+    ]
+    for name, e in rep["strategies"].items():
+        if "reason" in e:
+            lines.append(f"{name:<16} n/a: {e['reason']}")
+            continue
+        lines.append(
+            f"{name:<16} {e['max_bytes_received_per_rank'] / 1e9:>12.3f} "
+            f"{e['max_bytes_sent_per_rank'] / 1e9:>12.3f} {e['max_peak_bytes_per_rank'] / 1e9:>12.3f} "
+            f"{e['est_seconds']:>16.3f}")
+    return "\n".join(lines)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    rep = plan_report(args)
+    print(json.dumps(rep) if args.json else _text(rep))
+    return 0
+
+
+def _fill(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help=f"one of {sorted(PRESETS)} or PATH/config.json (HF llama/qwen2 style)")
+    p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    p.add_argument("--tp", type=int, default=1, help="training tensor-parallel size t")
+    p.add_argument("--pp", type=int, default=1, help="training pipeline-parallel size p")
+    p.add_argument("--gen-tp", type=int, required=True, help="generation tensor-parallel size tg")
+    p.add_argument("--gen-pp", type=int, default=1, help="generation pipeline-parallel size pg")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    p.add_argument("--gbps", type=float, default=400.0, help="per-rank link speed, Gbit/s")
+    p.add_argument("--bucket-mb", type=float, default=512.0, help="reshard bucket size, MiB")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_plan)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="dry run of the train->gen reshard: bytes, peak, time")
+    _fill(p)
+    return p
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hybridrl plan`` standalone: 0 on success, 2 with one line on stderr for bad input."""
+    parser = _OneLineParser(prog="hybridrl plan")
+    _fill(parser)
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        return args.func(args)
+    except ValueError as err:
+        print(f"hybridrl plan: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

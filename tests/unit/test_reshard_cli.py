@@ -1,0 +1,79 @@
+"""``hybridrl plan`` in-process, plus spec-level checks (presets, TE naming, bad shapes)."""
+
+import json
+import time
+
+import pytest
+
+from hybridrl.reshard.cli import main
+from hybridrl.reshard.specs import PRESETS, LlamaShape, build_specs
+
+
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_plan_json_1024_ranks_in_seconds(capsys):
+    t0 = time.perf_counter()
+    rc, out, _ = _run(capsys, "--model", "llama-70b", "--world", "1024", "--tp", "8", "--pp", "8",
+                      "--gen-tp", "4", "--gen-pp", "2", "--json")
+    assert rc == 0 and time.perf_counter() - t0 < 10
+    rep = json.loads(out)
+    M = rep["model_bytes"]
+    assert M == PRESETS["llama-70b"].num_params() * 2
+    s = rep["strategies"]
+    assert set(s) == {"allgather", "vanilla", "zero_redundancy", "p2p"}
+    for e in s.values():
+        assert {"max_bytes_received_per_rank", "max_peak_bytes_per_rank", "est_seconds"} <= set(e)
+    zr = s["zero_redundancy"]
+    assert zr["max_bytes_received_per_rank"] == s["p2p"]["max_bytes_received_per_rank"]
+    # Table 2 up to the replicated norms and the stage-0 embedding: within 5 %
+    assert abs(zr["max_bytes_received_per_rank"] / zr["table2_bytes_received"] - 1) < 0.05
+    assert s["allgather"]["max_bytes_received_per_rank"] > 8 * zr["max_bytes_received_per_rank"]
+    assert zr["max_peak_bytes_per_rank"] < M / 8 * 1.2
+    assert zr["est_seconds"] == pytest.approx(
+        max(zr["max_bytes_received_per_rank"], zr["max_bytes_sent_per_rank"]) * 8 / 400e9)
+
+
+def test_plan_text_and_reason(capsys, tmp_path):
+    cfg = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+           "num_key_value_heads": 4, "num_hidden_layers": 4, "vocab_size": 1000,
+           "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, out, _ = _run(capsys, "--model", str(tmp_path / "config.json"), "--world", "8",
+                      "--tp", "2", "--gen-tp", "4", "--dtype", "fp32", "--json")
+    assert rc == 0
+    rep = json.loads(out)
+    assert "use p2p" in rep["strategies"]["zero_redundancy"]["reason"]
+    assert rep["strategies"]["p2p"]["max_bytes_received_per_rank"] > 0
+    rc, out, _ = _run(capsys, "--model", str(tmp_path), "--world", "8", "--tp", "2", "--gen-tp", "1")
+    assert rc == 0 and "zero_redundancy" in out and "GB" in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "llama-9b", "--world", "8", "--gen-tp", "1"], "--model"),
+    (["--model", "llama-7b", "--world", "6", "--tp", "4", "--gen-tp", "1"], "world=6"),
+    (["--model", "llama-70b", "--world", "16", "--tp", "8", "--gen-tp", "16"], "num_query_groups=8"),
+    (["--model", "llama-7b", "--world", "8", "--gen-tp", "3"], "gen tp=3"),
+    (["--model", "llama-7b", "--world", "8", "--gen-tp", "x"], "invalid int"),
+    (["--model", "llama-7b", "--world", "8", "--gen-tp", "1", "--gbps", "0"], "--gbps"),
+])
+def test_plan_bad_args_exit_2_one_line(capsys, argv, needle):
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and needle in err, err
+
+
+def test_specs_presets_and_naming():
+    assert abs(PRESETS["llama-7b"].num_params() - 6.738e9) < 0.01e9
+    assert abs(PRESETS["llama-70b"].num_params() - 68.98e9) < 0.05e9
+    te = [s.name for s in build_specs(PRESETS["llama-7b"], naming="te")]
+    assert "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight" in te
+    assert "decoder.layers.3.mlp.linear_fc1.layer_norm_weight" in te
+    assert not any("input_layernorm" in n for n in te)
+    with pytest.raises(ValueError, match="num_query_groups=3"):
+        LlamaShape(hidden=64, ffn=64, heads=8, num_query_groups=3, layers=2, vocab=10)
+    with pytest.raises(ValueError, match="naming"):
+        build_specs(PRESETS["llama-7b"], naming="hf")
