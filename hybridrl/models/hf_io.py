@@ -11,7 +11,8 @@ Contract:
 - ``export_hf(model, folder)``: TP pieces are gathered on the dp_rank 0 replica; the tp_rank 0 rank
   of each stage writes ``model-000{s+1}-of-000{pp}.safetensors``; global rank 0 writes config.json
   and ``model.safetensors.index.json``. Vocab padding never reaches the files; tied models write no
-  ``lm_head.weight``. Collective: every rank of the layout must call it.
+  ``lm_head.weight``; every tensor is written in the model's dtype. Collective: every rank of
+  the layout must call it.
 - The slicing math is pure given a reader: ``local_slice_from_hf`` (HF -> this rank's shard) and
   ``hf_tensors_from_full`` (every TP piece -> HF tensors) are inverse; see docs/models.md.
 """
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from hybridrl.models.build import ShardedModel, build_model
 from hybridrl.models.naming import named_local_parameters, tp_partition_dim
-from hybridrl.models.spec import check_layout, read_hf_spec
+from hybridrl.models.spec import DTYPES, check_layout, read_hf_spec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LAYER_MAP = {
@@ -219,7 +220,7 @@ def export_hf(model: ShardedModel, folder: str | Path) -> None:
             pieces = [p.cpu() for p in _gather_tp(param, groups)]
             if groups.tp_rank == 0:
                 for hf_name, t in hf_tensors_from_full(name, pieces, model.spec, model.role).items():
-                    tensors[hf_name] = t.contiguous()
+                    tensors[hf_name] = t.to(DTYPES[model.dtype]).contiguous()
     file_name = f"model-{groups.pp_rank + 1:05d}-of-{groups.pp_size:05d}.safetensors"
     writer = groups.dp_rank == 0 and groups.tp_rank == 0
     if writer:

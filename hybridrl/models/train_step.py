@@ -7,7 +7,8 @@ Contract:
   then ``lr * (r + (1 - r) * (1 + cos(pi * p)) / 2)`` with ``r = min_lr_ratio`` and
   ``p = clamp((step + 1 - warmup) / (total_steps - warmup), 0, 1)``.
 - ``ModelOptimizer(model, cfg)``: AdamW over the trainable parameters (no weight decay on 1-D
-  parameters), its ``step()`` finalizes gradients, clips and applies the update:
+  parameters and biases; bf16/fp16 parameters are stepped through fp32 master copies), its
+  ``step()`` finalizes gradients, clips and applies the update:
   1. tied embeddings with pp > 1: word-embedding and output-layer gradients are summed over the
      first/last-stage ``embd`` group (megatron keeps one copy on each of those stages);
   2. DP: gradients are averaged over ``groups.dp`` (one flat all-reduce per dtype);
@@ -110,11 +111,15 @@ class ModelOptimizer:
         self.model, self.cfg, self.step_count = model, cfg, 0
         named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
-        decay = [p for n, p in named if p.ndim > 1 and not n.endswith(".bias")]
-        no_decay = [p for n, p in named if not (p.ndim > 1 and not n.endswith(".bias"))]
+        # bf16/fp16 parameters get fp32 master copies; AdamW runs on those
+        self.masters = [p if p.dtype == torch.float32 else
+                        torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        is_decay = [p.ndim > 1 and not n.endswith(".bias") for n, p in named]
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": [m for m, d in zip(self.masters, is_decay) if d],
+              "weight_decay": cfg.weight_decay},
+             {"params": [m for m, d in zip(self.masters, is_decay) if not d],
+              "weight_decay": 0.0}],
             lr=lr_at(cfg, 0), betas=tuple(cfg.betas), eps=cfg.eps)
 
     def zero_grad(self) -> None:
@@ -156,7 +161,15 @@ class ModelOptimizer:
         lr = lr_at(self.cfg, self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        for p, master in zip(self.params, self.masters):
+            if master is not p:
+                master.grad = p.grad.float()
         self.optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                if master is not p:
+                    p.copy_(master)
+                    master.grad = None
         self.step_count += 1
         return {"grad_norm": norm, "lr": lr}
 

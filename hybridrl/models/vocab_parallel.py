@@ -1,21 +1,27 @@
 """Per-token log-probs and entropy from vocab-parallel logits, never gathering the full vocab.
 
 Contract:
-- Each TP rank holds logits ``z[..., v]`` for its vocab slice ``[vocab_start, vocab_start + V_local)``
-  of the padded vocabulary; ids ``>= vocab_size`` are padding and are excluded from the softmax.
+- Each TP rank holds logits ``x[..., v]`` for its slice ``[vocab_start, vocab_start + V_local)``
+  of the padded vocabulary; ids ``>= vocab_size`` are padding (always a suffix of the padded
+  vocabulary) and are left out of the softmax.
 - ``vocab_parallel_logprobs_entropy(logits_BTV, labels_BT, tp_group, vocab_start, vocab_size)``
-  returns ``(logp_BT, entropy_BT)`` (entropy None unless asked), in fp32, equal on every TP rank:
+  returns ``(logp_BT, entropy_BT)`` (entropy None unless asked), in fp32, equal on every TP rank.
+  With ``z = x / temperature`` over the real (non-padding) ids:
 
-      m   = max_v z_v                         (all-reduce MAX over TP; no gradient, a shift only)
+      m   = max_v z_v                         (all-reduce MAX over TP; a shift only)
       S   = sum_v exp(z_v - m)                (all-reduce SUM)
-      lse = m + log S
+      lse = m + log S,   p_v = exp(z_v - lse)
       logp(y) = z_y - lse                     (z_y: all-reduce SUM of the owner's value, 0 elsewhere)
-      H   = lse - sum_v p_v z_v,  p_v = exp(z_v - m) / S   (all-reduce SUM)
+      H   = lse - sum_v p_v z_v               (all-reduce SUM)
 
-- Gradients are exact: every reduction is an all-reduce in the forward and the identity in the
-  backward (each TP rank computes the same loss from replicated values, so the gradient of its own
-  slice is local). With ``tp_group=None`` (or size 1) nothing is communicated.
-- ``temperature`` divides the logits first (as the sampler did).
+- Backward is local to each vocab slice (every TP rank computes the same loss from the replicated
+  outputs, so no communication is needed):
+
+      d logp / d z_v = 1[v = y] - p_v          d H / d z_v = -p_v (log p_v + H)
+
+  and ``d/dx = d/dz / temperature``. Only ``p`` (fp32, the local slice) is saved for backward.
+- ``tp_group=None`` (or size 1) communicates nothing. ``reference_logprobs_entropy`` is the
+  full-vocab single-process oracle.
 """
 
 from __future__ import annotations
@@ -24,31 +30,58 @@ import torch
 import torch.distributed as dist
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """All-reduce SUM over ``group`` forward; identity backward (the loss is replicated)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
-    if group is None or dist.get_world_size(group) == 1:
-        return x
-    return _AllReduceSum.apply(x, group)
-
-
-def _max_over(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.detach().clone()
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(x, op=op, group=group)
     return x
+
+
+class _VocabParallelLogpEntropy(torch.autograd.Function):
+    """(logp [B, T], entropy [B, T]) of the real-vocab prefix of this rank's logits slice."""
+
+    @staticmethod
+    def forward(ctx, logits_BTV, labels_BT, group, vocab_start, n_real, temperature):
+        z_BTV = logits_BTV[..., :n_real].float() / temperature  # fp32 copy, real ids only
+        shape = labels_BT.shape
+        if n_real > 0:
+            m_BT = z_BTV.max(dim=-1).values
+        else:  # this slice holds padding only
+            m_BT = torch.full(shape, float("-inf"), device=z_BTV.device)
+        _all_reduce(m_BT, group, dist.ReduceOp.MAX)
+        p_BTV = (z_BTV - m_BT.unsqueeze(-1)).exp_()  # unnormalized for now
+        sum_exp_BT = _all_reduce(p_BTV.sum(dim=-1), group)
+        lse_BT = m_BT + sum_exp_BT.log()
+        p_BTV.div_(sum_exp_BT.unsqueeze(-1))  # softmax over the whole (real) vocabulary
+
+        local_BT = labels_BT.long() - vocab_start
+        owned_BT = (local_BT >= 0) & (local_BT < n_real)
+        target_BT = torch.zeros(shape, device=z_BTV.device)
+        if n_real > 0:
+            picked = z_BTV.gather(-1, local_BT.clamp(0, n_real - 1).unsqueeze(-1)).squeeze(-1)
+            target_BT = torch.where(owned_BT, picked, target_BT)
+        _all_reduce(target_BT, group)
+        pz_BT = _all_reduce((p_BTV * z_BTV).sum(dim=-1), group)
+        entropy_BT = lse_BT - pz_BT
+        ctx.save_for_backward(p_BTV, entropy_BT, local_BT, owned_BT)
+        ctx.shape, ctx.n_real, ctx.temperature = logits_BTV.shape, n_real, temperature
+        ctx.dtype = logits_BTV.dtype
+        return target_BT - lse_BT, entropy_BT
+
+    @staticmethod
+    def backward(ctx, grad_logp_BT, grad_entropy_BT):
+        p_BTV, entropy_BT, local_BT, owned_BT = ctx.saved_tensors
+        grad_z_BTV = torch.zeros_like(p_BTV)
+        if grad_entropy_BT is not None:  # -p (log p + H) * g_H
+            grad_z_BTV = torch.xlogy(p_BTV, p_BTV).add_(p_BTV * entropy_BT.unsqueeze(-1))
+            grad_z_BTV.mul_(-grad_entropy_BT.unsqueeze(-1))
+        if grad_logp_BT is not None:  # (onehot - p) * g_logp
+            grad_z_BTV.sub_(p_BTV * grad_logp_BT.unsqueeze(-1))
+            if ctx.n_real > 0:
+                idx = local_BT.clamp(0, ctx.n_real - 1).unsqueeze(-1)
+                grad_z_BTV.scatter_add_(-1, idx, (grad_logp_BT * owned_BT).unsqueeze(-1))
+        grad_x = torch.zeros(ctx.shape, dtype=ctx.dtype, device=p_BTV.device)
+        grad_x[..., :ctx.n_real] = grad_z_BTV / ctx.temperature
+        return grad_x, None, None, None, None, None
 
 
 def vocab_parallel_logprobs_entropy(
@@ -68,28 +101,12 @@ def vocab_parallel_logprobs_entropy(
         raise ValueError(f"logits shape {tuple(logits_BTV.shape)} does not match labels shape "
                          f"{tuple(labels_BT.shape)} (expected [..., V_local] vs [...])")
     v_local = logits_BTV.shape[-1]
-    z = logits_BTV.float()
-    if temperature != 1.0:
-        z = z / temperature
-    ids_V = torch.arange(vocab_start, vocab_start + v_local, device=z.device)
-    valid_V = ids_V < (vocab_size if vocab_size is not None else vocab_start + v_local)
-    z_masked = z.masked_fill(~valid_V, float("-inf"))  # padding rows leave the softmax
-
-    m_BT = _max_over(z_masked.max(dim=-1).values, tp_group)
-    e_BTV = torch.exp(z_masked - m_BT.unsqueeze(-1))
-    sum_exp_BT = _sum_over(e_BTV.sum(dim=-1), tp_group)
-    lse_BT = m_BT + torch.log(sum_exp_BT)
-
-    local_BT = labels_BT.long() - vocab_start
-    owned_BT = (local_BT >= 0) & (local_BT < v_local)
-    picked_BT = z.gather(-1, local_BT.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
-    target_BT = _sum_over(picked_BT * owned_BT, tp_group)
-    logp_BT = target_BT - lse_BT
-    if not with_entropy:
-        return logp_BT, None
-    p_BTV = e_BTV / sum_exp_BT.unsqueeze(-1)
-    pz_BT = _sum_over((p_BTV * z.masked_fill(~valid_V, 0.0)).sum(dim=-1), tp_group)
-    return logp_BT, lse_BT - pz_BT
+    real_end = vocab_start + v_local if vocab_size is None else vocab_size
+    n_real = max(0, min(v_local, real_end - vocab_start))
+    logp_BT, entropy_BT = _VocabParallelLogpEntropy.apply(
+        logits_BTV, labels_BT.to(logits_BTV.device), tp_group, vocab_start, n_real,
+        float(temperature))
+    return logp_BT, entropy_BT if with_entropy else None
 
 
 def reference_logprobs_entropy(

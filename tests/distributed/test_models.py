@@ -134,6 +134,8 @@ def suite(tmp_path_factory):
         dict(kind="logprobs", tp=1, pp=1, folder=untied, **common),
         dict(kind="train", tp=1, pp=1, folder=untied, out=str(root / "step111"), batch=batch,
              n_micro=N_MICRO * 2),
+        dict(kind="train", tp=1, pp=1, folder=untied, out=str(root / "step111_bf16"),
+             batch=batch, n_micro=N_MICRO * 2, dtype="bf16"),
     ]
     res = {8: run_on_ranks(cases_mod.run_cases, 8, w8, timeout=400, preload=("megatron.core",)),
            4: run_on_ranks(cases_mod.run_cases, 4, w4, timeout=200, preload=("megatron.core",)),
@@ -182,6 +184,18 @@ def test_optimizer_step_222_equals_111_and_transformers(suite):
     assert metrics111["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     assert metrics222["loss"] == pytest.approx(metrics111["loss"], abs=1e-6)
     assert all(r["metrics"] == metrics222 for r in _case_results(suite, 8, 4))
+
+
+@pytest.mark.slow
+def test_bf16_step_uses_fp32_master_weights(suite):
+    """bf16 parameters: the step lands close to the fp32 step and stays bf16 on disk."""
+    bf16 = _read_folder(suite["root"] / "step111_bf16")
+    fp32 = _read_folder(suite["root"] / "step111")
+    for name, tensor in bf16.items():
+        assert tensor.dtype == torch.bfloat16, name
+        torch.testing.assert_close(tensor.float(), fp32[name], atol=2e-2, rtol=2e-2, msg=name)
+    metrics = _case_results(suite, 1, 2)[0]["metrics"]
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
 
 
 @pytest.mark.slow

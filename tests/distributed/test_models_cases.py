@@ -76,7 +76,7 @@ def _train_case(groups, case: dict) -> dict:
     from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
 
     role = case.get("role", "actor")
-    model = build_from_hf(case["folder"], groups, role)
+    model = build_from_hf(case["folder"], groups, role, dtype=case.get("dtype", "fp32"))
     cfg = OptimConfig(lr=LR, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP)
     opt = ModelOptimizer(model, cfg)
     mbs = split_microbatches(case["batch"], groups.dp_size, groups.dp_rank, case["n_micro"])

@@ -35,12 +35,21 @@ def test_logprobs_entropy_values_and_grads_match_full_vocab(temperature):
 def test_padding_columns_leave_the_softmax():
     torch.manual_seed(1)
     real = torch.randn(2, 4, 7)
-    padded = torch.cat([real, torch.full((2, 4, 9), 5.0)], dim=-1)  # padding with big logits
+    padded = torch.cat([real, torch.full((2, 4, 9), 5.0)], dim=-1).detach()  # big pad logits
     labels = torch.randint(0, 7, (2, 4))
+    padded.requires_grad_(True)
+    real.requires_grad_(True)
     logp, ent = vocab_parallel_logprobs_entropy(padded, labels, None, vocab_size=7)
     ref_logp, ref_ent = reference_logprobs_entropy(real, labels)
     torch.testing.assert_close(logp, ref_logp, atol=1e-6, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=0)
+    (logp.sum() + ent.sum()).backward()
+    (ref_logp.sum() + ref_ent.sum()).backward()
+    assert torch.all(padded.grad[..., 7:] == 0)
+    torch.testing.assert_close(padded.grad[..., :7], real.grad, atol=1e-5, rtol=0)
+    logp_only, none = vocab_parallel_logprobs_entropy(padded, labels, None, vocab_size=7,
+                                                      with_entropy=False)
+    assert none is None and torch.allclose(logp_only, logp)
 
 
 def test_bad_shapes_and_temperature():
