@@ -9,6 +9,7 @@ Contract:
   tensors to ``sink`` (e.g. an engine's weight loader); without a sink they are kept and
   returned by ``result()``.
 - Gen pieces with no real rows (vocab chunks past the vocabulary) are emitted at construction.
+- ``slot(key, lo, hi)`` gives the executor a contiguous view to receive into (no extra copy).
 - ``live_bytes``: canonical bytes of open buffers plus converted tensors kept (for peak checks).
 """
 
@@ -57,16 +58,26 @@ class Assembler:
         if self.sink is None:
             self.kept_bytes += piece.numel() * piece.element_size()
 
+    def _region(self, key: str) -> list:
+        if key not in self.regions:
+            dlo, dhi = self.dests[key]
+            buf = torch.empty(self.plan.spec(key).piece_shape(dhi - dlo), dtype=self.dtype)
+            self.regions[key] = [buf, 0]
+            self.open_bytes += buf.numel() * buf.element_size()
+        return self.regions[key]
+
+    def slot(self, key: str, lo: int, hi: int) -> torch.Tensor | None:
+        """Where rows [lo, hi) of ``key`` will live, if contiguous (receive straight into it)."""
+        view = self._region(key)[0].narrow(self.plan.spec(key).cut_dim, lo - self.dests[key][0], hi - lo)
+        return view if view.is_contiguous() else None
+
     def accept(self, key: str, lo: int, hi: int, data: torch.Tensor) -> None:
         """Rows [lo, hi) of ``key`` in canonical layout (shape: piece_shape(hi - lo))."""
         dlo, dhi = self.dests[key]
-        spec = self.plan.spec(key)
-        if key not in self.regions:
-            buf = torch.empty(spec.piece_shape(dhi - dlo), dtype=data.dtype)
-            self.regions[key] = [buf, 0]
-            self.open_bytes += buf.numel() * buf.element_size()
-        region = self.regions[key]
-        region[0].narrow(spec.cut_dim, lo - dlo, hi - lo).copy_(data)
+        region = self._region(key)
+        target = region[0].narrow(self.plan.spec(key).cut_dim, lo - dlo, hi - lo)
+        if target.data_ptr() != data.data_ptr():  # not received in place via ``slot``
+            target.copy_(data)
         region[1] += hi - lo
         if region[1] == dhi - dlo:
             self._complete(key)

@@ -9,8 +9,9 @@ Contract:
   assembler handles bucket k, so the next bucket's communication overlaps the current bucket's
   copy/convert/load. At most two buckets' buffers are alive; the full model is never built on a rank
   (unless the strategy's destination is the full model: the allgather/vanilla baselines).
-- Only flat 1-D buffers travel (gloo: no 2-D all_gather outputs, no uneven all_gather); each peer
-  gets one buffer per bucket holding its transfers back to back in plan order.
+- One isend/irecv per transfer, of flat 1-D contiguous tensors (gloo: no 2-D all_gather outputs,
+  no uneven all_gather): a contiguous piece is sent as a view, a contiguous destination slot is
+  received into directly; other pieces go through a temporary buffer.
 - ``run_plan_local(plan, sources_by_rank, assemblers)`` plays every rank in one process (tests).
 - Returns ``RunStats``: bytes actually sent / received by this rank (buffer sizes), number of
   buckets, and the peak live bytes (comm buffers + assembling regions + emitted canonical bytes).
@@ -57,45 +58,38 @@ def _piece(plan: Plan, sources: dict, t: Transfer) -> torch.Tensor:
     return view.narrow(plan.spec(t.key).cut_dim, t.lo - lo0, t.hi - t.lo)
 
 
-def _by_peer(transfers: list[Transfer], peer_of) -> dict[int, list[Transfer]]:
-    out: dict[int, list[Transfer]] = {}
-    for t in transfers:
-        out.setdefault(peer_of(t), []).append(t)
-    return out
-
-
 class _Bucket:
-    """One bucket's posted operations and buffers on this rank."""
+    """One bucket's posted operations on this rank: one isend / irecv per transfer, in plan order.
 
-    def __init__(self, plan, sources, sends, recvs, tag, group, dtype):
-        self.recv = _by_peer(recvs, lambda t: t.src)
-        ops, self.sent_bytes, self.recv_bufs = [], 0, {}
-        for peer, ts in _by_peer(sends, lambda t: t.dst).items():
-            buf = torch.cat([_piece(plan, sources, t).reshape(-1) for t in ts])  # [sum numel]
+    A send whose canonical piece is contiguous goes out as a view (no copy); a receive lands
+    directly in the assembler's buffer when that slot is contiguous, else in a temporary buffer.
+    """
+
+    def __init__(self, plan, sources, sends, recvs, tag, group, assembler):
+        ops, self.sent_bytes, self.recv_bytes, self.temp_bytes = [], 0, 0, 0
+        self.landing = []  # (transfer, tensor it lands in, direct?)
+        for t in sends:
+            buf = _piece(plan, sources, t)
+            if not buf.is_contiguous():
+                buf = buf.contiguous()
+                self.temp_bytes += t.nbytes
+            ops.append(dist.P2POp(dist.isend, buf.view(-1), t.dst, group, tag))
             self.sent_bytes += buf.numel() * buf.element_size()
-            ops.append(dist.P2POp(dist.isend, buf, peer, group, tag))
-        self.send_bufs = [op.tensor for op in ops]
-        for peer, ts in self.recv.items():
-            numel = sum(t.nbytes for t in ts) // plan.itemsize
-            self.recv_bufs[peer] = torch.empty(numel, dtype=dtype)  # [sum numel]
-            ops.append(dist.P2POp(dist.irecv, self.recv_bufs[peer], peer, group, tag))
+        for t in recvs:
+            slot = assembler.slot(t.key, t.lo, t.hi)
+            if slot is None:
+                slot = torch.empty(t.nbytes // plan.itemsize, dtype=assembler.dtype)  # [numel]
+                self.temp_bytes += t.nbytes
+            self.landing.append((t, slot))
+            ops.append(dist.P2POp(dist.irecv, slot.view(-1), t.src, group, tag))
+            self.recv_bytes += slot.numel() * slot.element_size()
         self.works = dist.batch_isend_irecv(ops) if ops else []
-        self.recv_bytes = sum(b.numel() * b.element_size() for b in self.recv_bufs.values())
-
-    @property
-    def live_bytes(self) -> int:
-        return self.sent_bytes + self.recv_bytes
 
     def wait_and_deliver(self, plan: Plan, assembler: Assembler) -> None:
         for w in self.works:
             w.wait()
-        for peer, ts in self.recv.items():
-            flat, off = self.recv_bufs[peer], 0
-            for t in ts:
-                spec = plan.spec(t.key)
-                n = t.nbytes // plan.itemsize
-                assembler.accept(t.key, t.lo, t.hi, flat[off:off + n].view(spec.piece_shape(t.hi - t.lo)))
-                off += n
+        for t, slot in self.landing:
+            assembler.accept(t.key, t.lo, t.hi, slot.view(plan.spec(t.key).piece_shape(t.hi - t.lo)))
 
 
 def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=None) -> RunStats:
@@ -108,7 +102,7 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
 
     def post(i):
         s, r, k = mine[i]
-        return _Bucket(plan, sources, s, r, k, group, dtype)
+        return _Bucket(plan, sources, s, r, k, group, assembler)
 
     cur = post(0) if mine else None
     for key, lo, hi in plan.locals[rank]:  # overlaps the first bucket's transfer
@@ -116,7 +110,7 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
     assembler.flush()
     for i in range(len(mine)):
         nxt = post(i + 1) if i + 1 < len(mine) else None  # next bucket in flight ...
-        comm = cur.live_bytes + (nxt.live_bytes if nxt else 0)
+        comm = cur.temp_bytes + (nxt.temp_bytes if nxt else 0)
         cur.wait_and_deliver(plan, assembler)  # ... while this one is consumed
         peak_comm = max(peak_comm, comm)
         peak_live = max(peak_live, comm + assembler.live_bytes)
