@@ -200,7 +200,7 @@ def to_transformer_config(spec: LlamaSpec, train, dtype: str = "fp32", **overrid
         bf16=dtype == "bf16", fp16=dtype == "fp16",
         use_cpu_initialization=not on_cuda, perform_initialization=True,
         attention_softmax_in_fp32=True, apply_rope_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=on_cuda,
+        bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=False,
     )

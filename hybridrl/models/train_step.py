@@ -174,11 +174,11 @@ class ModelOptimizer:
         return {"grad_norm": norm, "lr": lr}
 
 
-def _mean_metrics(results: list[dict], groups) -> dict[str, float]:
+def _mean_metrics(results: list[dict], groups, device) -> dict[str, float]:
     """Mean over micro-batches, then over DP ranks, of every scalar metric (last stage)."""
     keys = sorted(k for k, v in results[0].items() if torch.as_tensor(v).numel() == 1)
     local = torch.tensor([[float(r[k]) for k in keys] for r in results],
-                         dtype=torch.float64).mean(dim=0)
+                         dtype=torch.float64, device=device).mean(dim=0)  # NCCL needs the GPU
     if groups.dp_size > 1:
         dist.all_reduce(local, group=groups.dp)
         local /= groups.dp_size
@@ -192,6 +192,6 @@ def train_step(model: ShardedModel, optimizer: ModelOptimizer, microbatches, los
     model.module.train()
     results = run_microbatches(model, microbatches, loss_fn, forward_only=False,
                                **forward_options)
-    metrics = _mean_metrics(results, model.groups) if model.groups.is_last_stage else None
+    metrics = _mean_metrics(results, model.groups, model.device) if model.groups.is_last_stage else None
     metrics = broadcast_from_last_stage(metrics, model.groups)
     return {**metrics, **optimizer.step()}
