@@ -28,9 +28,12 @@ def _extensions():
     import shutil
     import warnings
 
-    flags = ["-O3", "-ffp-contract=off"]
+    # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (serial without it); the
+    # libgomp.so.1 it links is the one torch already loaded (same soname), not a second runtime.
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
     cpu_src = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    exts = [cpp.CppExtension("hybridrl._C", cpu_src, extra_compile_args={"cxx": flags})]
+    exts = [cpp.CppExtension("hybridrl._C", cpu_src, extra_compile_args={"cxx": flags},
+                             extra_link_args=["-fopenmp"])]
     if torch.version.cuda and cpp.CUDA_HOME and shutil.which("nvcc"):
         cu_src = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
         nvcc = ["-O3", "--fmad=false", "-lineinfo"]

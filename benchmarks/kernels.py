@@ -1,0 +1,119 @@
+"""Benchmark of the csrc kernels against their pure-torch references, side by side.
+
+Contract: prints, for each B x T, the compiled op's time, the reference's time (GAE: verl's
+Python time-step loop; KL: eager torch forward + backward; whitening: eager torch), their ratio
+and the compiled op's achieved bandwidth (minimal bytes moved / time). Times are the minimum over
+--repeat runs after one warm-up (a slow reference stops repeating after ~1 s). The compiled ops
+must be built (``pip install --no-build-isolation -e .``); otherwise the script says so and exits.
+
+    python -m benchmarks.kernels --sizes 256x512,1024x1024 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import hybridrl.kernels as K
+from hybridrl.kernels import ops, reference
+
+DEFAULT_SIZES = "256x512,1024x1024,1024x4096,4096x8192"
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, device: str, repeat: int) -> float:
+    """Minimum seconds of fn() over repeat runs after one warm-up; stops early past ~1 s."""
+    fn()
+    _sync(device)
+    best, spent = float("inf"), 0.0
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+        if spent > 1.0:
+            break
+    return best
+
+
+def _row(name: str, B: int, T: int, fast: float, slow: float, nbytes: int) -> str:
+    return (f"{name:<10} {B:>5}x{T:<5} compiled {fast * 1e3:9.3f} ms   reference "
+            f"{slow * 1e3:10.3f} ms   ratio {slow / fast:8.1f}x   {nbytes / fast / 1e9:7.1f} GB/s")
+
+
+def bench_gae(B: int, T: int, device: str, dtype, repeat: int) -> str:
+    gen = torch.Generator().manual_seed(0)
+    r = torch.randn(B, T, generator=gen).to(device, dtype)
+    v = torch.randn(B, T, generator=gen).to(device, dtype)
+    lengths = torch.randint(1, T + 1, (B, 1), generator=gen)
+    m = (torch.arange(T)[None, :] < lengths).to(device, dtype)  # right-padded responses
+    fast = _time(lambda: K.gae(r, v, m, 1.0, 0.95), device, repeat)
+    slow = _time(lambda: reference.gae_ref(r, v, m, 1.0, 0.95), device, repeat)
+    nbytes = 5 * B * T * r.element_size()  # read rewards, values, mask; write adv, returns
+    return _row("gae", B, T, fast, slow, nbytes)
+
+
+def bench_kl(B: int, T: int, device: str, dtype, repeat: int, kind: str) -> str:
+    gen = torch.Generator().manual_seed(1)
+    lp = (-torch.rand(B, T, generator=gen) * 3).to(device, dtype).requires_grad_()
+    rl = (-torch.rand(B, T, generator=gen) * 3).to(device, dtype)
+    grad = torch.ones(B, T, device=device, dtype=dtype)
+
+    def run(fn):
+        def step():
+            lp.grad = None
+            fn(lp, rl, kind).backward(grad)
+        return step
+
+    fast = _time(run(K.kl_penalty), device, repeat)
+    slow = _time(run(reference.kl_penalty_ref), device, repeat)
+    nbytes = 7 * B * T * lp.element_size()  # fwd: 2 in + 1 out; bwd: 3 in + 1 out
+    return _row(f"kl[{kind}]", B, T, fast, slow, nbytes)
+
+
+def bench_whiten(B: int, T: int, device: str, dtype, repeat: int) -> str:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(B, T, generator=gen).to(device, dtype)
+    m = (torch.rand(B, T, generator=gen) > 0.3).to(device, dtype)
+    fast = _time(lambda: K.masked_whiten(x, m), device, repeat)
+    slow = _time(lambda: reference.masked_whiten_ref(x, m), device, repeat)
+    nbytes = 3 * B * T * x.element_size()  # read values, mask; write output (one-pass minimum)
+    return _row("whiten", B, T, fast, slow, nbytes)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma list of BxT")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--kinds", default="low_var_kl", help="comma list of KL kinds")
+    parser.add_argument("--only", default="gae,kl,whiten", help="comma list of gae,kl,whiten")
+    args = parser.parse_args(argv)
+    if not ops.compiled_available("gae", args.device):
+        raise SystemExit(f"compiled hybridrl ops are not built for {args.device}; run "
+                         "`pip install --no-build-isolation -e .` first")
+    dtype = getattr(torch, args.dtype)
+    only = set(args.only.split(","))
+    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
+          f"dtype {args.dtype}, min of {args.repeat}")
+    for size in args.sizes.split(","):
+        B, T = (int(s) for s in size.lower().split("x"))
+        if "gae" in only:
+            print(bench_gae(B, T, args.device, dtype, args.repeat), flush=True)
+        if "kl" in only:
+            for kind in args.kinds.split(","):
+                print(bench_kl(B, T, args.device, dtype, args.repeat, kind), flush=True)
+        if "whiten" in only:
+            print(bench_whiten(B, T, args.device, dtype, args.repeat), flush=True)
+
+
+if __name__ == "__main__":
+    main()
