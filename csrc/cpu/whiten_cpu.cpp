@@ -1,8 +1,8 @@
 // CPU kernel of hybridrl::masked_whiten: three fused passes (masked sum + count, masked centered
 // sum of squares, normalize). Each pass splits the tensor into fixed kChunk-element chunks whose
 // partials are summed in chunk order, so the result does not depend on the thread count. Inside
-// a chunk, kAccLanes independent accumulators (branch-free selects) let the loop vectorize
-// without reassociating; partials are folded into double. Element math is fp32 for
+// a chunk, runs of kSub elements are summed by a vectorized (omp simd) reduction and folded into
+// double. Element math is fp32 for
 // fp32/bf16/fp16 and double for fp64, as in the reference.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -22,7 +22,7 @@ template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
 constexpr int64_t kChunk = 1 << 14;
-constexpr int64_t kAccLanes = 16;  // sub-chunk partial sums stay short: 16 lanes x 1024 terms
+constexpr int64_t kSub = 256;  // short fp32 runs: rounding stays far below the reference's
 
 // Sum over chunks (in chunk order) of f(begin, end) -> {x, y}.
 template <typename F>
@@ -41,21 +41,31 @@ std::pair<double, double> chunked_sum(int64_t n, const F& f) {
   return {x, y};
 }
 
-// (sum over [b, e) of term(i), sum of mask) with kAccLanes lane accumulators.
+// mi != 0 ? x : 0 without a branch (a random mask mispredicts one per element otherwise).
+template <typename acc_t>
+inline acc_t keep_if_nonzero(acc_t mi, acc_t x) {
+  using bits_t = std::conditional_t<sizeof(acc_t) == 8, uint64_t, uint32_t>;
+  const bits_t keep = bits_t(0) - static_cast<bits_t>(mi != acc_t(0));  // all ones or zero
+  return __builtin_bit_cast(acc_t, __builtin_bit_cast(bits_t, x) & keep);
+}
+
+// (sum over [b, e) of term(i), sum of mask): kSub-element runs summed with an OpenMP simd
+// reduction in acc_t (a fixed lane order, so deterministic), then folded into double.
 template <typename scalar_t, typename Term>
-std::pair<double, double> lane_sums(const scalar_t* m, int64_t b, int64_t e, const Term& term) {
+std::pair<double, double> sub_sums(const scalar_t* m, int64_t b, int64_t e, const Term& term) {
   using acc_t = acc_type<scalar_t>;
-  acc_t xs[kAccLanes] = {}, cs[kAccLanes] = {};
-  int64_t i = b;
-  for (; i + kAccLanes <= e; i += kAccLanes) {
-    for (int64_t l = 0; l < kAccLanes; ++l) {
-      xs[l] += term(i + l);
-      cs[l] += static_cast<acc_t>(m[i + l]);
-    }
-  }
   double x = 0, c = 0;
-  for (; i < e; ++i) x += term(i), c += static_cast<acc_t>(m[i]);
-  for (int64_t l = 0; l < kAccLanes; ++l) x += xs[l], c += cs[l];
+  for (int64_t s = b; s < e; s += kSub) {
+    const int64_t se = std::min(e, s + kSub);
+    acc_t xs = 0, cs = 0;
+#pragma omp simd reduction(+ : xs, cs)
+    for (int64_t i = s; i < se; ++i) {
+      xs += term(i);
+      cs += static_cast<acc_t>(m[i]);
+    }
+    x += xs;
+    c += cs;
+  }
   return {x, c};
 }
 
@@ -64,19 +74,18 @@ void whiten_impl(const scalar_t* v, const scalar_t* m, scalar_t* out, int64_t n)
   using acc_t = acc_type<scalar_t>;
   // where(mask != 0, v, 0) * mask, as the reference (NaN outside the mask does not leak in).
   const auto [sum, count] = chunked_sum(n, [&](int64_t b, int64_t e) {
-    return lane_sums(m, b, e, [&](int64_t i) {
-      const acc_t mi = static_cast<acc_t>(m[i]), x = static_cast<acc_t>(v[i]) * mi;
-      return mi != acc_t(0) ? x : acc_t(0);
+    return sub_sums(m, b, e, [&](int64_t i) {
+      const acc_t mi = static_cast<acc_t>(m[i]);
+      return keep_if_nonzero(mi, static_cast<acc_t>(v[i]) * mi);
     });
   });
   TORCH_CHECK_VALUE(count != 0.0, "mask: at least one element of the mask has to be 1");
   TORCH_CHECK_VALUE(count != 1.0, "mask: the mask sums to one, the unbiased variance is undefined");
   const acc_t mean = static_cast<acc_t>(sum / (count + 1e-8));
   const double sq = chunked_sum(n, [&](int64_t b, int64_t e) {
-    return lane_sums(m, b, e, [&](int64_t i) {
+    return sub_sums(m, b, e, [&](int64_t i) {
       const acc_t mi = static_cast<acc_t>(m[i]), d = static_cast<acc_t>(v[i]) - mean;
-      const acc_t x = (d * d) * mi;
-      return mi != acc_t(0) ? x : acc_t(0);
+      return keep_if_nonzero(mi, (d * d) * mi);
     });
   }).first;
   const double var = sq / (count + 1e-8) * (count / (count - 1.0));

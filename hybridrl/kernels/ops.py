@@ -25,6 +25,8 @@ import warnings
 
 import torch
 
+from hybridrl.kernels.reference import KL_K1
+
 OP_NAMES = ("kl_forward", "kl_backward", "gae", "masked_whiten")
 
 
@@ -93,7 +95,9 @@ def _kl_setup_context(ctx, inputs, output):
 def _kl_backward(ctx, grad):
     logprob, ref_logprob = ctx.saved_tensors
     grad_logprob = None
-    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+    if ctx.bwd_kind == KL_K1:  # d(logp - ref)/d logp = 1: pass grad through, as eager torch does
+        grad_logprob = grad
+    elif ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
         grad_logprob = torch.ops.hybridrl.kl_backward(grad, logprob, ref_logprob, ctx.bwd_kind)
     grad_ref = -grad_logprob if ctx.needs_input_grad[1] else None
     return (grad_logprob if ctx.needs_input_grad[0] else None), grad_ref, None, None
