@@ -1,0 +1,249 @@
+"""Reshard benchmark on 8 gloo ranks: every strategy vs the wire limit vs megatron-core's refit.
+
+    .venv/bin/python benchmarks/reshard.py [--layouts 4,2,2,1 2,2,2,1] [--repeats 3]
+                                           [--bucket-mb 64] [--no-megatron]
+
+For each layout "t,p,tg,pg" of the ~100M-parameter llama shape below (fp32), every rank holds its
+megatron training shard (random values) and the script times, each as the max over ranks of the
+median of ``--repeats`` runs after one warm-up:
+- hybridrl's four strategies (plan once, then ``run_plan`` into gen-layout megatron shards);
+- the wire limit: one bare ``all_gather`` of the same bytes in the same (micro-DP) groups;
+- megatron-core's ``swap_model_weights`` (``megatron.core.resharding``) between a GPTModel on the
+  training layout and one on the generation layout, over its gloo copy service; the first call
+  (which plans) is reported apart from the steady state, and its result is compared bit for bit
+  with hybridrl's zero_redundancy result.
+It prints every time, bytes per rank and the ratios zero_redundancy / wire and
+swap_model_weights / zero_redundancy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hybridrl.reshard.specs import LlamaShape  # noqa: E402
+from hybridrl.testing.dist import run_on_ranks  # noqa: E402
+
+# ~100M parameters: 12 layers, hidden 768, GQA 12 heads / 4 groups, SwiGLU 2048, vocab 16000
+SHAPE = LlamaShape(hidden=768, ffn=2048, heads=12, num_query_groups=4, layers=12, vocab=16000)
+STRATEGIES = ("allgather", "vanilla", "zero_redundancy", "p2p")
+
+
+def _timed(fn, repeats, barrier):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _max(x):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+class _CpuTracker:
+    """megatron's CUDA RNG tracker as far as model construction needs it (CPU only)."""
+
+    def fork(self, name="model-parallel-rng"):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def is_initialized(self):
+        return True
+
+
+def _build_model(groups, shape, pgc, gen):
+    """A megatron-core GPTModel (local spec, CPU init) on the train layout, or on the gen layout."""
+    import copy
+
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import TransformerConfig
+
+    mrandom._CUDA_RNG_STATE_TRACKER = _CpuTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    tp, pp, pp_rank = groups.train.tp, groups.train.pp, groups.pp_rank
+    if gen:
+        pgc = copy.copy(pgc)
+        pgc.tp, pgc.pp, pgc.dp = groups.gen_tp, groups.gen_pp, groups.gen_dp
+        tp, pp, pp_rank = groups.size("gen_tp"), groups.size("gen_pp"), groups.index("gen_pp")
+    cfg = TransformerConfig(
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        num_query_groups=shape.num_query_groups, kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        use_cpu_initialization=True,  # init sets the TP attributes megatron's refit reads
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32)
+    return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"),
+                    vocab_size=shape.padded_vocab(groups.train.tp), max_sequence_length=128,
+                    pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                    pg_collection=pgc)
+
+
+def _time_swap(groups, shape, pgc, src_model, ours, repeats, timed, mx):
+    """megatron-core's swap_model_weights train model -> gen model over gloo (CPU service)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopyService
+    from megatron.core.resharding.refit import swap_model_weights
+
+    class CpuGlooCopyService(GlooCopyService):
+        def __init__(self):  # the parent creates a torch.cuda.Stream; nothing else needs CUDA
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.gloo_pg = dist.new_group(backend="gloo")
+            self.send_ops, self.recv_ops, self._copy_stream = [], [], None
+
+    dst = _build_model(groups, shape, pgc, gen=True)
+    service = CpuGlooCopyService()
+    dist.barrier()
+    t0 = time.perf_counter()
+    swap_model_weights(src_model, dst, service)
+    first = time.perf_counter() - t0
+    steady = timed(lambda: swap_model_weights(src_model, dst, service), repeats, dist.barrier)
+    rank, params = dist.get_rank(), dict(dst.named_parameters())
+    recv = sum(params[op.param_name].data[op.my_slice].numel() * 4
+               for op in dst._cached_reshard_plan.recv_ops if op.peer_rank != rank)
+    chunk, b = shape.padded_vocab(groups.train.tp) // groups.size("gen_tp"), groups.index("gen_tp")
+    real = max(0, min(chunk, shape.vocab - b * chunk))
+    same = all(torch.equal(params[n].data[:real] if "word_emb" in n or "output_layer" in n
+                           else params[n].data, v[:real] if v.shape[0] == chunk else v)
+               for n, v in ours.items())
+    same = mx(0.0 if same else 1.0) == 0.0
+    return {"first_s": mx(first), "s": mx(steady), "recv": mx(recv), "same": same}
+
+
+def _bench_rank(rank, world, cfg):
+    import torch
+    import torch.distributed as dist
+
+    from hybridrl.parallel.groups import build_groups
+    from hybridrl.parallel.layout import GenLayout, TrainLayout
+    from hybridrl.reshard.assemble import Assembler
+    from hybridrl.reshard.executor import run_plan, train_sources
+    from hybridrl.reshard.formats import megatron_format
+    from hybridrl.reshard.placement import gen_placement, train_placement
+    from hybridrl.reshard.planner import plan_reshard
+    from hybridrl.reshard.specs import build_specs, storage_shape
+
+    t, p, tg, pg = cfg["layout"]
+    layout = TrainLayout(world, tp=t, pp=p)
+    groups = build_groups(layout, GenLayout(layout, tp=tg, pp=pg))
+    train = train_placement(layout, SHAPE)
+    specs = build_specs(SHAPE)
+    torch.manual_seed(1234 + rank)
+    src_model = named = None
+    if cfg["megatron"]:
+        from hybridrl.parallel.megatron import apply_megatron_groups
+
+        pgc = apply_megatron_groups(groups)  # once: re-applying destroys megatron's groups
+        src_model = _build_model(groups, SHAPE, pgc, gen=False)
+        named = {n: prm.data for n, prm in src_model.named_parameters()}
+    else:
+        b, a, _ = train.coords[rank]
+        named = {s.local_name(p, SHAPE.layers): torch.randn(storage_shape(s, t, train.vocab_chunk))
+                 for s in specs if s.on_stage(p, SHAPE.layers, a)}
+    out, results = {}, {}
+    for strategy in STRATEGIES:
+        gen = gen_placement(layout, SHAPE, tg, pg, "vanilla" if strategy == "vanilla" else "hybridflow")
+        t0 = time.perf_counter()
+        plan = plan_reshard(train, gen, specs, strategy, bucket_mb=cfg["bucket_mb"], itemsize=4)
+        plan_s = time.perf_counter() - t0
+        sources = train_sources(plan, rank, named)
+        box = {}
+
+        def once(plan=plan, gen=gen, sources=sources, box=box):
+            asm = Assembler(plan, rank, megatron_format(gen, rank))
+            box["stats"] = run_plan(plan, rank, sources, asm)
+            box["result"] = asm.result()
+
+        sec = _timed(once, cfg["repeats"], dist.barrier)
+        st = box["stats"]
+        out[strategy] = {"s": _max(sec), "plan_s": _max(plan_s), "recv": _max(st.bytes_received),
+                         "planned": _max(plan.recv_bytes(rank)), "peak": _max(st.peak_live_bytes),
+                         "buckets": st.buckets}
+        results[strategy] = box["result"]
+    # wire limit: one all_gather of the zero_redundancy bytes in the micro-DP groups
+    dg = groups.size("micro_dp")
+    per = int(out["zero_redundancy"]["recv"]) // max(1, dg - 1) // 4
+    x, y = torch.randn(per), torch.empty(per * dg)
+    wire = _timed(lambda: dist.all_gather_into_tensor(y, x, group=groups.micro_dp), cfg["repeats"],
+                  dist.barrier)
+    out["wire"] = {"s": _max(wire), "recv": _max(per * (dg - 1) * 4)}
+    if cfg["megatron"]:
+        out["megatron"] = _time_swap(groups, SHAPE, pgc, src_model, results["zero_redundancy"],
+                                    cfg["repeats"], _timed, _max)
+    return out if rank == 0 else None
+
+
+def _report(layout, res, world):
+    t, p, tg, pg = layout
+    M = SHAPE.num_params() * 4
+    lines = [f"\nlayout: world {world}, train t={t} p={p} d={world // (t * p)} -> gen tg={tg} "
+             f"pg={pg} (dg={(t * p) // (tg * pg)}); M = {M / 1e6:.1f} MB fp32 "
+             f"({SHAPE.num_params() / 1e6:.1f}M params)",
+             f"{'what':<26}{'seconds':>9}{'recv MB/rank':>14}{'planned MB':>12}{'peak MB':>10}"
+             f"{'plan s':>8}"]
+    for name, e in res.items():
+        if name == "megatron":
+            continue
+        lines.append(f"{name:<26}{e['s']:>9.3f}{e['recv'] / 1e6:>14.1f}"
+                     f"{e.get('planned', e['recv']) / 1e6:>12.1f}"
+                     f"{e.get('peak', 0) / 1e6:>10.1f}{e.get('plan_s', 0):>8.3f}")
+    zr, wire = res["zero_redundancy"]["s"], res["wire"]["s"]
+    lines.append(f"ratio zero_redundancy / wire all_gather = {zr / wire:.2f}")
+    for name in ("allgather", "vanilla", "p2p"):
+        lines.append(f"ratio {name} / zero_redundancy = {res[name]['s'] / zr:.2f}")
+    mg = res.get("megatron")
+    if mg:
+        lines.append(f"{'megatron swap (1st, plans)':<26}{mg['first_s']:>9.3f}{mg['recv'] / 1e6:>14.1f}")
+        lines.append(f"{'megatron swap (steady)':<26}{mg['s']:>9.3f}{mg['recv'] / 1e6:>14.1f}")
+        lines.append(f"ratio megatron swap (steady) / zero_redundancy = {mg['s'] / zr:.2f}; "
+                     f"first call / zero_redundancy (incl. plan) = "
+                     f"{mg['first_s'] / (zr + res['zero_redundancy']['plan_s']):.2f}; "
+                     f"same result as zero_redundancy: {mg['same']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--layouts", nargs="+", default=["4,2,2,1", "2,2,2,1"], help="t,p,tg,pg")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--no-megatron", action="store_true")
+    args = ap.parse_args(argv)
+    print(f"reshard benchmark: {args.world} gloo ranks on this machine, bucket {args.bucket_mb} MiB, "
+          f"median of {args.repeats} after a warm-up, max over ranks")
+    for spec in args.layouts:
+        layout = tuple(int(x) for x in spec.split(","))
+        cfg = {"layout": layout, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
+               "megatron": not args.no_megatron}
+        t0 = time.perf_counter()
+        res = run_on_ranks(_bench_rank, args.world, cfg, timeout=1200,
+                           preload=("megatron.core",) if cfg["megatron"] else ())[0]
+        print(_report(layout, res, args.world))
+        print(f"(wall for this layout incl. model builds: {time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
