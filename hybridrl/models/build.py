@@ -7,7 +7,9 @@ Contract:
   the same arguments (construction of a tied model with pp > 1 does one collective).
 - roles: ``"actor"`` (logits head, trainable), ``"critic"`` (same trunk; the last stage's output
   layer is a replicated scalar ``ValueHead``, embeddings never tied), ``"reference"`` (actor
-  architecture, frozen: ``requires_grad`` False, eval mode, no optimizer).
+  architecture, frozen: ``requires_grad`` False, eval mode, no optimizer). Trainable roles are
+  wrapped in megatron-core's DistributedDataParallel (``ShardedModel.ddp``: fp32 ``main_grad``
+  buffers, gradients averaged over ``groups.dp`` by ``finalize_model_grads``).
 - Layer spec: transformer-engine when CUDA is available and ``transformer_engine`` imports, else
   megatron's local spec. On CPU ``cpu_compat.install()`` runs first (the only CPU workaround site).
 - Initialization is seeded and, on CPU, independent of tp (megatron initializes the full master
@@ -40,6 +42,12 @@ class ShardedModel:
     padded_vocab_size: int
     dtype: str
     uses_te: bool
+    ddp: torch.nn.Module | None = None  # megatron DDP around ``module`` (trainable roles)
+
+    @property
+    def schedule_module(self) -> torch.nn.Module:
+        """What the pipeline schedule runs: the DDP wrapper when there is one."""
+        return self.ddp if self.ddp is not None else self.module
 
     @property
     def vocab_start(self) -> int:
@@ -150,11 +158,25 @@ def build_model(
                                         config.init_method_std, seed)
     if torch.cuda.is_available():
         module.cuda(torch.cuda.current_device())
+    ddp = None
     if role == "reference":
         module.requires_grad_(False)
         module.eval()
+    else:
+        ddp = _wrap_ddp(module, config, pgc)
     return ShardedModel(role=role, module=module, spec=spec, groups=groups, pg_collection=pgc,
-                        config=config, padded_vocab_size=vocab, dtype=dtype, uses_te=use_te)
+                        config=config, padded_vocab_size=vocab, dtype=dtype, uses_te=use_te,
+                        ddp=ddp)
+
+
+def _wrap_ddp(module, config, pgc):
+    """megatron DDP: fp32 gradient buffers (``param.main_grad``), DP-averaged all-reduce."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    return DistributedDataParallel(config, ddp_config, module, pg_collection=pgc)
 
 
 def build_actor(spec: LlamaSpec, groups, **kwargs) -> ShardedModel:

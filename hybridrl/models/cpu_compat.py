@@ -9,8 +9,8 @@ Contract:
 
 What megatron-core assumes and what is patched (see docs/models.md):
 1. ``torch.cuda.current_device()`` / ``device="cuda"`` to place small tensors: RoPE frequencies,
-   the default causal mask, the GlobalMemoryBuffer, the pipeline schedules' token counter and the
-   p2p shape/receive buffers. Each affected megatron module gets a *module-local* ``torch`` proxy
+   the default causal mask, the GlobalMemoryBuffer, the pipeline schedules' token counter, the
+   p2p shape/receive buffers and DDP's gradient buffers. Each affected megatron module gets a *module-local* ``torch`` proxy
    (``_CpuTorch``) that maps the CUDA device to CPU and turns ``synchronize`` into a no-op; every
    other attribute is the real torch. The global ``torch`` is untouched.
 2. The CUDA RNG tracker (dropout inside TP regions forks "model-parallel-rng"): replaced by a
@@ -35,6 +35,7 @@ PATCHED_MODULES = (
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.distributed.param_and_grad_buffer",
 )
 _CPU = torch.device("cpu")
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand")

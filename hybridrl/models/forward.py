@@ -111,7 +111,7 @@ def run_microbatches(
         extra["p2p_communicator"] = P2PCommunicator(pp_group=model.groups.pp, config=model.config)
     with grad_mode:
         results = schedule(
-            forward_step_func=step, data_iterator=iter(microbatches), model=[model.module],
+            forward_step_func=step, data_iterator=iter(microbatches), model=[model.schedule_module],
             num_microbatches=len(microbatches), seq_length=max(s[1] for s in shapes),
             micro_batch_size=max(s[0] for s in shapes), forward_only=forward_only,
             pg_collection=model.pg_collection, **extra,

@@ -7,15 +7,16 @@ Contract:
   then ``lr * (r + (1 - r) * (1 + cos(pi * p)) / 2)`` with ``r = min_lr_ratio`` and
   ``p = clamp((step + 1 - warmup) / (total_steps - warmup), 0, 1)``.
 - ``ModelOptimizer(model, cfg)``: AdamW over the trainable parameters (no weight decay on 1-D
-  parameters and biases; bf16/fp16 parameters are stepped through fp32 master copies), its
-  ``step()`` finalizes gradients, clips and applies the update:
-  1. tied embeddings with pp > 1: word-embedding and output-layer gradients are summed over the
-     first/last-stage ``embd`` group (megatron keeps one copy on each of those stages);
-  2. DP: gradients are averaged over ``groups.dp`` (one flat all-reduce per dtype);
-  3. global norm: sum of squares of every parameter counted once (TP-split parameters on every
+  parameters and biases; bf16/fp16 parameters are stepped through fp32 master copies). Gradients
+  live in megatron DDP's fp32 ``param.main_grad`` buffers. ``step()`` finalizes, clips, applies:
+  1. megatron's ``finalize_model_grads``: DP average over ``groups.dp`` (DDP's bucketed
+     all-reduce) and, for tied embeddings with pp > 1, the sum of the word-embedding and
+     output-layer gradients over the first/last-stage ``embd`` group;
+  2. global norm: sum of squares of every parameter counted once (TP-split parameters on every
      TP rank, replicated ones on tp_rank 0, the last stage's tied copy never), all-reduced over the
      model-parallel (tp x pp) group; if ``grad_clip`` > 0 and the norm exceeds it, every gradient is
-     scaled by ``grad_clip / (norm + 1e-6)`` (megatron's rule).
+     scaled by ``grad_clip / (norm + 1e-6)`` (megatron's rule);
+  3. AdamW with the learning rate ``lr_at(cfg, step_count)``.
 - ``train_step(model, optimizer, microbatches, loss_fn)`` runs ``forward.run_microbatches`` with
   the loss callback, then ``optimizer.step()``; it returns the metrics of the step on every rank:
   the mean over micro-batches and DP ranks of each scalar the callback reported (``loss``
@@ -30,7 +31,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hybridrl.models.build import ShardedModel
 from hybridrl.models.forward import broadcast_from_last_stage, run_microbatches
@@ -88,26 +88,12 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
     return cfg.lr * (r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def _all_reduce_grads(grads: list[torch.Tensor], group, scale: float) -> None:
-    """All-reduce (SUM, then * scale) ``grads`` in place, one flat buffer per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for bucket in by_dtype.values():
-        flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
-        if scale != 1.0:
-            flat.mul_(scale)
-        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            g.copy_(synced)
-
-
 class ModelOptimizer:
-    """AdamW over one ShardedModel plus gradient finalization and clipping."""
+    """AdamW over one ShardedModel (megatron DDP gradients) plus finalization and clipping."""
 
     def __init__(self, model: ShardedModel, cfg: OptimConfig):
-        if model.role == "reference":
-            raise ValueError("the reference model is frozen; it has no optimizer")
+        if model.role == "reference" or model.ddp is None:
+            raise ValueError(f"the {model.role} model is frozen; it has no optimizer")
         self.model, self.cfg, self.step_count = model, cfg, 0
         named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -123,20 +109,15 @@ class ModelOptimizer:
             lr=lr_at(cfg, 0), betas=tuple(cfg.betas), eps=cfg.eps)
 
     def zero_grad(self) -> None:
+        self.model.ddp.zero_grad_buffer()  # the fp32 main_grad buffers
         for p in self.params:
             p.grad = None
 
     def finalize_grads(self) -> None:
-        """Tied-embedding sum over the embd group, then the DP average."""
-        groups, module = self.model.groups, self.model.module
-        for p in self.params:
-            if p.grad is None:  # e.g. an unused head: every rank still joins the collectives
-                p.grad = torch.zeros_like(p)
-        tied = module.share_embeddings_and_output_weights and groups.pp_size > 1
-        if tied and "embd" in groups.groups and (module.pre_process or module.post_process):
-            dist.all_reduce(module.shared_embedding_or_output_weight().grad, group=groups.embd)
-        if groups.dp_size > 1:
-            _all_reduce_grads([p.grad for p in self.params], groups.dp, 1.0 / groups.dp_size)
+        """megatron's finalize: DP average of the DDP buffers, tied-embedding sum over embd."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model.ddp], pg_collection=self.model.pg_collection)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient, each parameter counted once across TP/PP."""
@@ -145,7 +126,7 @@ class ModelOptimizer:
         for p in self.params:
             split = tp_partition_dim(p) is not None
             if (split or groups.tp_rank == 0) and not getattr(p, "shared", False):
-                sq += p.grad.double().pow(2).sum()
+                sq += p.main_grad.double().pow(2).sum()
         if groups.tp_size * groups.pp_size > 1:
             dist.all_reduce(sq, group=groups.mp)
         return math.sqrt(sq.item())
@@ -157,19 +138,18 @@ class ModelOptimizer:
         if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
             coeff = self.cfg.grad_clip / (norm + 1e-6)
             for p in self.params:
-                p.grad.mul_(coeff)
+                p.main_grad.mul_(coeff)
         lr = lr_at(self.cfg, self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         for p, master in zip(self.params, self.masters):
-            if master is not p:
-                master.grad = p.grad.float()
+            master.grad = p.main_grad  # fp32 either way
         self.optimizer.step()
         with torch.no_grad():
             for p, master in zip(self.params, self.masters):
+                master.grad = None
                 if master is not p:
                     p.copy_(master)
-                    master.grad = None
         self.step_count += 1
         return {"grad_norm": norm, "lr": lr}
 
@@ -192,6 +172,7 @@ def train_step(model: ShardedModel, optimizer: ModelOptimizer, microbatches, los
     model.module.train()
     results = run_microbatches(model, microbatches, loss_fn, forward_only=False,
                                **forward_options)
-    metrics = _mean_metrics(results, model.groups, model.device) if model.groups.is_last_stage else None
+    last = model.groups.is_last_stage
+    metrics = _mean_metrics(results, model.groups, model.device) if last else None
     metrics = broadcast_from_last_stage(metrics, model.groups)
     return {**metrics, **optimizer.step()}

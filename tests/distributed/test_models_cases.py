@@ -83,7 +83,7 @@ def _train_case(groups, case: dict) -> dict:
     loss_fn = critic_loss if role == "critic" else actor_loss
     metrics = train_step(model, opt, mbs, loss_fn)
     zero_grads = [n for n, p in named_local_parameters(model)
-                  if p.requires_grad and not bool(p.grad.abs().sum() > 0)]
+                  if p.requires_grad and not bool(p.main_grad.abs().sum() > 0)]
     export_hf(model, case["out"])
     return {"metrics": metrics, "zero_grads": zero_grads, "vocab_start": model.vocab_start}
 
