@@ -139,6 +139,7 @@ def seed_cpu_rng_tracker(seed: int, tp_rank: int) -> None:
     tracker = _install_rng_tracker()
     tracker.reset()
     torch.manual_seed(seed)
+    tracker.add("data-parallel-rng", seed)
     tracker.add("model-parallel-rng", seed + 2718 + tp_rank)  # megatron's TP offset
     tracker.add("expert-parallel-rng", seed + 1024 + tp_rank)  # ep = 1
 

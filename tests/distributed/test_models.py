@@ -129,7 +129,8 @@ def suite(tmp_path_factory):
         dict(kind="logprobs", tp=2, pp=2, folder=qwen2, **common),
         dict(kind="roundtrip", tp=2, pp=1, folder=qwen2, out=str(root / "rt_qwen2")),
     ]
-    w4 = [dict(kind="logprobs", tp=2, pp=2, folder=untied, **common)]
+    w4 = [dict(kind="logprobs", tp=2, pp=2, folder=untied, **common),
+          dict(kind="logprobs", tp=2, pp=2, folder=untied, role="reference", **common)]
     w1 = [
         dict(kind="logprobs", tp=1, pp=1, folder=untied, **common),
         dict(kind="train", tp=1, pp=1, folder=untied, out=str(root / "step111"), batch=batch,
@@ -150,7 +151,7 @@ def _case_results(suite, world, index):
 
 LOGPROB_CASES = [(8, 0, 2, "untied"), (8, 1, 4, "untied"), (8, 2, 4, "untied"),
                  (8, 3, 2, "tied"), (8, 10, 2, "qwen2"), (4, 0, 1, "untied"),
-                 (1, 0, 1, "untied")]
+                 (4, 1, 1, "untied"), (1, 0, 1, "untied")]  # (4, 1): the frozen reference
 
 
 @pytest.mark.slow

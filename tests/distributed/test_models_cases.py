@@ -57,8 +57,18 @@ def _groups(world: int, tp: int, pp: int):
 def _logprob_case(groups, case: dict) -> dict:
     from hybridrl.models.forward import run_microbatches
     from hybridrl.models.hf_io import build_from_hf
+    from hybridrl.models.train_step import ModelOptimizer, OptimConfig
 
-    model = build_from_hf(case["folder"], groups, "actor")
+    role = case.get("role", "actor")
+    model = build_from_hf(case["folder"], groups, role)
+    if role == "reference":  # frozen: no trainable parameter, no DDP, no optimizer
+        assert model.ddp is None and not any(p.requires_grad for p in model.module.parameters())
+        try:
+            ModelOptimizer(model, OptimConfig())
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("a reference model must refuse an optimizer")
     mbs = split_microbatches(case["batch"], groups.dp_size, groups.dp_rank, case["n_micro"])
     out = run_microbatches(model, mbs)
     if not groups.is_last_stage or groups.tp_rank != 0:
