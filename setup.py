@@ -52,7 +52,12 @@ def _extensions():
                               "use the pure-torch reference kernels", stacklevel=1)
 
         def build_extensions(self):
-            super().build_extensions()
+            try:  # torch's own checks (compiler found, ABI) run here, before any extension
+                super().build_extensions()
+            except Exception as err:
+                self.failed_names = {ext.name for ext in self.extensions}
+                warnings.warn(f"hybridrl: building the csrc extensions failed ({err}); the package "
+                              "will use the pure-torch reference kernels", stacklevel=1)
             failed = getattr(self, "failed_names", set())  # drop them from the copy/outputs steps
             self.extensions = [ext for ext in self.extensions if ext.name not in failed]
 
