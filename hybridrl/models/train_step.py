@@ -17,6 +17,7 @@ Contract:
      model-parallel (tp x pp) group; if ``grad_clip`` > 0 and the norm exceeds it, every gradient is
      scaled by ``grad_clip / (norm + 1e-6)`` (megatron's rule);
   3. AdamW with the learning rate ``lr_at(cfg, step_count)``.
+  ``state_dict()`` / ``load_state_dict()`` save and restore this rank's optimizer state.
 - ``train_step(model, optimizer, microbatches, loss_fn)`` runs ``forward.run_microbatches`` with
   the loss callback, then ``optimizer.step()``; it returns the metrics of the step on every rank:
   the mean over micro-batches and DP ranks of each scalar the callback reported (``loss``
@@ -107,6 +108,24 @@ class ModelOptimizer:
              {"params": [m for m, d in zip(self.masters, is_decay) if not d],
               "weight_decay": 0.0}],
             lr=lr_at(cfg, 0), betas=tuple(cfg.betas), eps=cfg.eps)
+
+    def state_dict(self) -> dict:
+        """AdamW state, fp32 masters (bf16/fp16 models) and the step count of this rank."""
+        masters = [m.detach().clone() if m is not p else None
+                   for p, m in zip(self.params, self.masters)]
+        return {"optimizer": self.optimizer.state_dict(), "masters": masters,
+                "step_count": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["masters"]) != len(self.masters):
+            raise ValueError(f"optimizer state has {len(state['masters'])} parameters, this "
+                             f"model shard has {len(self.masters)}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for master, saved in zip(self.masters, state["masters"]):
+                if saved is not None:
+                    master.copy_(saved)
+        self.step_count = int(state["step_count"])
 
     def zero_grad(self) -> None:
         self.model.ddp.zero_grad_buffer()  # the fp32 main_grad buffers

@@ -92,6 +92,11 @@ def _train_case(groups, case: dict) -> dict:
     mbs = split_microbatches(case["batch"], groups.dp_size, groups.dp_rank, case["n_micro"])
     loss_fn = critic_loss if role == "critic" else actor_loss
     metrics = train_step(model, opt, mbs, loss_fn)
+    restored = ModelOptimizer(model, cfg)
+    restored.load_state_dict(opt.state_dict())
+    state_a, state_b = opt.optimizer.state_dict()["state"], restored.optimizer.state_dict()["state"]
+    assert restored.step_count == opt.step_count == 1 and len(state_a) == len(opt.params)
+    assert all(torch.equal(state_a[i]["exp_avg"], state_b[i]["exp_avg"]) for i in state_a)
     zero_grads = [n for n, p in named_local_parameters(model)
                   if p.requires_grad and not bool(p.main_grad.abs().sum() > 0)]
     export_hf(model, case["out"])
