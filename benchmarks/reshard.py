@@ -34,16 +34,20 @@ SHAPE = LlamaShape(hidden=768, ffn=2048, heads=12, num_query_groups=4, layers=12
 STRATEGIES = ("allgather", "vanilla", "zero_redundancy", "p2p")
 
 
-def _timed(fn, repeats, barrier):
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        barrier()
-        t0 = time.perf_counter()
+def _rounds(methods, repeats, barrier):
+    """Warm every method up, then ``repeats`` rounds running each method once (interleaved, so
+    background load hits all methods alike). {name: median seconds on this rank}."""
+    for fn in methods.values():
         fn()
-        barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            barrier()
+            t0 = time.perf_counter()
+            fn()
+            barrier()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _max(x):
@@ -99,9 +103,10 @@ def _build_model(groups, shape, pgc, gen):
                     pg_collection=pgc)
 
 
-def _time_swap(groups, shape, pgc, src_model, ours, repeats, timed, mx):
-    """megatron-core's swap_model_weights train model -> gen model over gloo (CPU service)."""
-    import torch
+def _megatron_swap(groups, shape, pgc, src_model):
+    """megatron-core's swap_model_weights train model -> gen model over gloo (CPU copy service).
+
+    Returns (dst model, swap function, seconds of the first call, which also plans)."""
     import torch.distributed as dist
     from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopyService
     from megatron.core.resharding.refit import swap_model_weights
@@ -118,17 +123,46 @@ def _time_swap(groups, shape, pgc, src_model, ours, repeats, timed, mx):
     t0 = time.perf_counter()
     swap_model_weights(src_model, dst, service)
     first = time.perf_counter() - t0
-    steady = timed(lambda: swap_model_weights(src_model, dst, service), repeats, dist.barrier)
+    return dst, lambda: swap_model_weights(src_model, dst, service), first
+
+
+def _megatron_check(groups, shape, dst, ours):
+    """(bytes megatron received on this rank, its gen shard == hybridrl's zero_redundancy one)."""
+    import torch
+    import torch.distributed as dist
+
     rank, params = dist.get_rank(), dict(dst.named_parameters())
     recv = sum(params[op.param_name].data[op.my_slice].numel() * 4
                for op in dst._cached_reshard_plan.recv_ops if op.peer_rank != rank)
     chunk, b = shape.padded_vocab(groups.train.tp) // groups.size("gen_tp"), groups.index("gen_tp")
-    real = max(0, min(chunk, shape.vocab - b * chunk))
-    same = all(torch.equal(params[n].data[:real] if "word_emb" in n or "output_layer" in n
-                           else params[n].data, v[:real] if v.shape[0] == chunk else v)
-               for n, v in ours.items())
-    same = mx(0.0 if same else 1.0) == 0.0
-    return {"first_s": mx(first), "s": mx(steady), "recv": mx(recv), "same": same}
+    real = max(0, min(chunk, shape.vocab - b * chunk))  # padding rows: megatron copies them, we don't
+    same = True
+    for name, ours_t in ours.items():
+        theirs = params[name].data
+        if "word_embeddings" in name or "output_layer" in name:
+            theirs, ours_t = theirs[:real], ours_t[:real]
+        same = same and torch.equal(theirs, ours_t)
+    return recv, same
+
+
+def _wire_methods(groups, zr_recv_bytes):
+    """The same bytes in the same micro-DP groups, bare: one all_gather; one p2p batch."""
+    import torch
+    import torch.distributed as dist
+
+    dg, members, me = groups.size("micro_dp"), groups.members["micro_dp"], groups.rank
+    per = int(_max(zr_recv_bytes)) // max(1, dg - 1) // 4  # all_gather needs equal sizes
+    x, y = torch.randn(per), torch.empty(per * dg)
+    bufs = {peer: torch.empty(per) for peer in members if peer != me}
+
+    def p2p():
+        ops = [dist.P2POp(dist.isend, x, peer) for peer in bufs]
+        ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in bufs.items()]
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+
+    return {"wire: bare all_gather": lambda: dist.all_gather_into_tensor(y, x, group=groups.micro_dp),
+            "wire: bare p2p batch": p2p}, per * (dg - 1) * 4
 
 
 def _bench_rank(rank, world, cfg):
@@ -149,7 +183,7 @@ def _bench_rank(rank, world, cfg):
     groups = build_groups(layout, GenLayout(layout, tp=tg, pp=pg))
     train = train_placement(layout, SHAPE)
     specs = build_specs(SHAPE)
-    torch.manual_seed(1234 + rank)
+    torch.manual_seed(1234)  # same seed everywhere: DP replicas agree, as in training
     src_model = named = None
     if cfg["megatron"]:
         from hybridrl.parallel.megatron import apply_megatron_groups
@@ -161,36 +195,42 @@ def _bench_rank(rank, world, cfg):
         b, a, _ = train.coords[rank]
         named = {s.local_name(p, SHAPE.layers): torch.randn(storage_shape(s, t, train.vocab_chunk))
                  for s in specs if s.on_stage(p, SHAPE.layers, a)}
-    out, results = {}, {}
+    methods, info, results = {}, {}, {}
     for strategy in STRATEGIES:
         gen = gen_placement(layout, SHAPE, tg, pg, "vanilla" if strategy == "vanilla" else "hybridflow")
         t0 = time.perf_counter()
         plan = plan_reshard(train, gen, specs, strategy, bucket_mb=cfg["bucket_mb"], itemsize=4)
-        plan_s = time.perf_counter() - t0
+        info[strategy] = {"plan_s": time.perf_counter() - t0, "planned": plan.recv_bytes(rank)}
         sources = train_sources(plan, rank, named)
-        box = {}
 
-        def once(plan=plan, gen=gen, sources=sources, box=box):
+        def once(plan=plan, gen=gen, sources=sources, strategy=strategy):
             asm = Assembler(plan, rank, megatron_format(gen, rank))
-            box["stats"] = run_plan(plan, rank, sources, asm)
-            box["result"] = asm.result()
+            stats = run_plan(plan, rank, sources, asm)
+            info[strategy].update(recv=stats.bytes_received, peak=stats.peak_live_bytes)
+            result = asm.result()
+            if strategy == "zero_redundancy":  # kept for the comparison with megatron
+                results[strategy] = result
 
-        sec = _timed(once, cfg["repeats"], dist.barrier)
-        st = box["stats"]
-        out[strategy] = {"s": _max(sec), "plan_s": _max(plan_s), "recv": _max(st.bytes_received),
-                         "planned": _max(plan.recv_bytes(rank)), "peak": _max(st.peak_live_bytes),
-                         "buckets": st.buckets}
-        results[strategy] = box["result"]
-    # wire limit: one all_gather of the zero_redundancy bytes in the micro-DP groups
-    dg = groups.size("micro_dp")
-    per = int(out["zero_redundancy"]["recv"]) // max(1, dg - 1) // 4
-    x, y = torch.randn(per), torch.empty(per * dg)
-    wire = _timed(lambda: dist.all_gather_into_tensor(y, x, group=groups.micro_dp), cfg["repeats"],
-                  dist.barrier)
-    out["wire"] = {"s": _max(wire), "recv": _max(per * (dg - 1) * 4)}
+        methods[strategy] = once
+    wire, wire_bytes = _wire_methods(groups, plan_reshard(
+        train, gen_placement(layout, SHAPE, tg, pg), specs, "zero_redundancy", itemsize=4
+    ).recv_bytes(rank))
+    methods.update(wire)
+    for name in wire:
+        info[name] = {"recv": wire_bytes, "planned": wire_bytes}
+    first = None
     if cfg["megatron"]:
-        out["megatron"] = _time_swap(groups, SHAPE, pgc, src_model, results["zero_redundancy"],
-                                    cfg["repeats"], _timed, _max)
+        dst, swap, first = _megatron_swap(groups, SHAPE, pgc, src_model)
+        methods["megatron swap_model_weights"] = swap
+    secs = _rounds(methods, cfg["repeats"], dist.barrier)
+    out = {}
+    for name, sec in secs.items():
+        e = info.get(name, {})
+        out[name] = {"s": _max(sec), **{k: _max(v) for k, v in e.items()}}
+    if cfg["megatron"]:
+        recv, same = _megatron_check(groups, SHAPE, dst, results["zero_redundancy"])
+        out["megatron swap_model_weights"].update(
+            first_s=_max(first), recv=_max(recv), planned=_max(recv), same=_max(0 if same else 1) == 0)
     return out if rank == 0 else None
 
 
@@ -200,26 +240,23 @@ def _report(layout, res, world):
     lines = [f"\nlayout: world {world}, train t={t} p={p} d={world // (t * p)} -> gen tg={tg} "
              f"pg={pg} (dg={(t * p) // (tg * pg)}); M = {M / 1e6:.1f} MB fp32 "
              f"({SHAPE.num_params() / 1e6:.1f}M params)",
-             f"{'what':<26}{'seconds':>9}{'recv MB/rank':>14}{'planned MB':>12}{'peak MB':>10}"
+             f"{'what':<30}{'seconds':>9}{'recv MB/rank':>14}{'planned MB':>12}{'peak MB':>10}"
              f"{'plan s':>8}"]
     for name, e in res.items():
-        if name == "megatron":
-            continue
-        lines.append(f"{name:<26}{e['s']:>9.3f}{e['recv'] / 1e6:>14.1f}"
-                     f"{e.get('planned', e['recv']) / 1e6:>12.1f}"
+        lines.append(f"{name:<30}{e['s']:>9.3f}{e['recv'] / 1e6:>14.1f}{e['planned'] / 1e6:>12.1f}"
                      f"{e.get('peak', 0) / 1e6:>10.1f}{e.get('plan_s', 0):>8.3f}")
-    zr, wire = res["zero_redundancy"]["s"], res["wire"]["s"]
-    lines.append(f"ratio zero_redundancy / wire all_gather = {zr / wire:.2f}")
+    zr = res["zero_redundancy"]["s"]
+    for name in ("wire: bare all_gather", "wire: bare p2p batch"):
+        lines.append(f"ratio zero_redundancy / {name} = {zr / res[name]['s']:.2f}")
     for name in ("allgather", "vanilla", "p2p"):
         lines.append(f"ratio {name} / zero_redundancy = {res[name]['s'] / zr:.2f}")
-    mg = res.get("megatron")
+    mg = res.get("megatron swap_model_weights")
     if mg:
-        lines.append(f"{'megatron swap (1st, plans)':<26}{mg['first_s']:>9.3f}{mg['recv'] / 1e6:>14.1f}")
-        lines.append(f"{'megatron swap (steady)':<26}{mg['s']:>9.3f}{mg['recv'] / 1e6:>14.1f}")
-        lines.append(f"ratio megatron swap (steady) / zero_redundancy = {mg['s'] / zr:.2f}; "
-                     f"first call / zero_redundancy (incl. plan) = "
-                     f"{mg['first_s'] / (zr + res['zero_redundancy']['plan_s']):.2f}; "
-                     f"same result as zero_redundancy: {mg['same']}")
+        zr_first = zr + res["zero_redundancy"]["plan_s"]
+        lines.append(f"ratio megatron swap_model_weights / zero_redundancy = {mg['s'] / zr:.2f} "
+                     f"(steady); first call incl. planning: {mg['first_s']:.3f} s vs "
+                     f"{zr_first:.3f} s = {mg['first_s'] / zr_first:.2f}; megatron's gen shard == "
+                     f"hybridrl's: {mg['same']}")
     return "\n".join(lines)
 
 
