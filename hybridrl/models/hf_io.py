@@ -4,6 +4,8 @@ Contract:
 - ``build_from_hf(folder, groups, role)`` reads and validates ``folder/config.json`` and the layout
   (unsupported architecture, heads / query groups / FFN / layers not divisible: one ValueError)
   *before* any weight is read, builds the model and loads it.
+- ``build_from_config(model_cfg, groups, role, path=...)``: hybridrl's ``ModelConfig`` -> model
+  (an HF folder when one is given, else the builtin llama of the config's sizes).
 - ``load_hf_weights(model, folder)``: every rank reads only the rows/columns of its own shard with
   safetensors' ``safe_open(...).get_slice`` (never a whole tensor it does not own). Vocab rows past
   ``spec.vocab_size`` (megatron's padding) are zero. A critic loads the trunk and, when the folder
@@ -163,6 +165,20 @@ def build_from_hf(folder: str | Path, groups, role: str = "actor", **kwargs) -> 
     model = build_model(spec, groups, role, **kwargs)
     load_hf_weights(model, folder)
     return model
+
+
+def build_from_config(model_cfg, groups, role: str = "actor", *, path: str = "",
+                      seed: int = 1) -> ShardedModel:
+    """``role`` from hybridrl's ``ModelConfig``: an HF folder (``path`` or ``model_cfg.path``),
+    else the builtin llama of its sizes, initialized from ``seed`` (the same seed gives the
+    same trunk to the actor, critic and reference)."""
+    from hybridrl.models.spec import LlamaSpec
+
+    folder = path or model_cfg.path
+    if folder:
+        return build_from_hf(folder, groups, role, dtype=model_cfg.dtype, seed=seed)
+    return build_model(LlamaSpec.from_model_config(model_cfg), groups, role,
+                       dtype=model_cfg.dtype, seed=seed)
 
 
 def hf_tensors_from_full(name: str, pieces: list[torch.Tensor], spec, role: str = "actor"):

@@ -137,6 +137,7 @@ def suite(tmp_path_factory):
              n_micro=N_MICRO * 2),
         dict(kind="train", tp=1, pp=1, folder=untied, out=str(root / "step111_bf16"),
              batch=batch, n_micro=N_MICRO * 2, dtype="bf16"),
+        dict(kind="builtin", tp=1, pp=1),
     ]
     res = {8: run_on_ranks(cases_mod.run_cases, 8, w8, timeout=400, preload=("megatron.core",)),
            4: run_on_ranks(cases_mod.run_cases, 4, w4, timeout=200, preload=("megatron.core",)),
@@ -185,6 +186,14 @@ def test_optimizer_step_222_equals_111_and_transformers(suite):
     assert metrics111["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     assert metrics222["loss"] == pytest.approx(metrics111["loss"], abs=1e-6)
     assert all(r["metrics"] == metrics222 for r in _case_results(suite, 8, 4))
+
+
+@pytest.mark.slow
+def test_builtin_model_from_config(suite):
+    out = _case_results(suite, 1, 3)[0]
+    assert out["actor"].shape == (4, 10) and np.all(out["actor"] < 0)
+    np.testing.assert_array_equal(out["actor"], out["reference"])  # same seed, same weights
+    assert out["critic"].shape == (4, 10) and np.all(np.isfinite(out["critic"]))
 
 
 @pytest.mark.slow

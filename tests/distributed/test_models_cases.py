@@ -130,7 +130,26 @@ def _roundtrip_case(groups, case: dict) -> dict:
     return {"exact": len(a) == len(b) and all(same), "n_params": len(a)}
 
 
+def _builtin_case(groups, case: dict) -> dict:
+    """No HF folder: actor, reference and critic trunk start from the same seeded weights."""
+    from hybridrl.config.model import ModelConfig
+    from hybridrl.models.forward import run_microbatches
+    from hybridrl.models.hf_io import build_from_config
+
+    mc = ModelConfig()
+    batch = make_batch(1, 4, 10, mc.vocab_size)
+    mbs = split_microbatches(batch, groups.dp_size, groups.dp_rank, 2)
+    out = {}
+    for role in ("actor", "reference", "critic"):
+        model = build_from_config(mc, groups, role, seed=7)
+        res = run_microbatches(model, mbs)
+        key = "values" if role == "critic" else "logprobs"
+        out[role] = np.concatenate([r[key].numpy() for r in res]) if res else None
+    return out
+
+
 CASE_KINDS = {
+    "builtin": _builtin_case,
     "logprobs": _logprob_case,
     "train": _train_case,
     "critic_values": _critic_values_case,

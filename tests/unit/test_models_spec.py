@@ -108,3 +108,13 @@ def test_to_transformer_config():
     assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size) == (2, 2)
     with pytest.raises(ValueError, match="dtype"):
         to_transformer_config(spec, TrainLayout(world=1), "fp8")
+
+
+def test_from_model_config_builtin_sizes():
+    from hybridrl.config.model import ModelConfig
+
+    mc = ModelConfig()
+    spec = LlamaSpec.from_model_config(mc)
+    assert (spec.hidden_size, spec.num_layers, spec.num_query_groups) == (
+        mc.hidden_size, mc.num_layers, mc.num_query_groups)
+    assert spec.vocab_size == mc.vocab_size and spec.tie_word_embeddings == mc.tie_word_embeddings
