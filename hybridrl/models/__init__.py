@@ -8,7 +8,8 @@ Public surface (each module's docstring states its contract):
 - vocab_parallel: per-token log-probs and entropy without gathering the vocabulary.
 - forward: ``run_microbatches`` (megatron pipeline schedule, loss callback), ``model_outputs``.
 - train_step: ``OptimConfig``, ``lr_at``, ``ModelOptimizer``, ``train_step``.
-- hf_io: ``build_from_hf``, ``load_hf_weights``, ``export_hf``.
+- hf_io: ``build_from_config`` (ModelConfig -> model), ``build_from_hf``, ``load_hf_weights``,
+  ``export_hf``.
 - cpu_compat: the only place that knows megatron-core's CUDA assumptions (CPU runs).
 Importing this package does not import megatron-core; the functions do.
 """
