@@ -4,7 +4,8 @@ Run on a GPU machine with ``pytest -s tests/gpu/test_models_gpu.py`` (``-s`` sho
 throughput and memory). One NCCL rank in this process; the layer spec is transformer-engine's when
 it imports, else megatron's local spec (both are reported).
 - log-probs/entropy of a tiny GQA llama equal transformers' (fp32, TF32 off) within 2e-4;
-- one optimizer step of the same model equals transformers + torch AdamW within 2e-4;
+- one optimizer step of the same model: the gradient norm equals transformers' (rel 1e-4) and the
+  weights equal transformers + torch AdamW within 2e-4 (up to sign flips of ~0 gradients);
 - a ~1.1B llama shape (hidden 2048, 20 layers, 16 heads / 8 query groups, SwiGLU 5632,
   vocab 32000) runs bf16 forward/backward + AdamW over 4 micro-batches of [2, 1024] tokens:
   tokens/s and peak memory are printed.
@@ -70,9 +71,13 @@ def test_logprobs_and_step_match_transformers_nccl(groups, tmp_path):
     metrics = train_step(model, opt, mbs, cases.actor_loss)
     export_hf(model, tmp_path / "step")
     expected, norm = ref._hf_train_step(folder, batch)
-    assert metrics["grad_norm"] == pytest.approx(norm, rel=1e-3)
+    assert metrics["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    # Adam's first step moves every weight by about lr * sign(g): a gradient within GPU rounding
+    # of 0 may flip sign, so allow those rare elements 2 * lr; all others must agree to GPU_TOL.
     for name, tensor in ref._read_folder(tmp_path / "step").items():
-        torch.testing.assert_close(tensor, expected[name], atol=GPU_TOL, rtol=0, msg=name)
+        err = (tensor - expected[name]).abs()
+        assert float(err.max()) <= 2 * cases.LR + GPU_TOL, name
+        assert float((err > GPU_TOL).float().mean()) <= 1e-3, name
 
 
 def test_1b_llama_forward_backward_throughput(groups):
