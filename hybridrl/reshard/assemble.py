@@ -8,6 +8,10 @@ Contract:
   buffer. ``flush()`` (called by the executor after every bucket) passes the newly converted
   tensors to ``sink`` (e.g. an engine's weight loader); without a sink they are kept and
   returned by ``result()``.
+- ``into`` (optional): this rank's existing gen-layout megatron tensors by stage-local name (e.g.
+  a gen model's parameters). Received rows then land directly in them (their canonical views),
+  padding rows are zeroed, and the emitted tensors ARE those tensors: no allocation, no copy,
+  ``fmt`` unused. Needs a plan whose destination is the gen shard (zero_redundancy, p2p).
 - Gen pieces with no real rows (vocab chunks past the vocabulary) are emitted at construction.
 - ``slot(key, lo, hi)`` gives the executor a contiguous view to receive into (no extra copy).
 - ``live_bytes``: canonical bytes of open buffers plus converted tensors kept (for peak checks).
@@ -20,16 +24,20 @@ from collections.abc import Callable
 import torch
 
 from hybridrl.reshard.planner import Plan
-from hybridrl.reshard.specs import ParamSpec
+from hybridrl.reshard.specs import ParamSpec, canonical_view, storage_shape
 
 Format = Callable[[ParamSpec, torch.Tensor], list[tuple[str, torch.Tensor]]]
 Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 
 class Assembler:
-    def __init__(self, plan: Plan, rank: int, fmt: Format, sink: Sink | None = None,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, plan: Plan, rank: int, fmt: Format | None, sink: Sink | None = None,
+                 dtype: torch.dtype = torch.float32, into: dict[str, torch.Tensor] | None = None):
         self.plan, self.rank, self.fmt, self.sink, self.dtype = plan, rank, fmt, sink, dtype
+        if into is not None and plan.strategy in ("allgather", "vanilla"):
+            raise ValueError(f"into= needs a gen-shard destination; strategy {plan.strategy!r} "
+                             "assembles full tensors")
+        self.into = into
         self.dests = plan.dests[rank]
         self.gen_specs: dict[str, list[ParamSpec]] = {}
         self.regions: dict[str, list] = {}  # key -> [buffer, rows filled]
@@ -52,13 +60,34 @@ class Assembler:
     def live_bytes(self) -> int:
         return self.open_bytes + self.kept_bytes
 
+    def _target(self, spec: ParamSpec) -> tuple[str, torch.Tensor]:
+        """(name, existing tensor) of ``into`` for a gen spec, shape-checked."""
+        gen = self.plan.gen
+        name = spec.local_name(gen.pp, gen.num_layers)
+        want = storage_shape(spec, gen.tp, gen.vocab_chunk)
+        if name not in self.into or tuple(self.into[name].shape) != want:
+            got = tuple(self.into[name].shape) if name in self.into else "missing"
+            raise ValueError(f"into[{name!r}]: expected shape {want}, got {got}")
+        return name, self.into[name]
+
     def _emit(self, spec: ParamSpec, piece: torch.Tensor) -> None:
+        if self.into is not None:
+            name, target = self._target(spec)
+            real = piece.shape[spec.cut_dim] if spec.kind == "vocab" else None
+            if real is not None:
+                target[real:].zero_()  # padding rows never carry weights
+            self.pending.append((name, target))
+            return
         out = self.fmt(spec, piece)
         self.pending += out
         if self.sink is None:
             self.kept_bytes += piece.numel() * piece.element_size()
 
     def _region(self, key: str) -> list:
+        if key not in self.regions and self.into is not None:
+            spec = self.gen_specs[key][0]
+            buf = canonical_view(spec, self._target(spec)[1], self.dests[key][1] - self.dests[key][0])
+            self.regions[key] = [buf, 0]
         if key not in self.regions:
             dlo, dhi = self.dests[key]
             buf = torch.empty(self.plan.spec(key).piece_shape(dhi - dlo), dtype=self.dtype)
@@ -85,7 +114,8 @@ class Assembler:
     def _complete(self, key: str) -> None:
         buf, _ = self.regions.pop(key)
         dlo, dhi = self.dests[key]
-        self.open_bytes -= buf.numel() * buf.element_size()
+        if self.into is None:
+            self.open_bytes -= buf.numel() * buf.element_size()
         for spec in self.gen_specs.get(key, []):
             glo, ghi = self.plan.gen.interval(spec, self.rank)
             piece = buf.narrow(spec.cut_dim, glo - dlo, ghi - glo)

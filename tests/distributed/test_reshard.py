@@ -37,6 +37,8 @@ def _cases():
             (2, 1, 4, 1, "p2p", "engine", True, False),
             (1, 2, 8, 1, "p2p", "engine", False, False),
             (2, 2, 1, 1, "zero_redundancy", "hf", False, False),
+            (4, 2, 2, 1, "zero_redundancy", "into", False, False),
+            (2, 2, 4, 1, "p2p", "into", True, False),
             (8, 1, 1, 1, "allgather", "hf", True, False)]
     return out
 
@@ -78,12 +80,19 @@ def _one_case(rank, world, case):
     hf = make_hf(shape, seed=t * 100 + p)
     b, a, _ = train.coords[rank]
     named = megatron_shards(shape, hf, t, b, p, a, train.vocab_chunk, pad_value=PAD)
-    asm = Assembler(plan, rank, build_format(fmt, shape, gen, rank), dtype=torch.float32)
+    into = None
+    if fmt == "into":  # receive straight into existing gen tensors (stale values must vanish)
+        gb, ga, _ = gen.coords[rank]
+        into = {k: torch.full_like(v, 7.0) for k, v in
+                megatron_shards(shape, hf, tg, gb, pg, ga, gen.vocab_chunk).items()}
+    fmt_fn = None if into is not None else build_format(fmt, shape, gen, rank)
+    asm = Assembler(plan, rank, fmt_fn, dtype=torch.float32, into=into)
     dist.barrier()
     stats = run_plan(plan, rank, train_sources(plan, rank, named), asm)
     got = asm.result()
     gb, ga, _ = gen.coords[rank]
-    if fmt == "megatron":
+    in_place = into is None or all(got[k] is into[k] for k in into)
+    if fmt in ("megatron", "into"):
         want = megatron_shards(shape, hf, tg, gb, pg, ga, gen.vocab_chunk)
     elif fmt == "engine":
         want = engine_shards(shape, hf, tg, gb, pg, ga, gen.vocab_chunk)
@@ -96,6 +105,7 @@ def _one_case(rank, world, case):
         "bad": mismatches(got, want),
         "recv": (stats.bytes_received, plan.recv_bytes(rank)),
         "sent": (stats.bytes_sent, plan.sent_bytes(rank)),
+        "in_place": in_place,
         "peak_ok": stats.peak_live_bytes <= plan.peak_bytes(rank)
         and stats.peak_comm_bytes <= plan.transient_bytes(rank),
         "model_bytes": model_bytes,
@@ -120,6 +130,7 @@ def test_reshard_8_ranks_every_layout_and_strategy():
             assert res["recv"][0] == res["recv"][1], (case, rank, res["recv"])
             assert res["sent"][0] == res["sent"][1], (case, rank, res["sent"])
             assert res["peak_ok"], (case, rank)
+            assert res["in_place"], (case, rank)
             if case[7]:  # balanced zero_redundancy: Table 2
                 want = (res["dg"] - 1) * res["model_bytes"] // (t * p)
                 assert (res["dg"] - 1) * res["model_bytes"] % (t * p) == 0
