@@ -13,6 +13,8 @@ Contract:
   ``loss_fn(outputs, batch) -> (loss scalar, metrics dict)`` is called there and its loss is
   back-propagated (megatron divides it by the number of micro-batches). Other stages return [].
 - ``broadcast_from_last_stage(obj, groups)`` hands a picklable result to every stage.
+- ``left_align`` / ``undo_left_align`` turn left-padded rows (verl's prompt layout) into rows that
+  start at position 0 and map per-token outputs back.
 """
 
 from __future__ import annotations
@@ -35,6 +37,25 @@ def next_token_labels(input_ids_BT: torch.Tensor) -> torch.Tensor:
     labels_BT = torch.zeros_like(input_ids_BT)
     labels_BT[:, :-1] = input_ids_BT[:, 1:]
     return labels_BT
+
+
+def left_align(tensor_BT: torch.Tensor, attention_mask_BT: torch.Tensor):
+    """Rotate each row left by its number of leading pads (mask 0): right-padded rows that start
+    at position 0, as megatron's RoPE needs. Returns (aligned [B, T], shift [B])."""
+    if tensor_BT.shape != attention_mask_BT.shape:
+        raise ValueError(f"tensor shape {tuple(tensor_BT.shape)} != attention_mask shape "
+                         f"{tuple(attention_mask_BT.shape)}")
+    shift_B = (attention_mask_BT.long().cumsum(dim=1) == 0).sum(dim=1)  # leading pads per row
+    t = tensor_BT.shape[1]
+    index_BT = (torch.arange(t, device=tensor_BT.device) + shift_B.unsqueeze(1)) % t
+    return tensor_BT.gather(1, index_BT), shift_B
+
+
+def undo_left_align(tensor_BT: torch.Tensor, shift_B: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``left_align``: per-token outputs back at the caller's original positions."""
+    t = tensor_BT.shape[1]
+    index_BT = (torch.arange(t, device=tensor_BT.device) - shift_B.unsqueeze(1)) % t
+    return tensor_BT.gather(1, index_BT)
 
 
 def model_outputs(

@@ -185,3 +185,18 @@ def test_cpu_compat_proxy_and_rng_tracker():
     with pytest.raises(KeyError):
         with tracker.fork("nope"):
             pass
+
+
+def test_left_align_roundtrip():
+    from hybridrl.models.forward import left_align, undo_left_align
+
+    ids = torch.tensor([[0, 0, 5, 6, 7, 0], [1, 2, 3, 4, 0, 0], [0, 9, 8, 0, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0]])
+    aligned, shift = left_align(ids, mask)
+    assert shift.tolist() == [2, 0, 1]
+    assert aligned.tolist() == [[5, 6, 7, 0, 0, 0], [1, 2, 3, 4, 0, 0], [9, 8, 0, 0, 0, 0]]
+    aligned_mask, _ = left_align(mask, mask)
+    assert aligned_mask.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]]
+    assert torch.equal(undo_left_align(aligned, shift), ids)
+    with pytest.raises(ValueError, match="attention_mask"):
+        left_align(ids, mask[:, :3])
