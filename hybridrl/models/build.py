@@ -12,8 +12,9 @@ Contract:
   buffers, gradients averaged over ``groups.dp`` by ``finalize_model_grads``).
 - Layer spec: transformer-engine when CUDA is available and ``transformer_engine`` imports, else
   megatron's local spec. On CPU ``cpu_compat.install()`` runs first (the only CPU workaround site).
-- Initialization is seeded and, on CPU, independent of tp (megatron initializes the full master
-  weight and slices it), so the same seed gives the same global model for every layout.
+- Initialization is seeded: the same seed and layout give the same weights (so an actor, its
+  reference and its critic's trunk start equal). Different layouts initialize differently (each
+  stage draws its layers from the seed); load a checkpoint to compare layouts.
 - The groups are handed to megatron with ``apply_megatron_groups`` when they are not installed yet.
 """
 
