@@ -1,7 +1,8 @@
 // CPU kernel of hybridrl::gae: one reverse pass per row of verl's recurrence (common.h gae_step),
-// rows split over threads with at::parallel_for. Full groups of kLanes rows go through the tiled,
-// row-vectorized loop of gae_tiles.h (compiled for AVX-512, AVX2 and the baseline ISA, picked at
-// run time); leftover rows walk alone. fp32 math for fp32/bf16/fp16, double for fp64; built with
+// rows split over threads with at::parallel_for. Full groups of 8 rows go through a
+// row-vectorized loop: for fp32 on AVX2 machines the register-transposed loop of gae_avx2.h,
+// otherwise the tiled loop of gae_tiles.h (compiled for AVX-512, AVX2 and the baseline ISA,
+// picked at run time); leftover rows walk alone. fp32 math for fp32/bf16/fp16, double for fp64; built with
 // -ffp-contract=off, so fp32 results are bit-identical to the reference loop.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -12,6 +13,7 @@
 #include <torch/library.h>
 
 #include "../common.h"
+#include "gae_avx2.h"
 
 namespace hybridrl {
 namespace isa_avx512 {
@@ -43,6 +45,9 @@ template <typename scalar_t>
 TileFn<scalar_t> pick_tile() {
   using acc_t = acc_type<scalar_t>;
   __builtin_cpu_init();
+  if constexpr (std::is_same_v<scalar_t, float>) {  // register-transposed AVX2 loop, fastest
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &avx2::gae_rows8;
+  }
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
     return &isa_avx512::gae_tile_rows<scalar_t, acc_t>;
