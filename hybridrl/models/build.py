@@ -15,7 +15,9 @@ Contract:
 - Initialization is seeded: the same seed and layout give the same weights (so an actor, its
   reference and its critic's trunk start equal). Different layouts initialize differently (each
   stage draws its layers from the seed); load a checkpoint to compare layouts.
-- The groups are handed to megatron with ``apply_megatron_groups`` when they are not installed yet.
+- ``ensure_megatron_state(groups)`` hands the groups to megatron (``apply_megatron_groups``) when
+  they are not installed (again, e.g. after ``clear_megatron_groups``); building and every
+  ``forward.run_microbatches`` call it.
 """
 
 from __future__ import annotations
@@ -102,8 +104,10 @@ def layer_spec(use_te: bool):
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
-def _ensure_megatron_groups(groups):
-    """Install ``groups`` into megatron's parallel_state unless they already are."""
+def ensure_megatron_state(groups):
+    """Install ``groups`` into megatron's parallel_state (and its global memory buffer) unless
+    they already are; returns the ProcessGroupCollection. Cheap when nothing changed."""
+    cpu_compat.install()
     from megatron.core import parallel_state as ps
 
     from hybridrl.parallel.megatron import apply_megatron_groups, to_process_group_collection
@@ -137,7 +141,7 @@ def build_model(
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     check_layout(spec, groups.train)
     cpu_compat.install()
-    pgc = _ensure_megatron_groups(groups)
+    pgc = ensure_megatron_state(groups)
     config = to_transformer_config(spec, groups.train, dtype, **config_overrides)
     if groups.pp_size > 1:
         config.variable_seq_lengths = True  # micro-batches may differ in [B, T]

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from hybridrl.models.build import ShardedModel
+from hybridrl.models.build import ShardedModel, ensure_megatron_state
 from hybridrl.models.vocab_parallel import vocab_parallel_logprobs_entropy
 
 LossFn = Callable[[dict, dict], tuple[torch.Tensor, dict]]
@@ -118,6 +118,7 @@ def run_microbatches(
     shapes = [tuple(mb["input_ids"].shape) for mb in microbatches]
     if any(len(s) != 2 for s in shapes):
         raise ValueError(f"input_ids must be [B, T]; got shapes {shapes}")
+    ensure_megatron_state(model.groups)
     options = {"with_entropy": with_entropy, "temperature": temperature}
     step = functools.partial(_forward_step, model, loss_fn, options)
     schedule = get_forward_backward_func(pp_size=model.groups.pp_size)

@@ -140,8 +140,11 @@ def _builtin_case(groups, case: dict) -> dict:
     batch = make_batch(1, 4, 10, mc.vocab_size)
     mbs = split_microbatches(batch, groups.dp_size, groups.dp_rank, 2)
     out = {}
+    from hybridrl.parallel.megatron import clear_megatron_groups
+
     for role in ("actor", "reference", "critic"):
         model = build_from_config(mc, groups, role, seed=7)
+        clear_megatron_groups()  # e.g. another layout was installed meanwhile: forward re-installs
         res = run_microbatches(model, mbs)
         key = "values" if role == "critic" else "logprobs"
         out[role] = np.concatenate([r[key].numpy() for r in res]) if res else None
