@@ -203,8 +203,14 @@ def _bench_rank(rank, world, cfg):
         info[strategy] = {"plan_s": time.perf_counter() - t0, "planned": plan.recv_bytes(rank)}
         sources = train_sources(plan, rank, named)
 
-        def once(plan=plan, gen=gen, sources=sources, strategy=strategy):
-            asm = Assembler(plan, rank, megatron_format(gen, rank))
+        into = None
+        if strategy in ("zero_redundancy", "p2p"):  # into preallocated gen tensors, as an engine
+            gb, ga, _ = gen.coords[rank]
+            into = {s.local_name(pg, SHAPE.layers): torch.empty(storage_shape(s, tg, gen.vocab_chunk))
+                    for s in specs if s.on_stage(pg, SHAPE.layers, ga)}
+
+        def once(plan=plan, gen=gen, sources=sources, strategy=strategy, into=into):
+            asm = Assembler(plan, rank, megatron_format(gen, rank), into=into)
             stats = run_plan(plan, rank, sources, asm)
             info[strategy].update(recv=stats.bytes_received, peak=stats.peak_live_bytes)
             result = asm.result()
