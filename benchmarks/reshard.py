@@ -165,74 +165,86 @@ def _wire_methods(groups, zr_recv_bytes):
             "wire: bare p2p batch": p2p}, per * (dg - 1) * 4
 
 
-def _bench_rank(rank, world, cfg):
+def _strategy_method(rank, cfg, layout, train, specs, named, strategy, info, results):
+    """Plan ``strategy`` once; return a function running it into gen megatron tensors."""
     import torch
+
+    from hybridrl.reshard.assemble import Assembler
+    from hybridrl.reshard.executor import run_plan, train_sources
+    from hybridrl.reshard.formats import megatron_format
+    from hybridrl.reshard.placement import gen_placement
+    from hybridrl.reshard.planner import plan_reshard
+    from hybridrl.reshard.specs import storage_shape
+
+    tg, pg = cfg["layout"][2:]
+    gen = gen_placement(layout, SHAPE, tg, pg, "vanilla" if strategy == "vanilla" else "hybridflow")
+    t0 = time.perf_counter()
+    plan = plan_reshard(train, gen, specs, strategy, bucket_mb=cfg["bucket_mb"], itemsize=4)
+    info[strategy] = {"plan_s": time.perf_counter() - t0, "planned": plan.recv_bytes(rank)}
+    sources = train_sources(plan, rank, named)
+    into = None
+    if strategy in ("zero_redundancy", "p2p"):  # into preallocated gen tensors, as an engine
+        ga = gen.coords[rank][1]
+        into = {s.local_name(pg, SHAPE.layers): torch.empty(storage_shape(s, tg, gen.vocab_chunk))
+                for s in specs if s.on_stage(pg, SHAPE.layers, ga)}
+
+    def once():
+        asm = Assembler(plan, rank, megatron_format(gen, rank), into=into)
+        stats = run_plan(plan, rank, sources, asm)
+        info[strategy].update(recv=stats.bytes_received, peak=stats.peak_live_bytes)
+        result = asm.result()
+        if strategy == "zero_redundancy":  # kept for the comparison with megatron
+            results[strategy] = result
+
+    return once, plan
+
+
+def _sources(rank, cfg, groups, train, specs):
+    """This rank's training tensors: a megatron GPTModel's (and the model), or plain tensors."""
+    import torch
+
+    from hybridrl.reshard.specs import storage_shape
+
+    t, p = cfg["layout"][:2]
+    torch.manual_seed(1234)  # same seed everywhere: DP replicas agree, as in training
+    if not cfg["megatron"]:
+        a = train.coords[rank][1]
+        return None, None, {s.local_name(p, SHAPE.layers): torch.randn(
+            storage_shape(s, t, train.vocab_chunk)) for s in specs if s.on_stage(p, SHAPE.layers, a)}
+    from hybridrl.parallel.megatron import apply_megatron_groups
+
+    pgc = apply_megatron_groups(groups)  # once: re-applying destroys megatron's groups
+    model = _build_model(groups, SHAPE, pgc, gen=False)
+    return pgc, model, {n: prm.data for n, prm in model.named_parameters()}
+
+
+def _bench_rank(rank, world, cfg):
     import torch.distributed as dist
 
     from hybridrl.parallel.groups import build_groups
     from hybridrl.parallel.layout import GenLayout, TrainLayout
-    from hybridrl.reshard.assemble import Assembler
-    from hybridrl.reshard.executor import run_plan, train_sources
-    from hybridrl.reshard.formats import megatron_format
-    from hybridrl.reshard.placement import gen_placement, train_placement
-    from hybridrl.reshard.planner import plan_reshard
-    from hybridrl.reshard.specs import build_specs, storage_shape
+    from hybridrl.reshard.placement import train_placement
+    from hybridrl.reshard.specs import build_specs
 
     t, p, tg, pg = cfg["layout"]
     layout = TrainLayout(world, tp=t, pp=p)
     groups = build_groups(layout, GenLayout(layout, tp=tg, pp=pg))
-    train = train_placement(layout, SHAPE)
-    specs = build_specs(SHAPE)
-    torch.manual_seed(1234)  # same seed everywhere: DP replicas agree, as in training
-    src_model = named = None
-    if cfg["megatron"]:
-        from hybridrl.parallel.megatron import apply_megatron_groups
-
-        pgc = apply_megatron_groups(groups)  # once: re-applying destroys megatron's groups
-        src_model = _build_model(groups, SHAPE, pgc, gen=False)
-        named = {n: prm.data for n, prm in src_model.named_parameters()}
-    else:
-        b, a, _ = train.coords[rank]
-        named = {s.local_name(p, SHAPE.layers): torch.randn(storage_shape(s, t, train.vocab_chunk))
-                 for s in specs if s.on_stage(p, SHAPE.layers, a)}
-    methods, info, results = {}, {}, {}
+    train, specs = train_placement(layout, SHAPE), build_specs(SHAPE)
+    pgc, src_model, named = _sources(rank, cfg, groups, train, specs)
+    methods, info, results, plans = {}, {}, {}, {}
     for strategy in STRATEGIES:
-        gen = gen_placement(layout, SHAPE, tg, pg, "vanilla" if strategy == "vanilla" else "hybridflow")
-        t0 = time.perf_counter()
-        plan = plan_reshard(train, gen, specs, strategy, bucket_mb=cfg["bucket_mb"], itemsize=4)
-        info[strategy] = {"plan_s": time.perf_counter() - t0, "planned": plan.recv_bytes(rank)}
-        sources = train_sources(plan, rank, named)
-
-        into = None
-        if strategy in ("zero_redundancy", "p2p"):  # into preallocated gen tensors, as an engine
-            gb, ga, _ = gen.coords[rank]
-            into = {s.local_name(pg, SHAPE.layers): torch.empty(storage_shape(s, tg, gen.vocab_chunk))
-                    for s in specs if s.on_stage(pg, SHAPE.layers, ga)}
-
-        def once(plan=plan, gen=gen, sources=sources, strategy=strategy, into=into):
-            asm = Assembler(plan, rank, megatron_format(gen, rank), into=into)
-            stats = run_plan(plan, rank, sources, asm)
-            info[strategy].update(recv=stats.bytes_received, peak=stats.peak_live_bytes)
-            result = asm.result()
-            if strategy == "zero_redundancy":  # kept for the comparison with megatron
-                results[strategy] = result
-
-        methods[strategy] = once
-    wire, wire_bytes = _wire_methods(groups, plan_reshard(
-        train, gen_placement(layout, SHAPE, tg, pg), specs, "zero_redundancy", itemsize=4
-    ).recv_bytes(rank))
+        methods[strategy], plans[strategy] = _strategy_method(
+            rank, cfg, layout, train, specs, named, strategy, info, results)
+    wire, wire_bytes = _wire_methods(groups, plans["zero_redundancy"].recv_bytes(rank))
     methods.update(wire)
     for name in wire:
         info[name] = {"recv": wire_bytes, "planned": wire_bytes}
-    first = None
     if cfg["megatron"]:
         dst, swap, first = _megatron_swap(groups, SHAPE, pgc, src_model)
         methods["megatron swap_model_weights"] = swap
     secs = _rounds(methods, cfg["repeats"], dist.barrier)
-    out = {}
-    for name, sec in secs.items():
-        e = info.get(name, {})
-        out[name] = {"s": _max(sec), **{k: _max(v) for k, v in e.items()}}
+    out = {name: {"s": _max(sec), **{k: _max(v) for k, v in info.get(name, {}).items()}}
+           for name, sec in secs.items()}
     if cfg["megatron"]:
         recv, same = _megatron_check(groups, SHAPE, dst, results["zero_redundancy"])
         out["megatron swap_model_weights"].update(

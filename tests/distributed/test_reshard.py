@@ -43,31 +43,17 @@ def _cases():
     return out
 
 
-def _one_case(rank, world, case):
-    import torch
-    import torch.distributed as dist
-
+def _setup(world, case):
+    """(shape, specs, train placement, gen placement, plan) of one case (pure)."""
     from hybridrl.parallel.layout import TrainLayout
-    from hybridrl.reshard.assemble import Assembler
-    from hybridrl.reshard.executor import run_plan, train_sources
-    from hybridrl.reshard.formats import build_format
     from hybridrl.reshard.placement import gen_placement, train_placement
     from hybridrl.reshard.planner import plan_reshard
     from hybridrl.reshard.specs import LlamaShape, build_specs
-    from tests.unit.test_reshard_oracle import (
-        PAD,
-        SMALL,
-        balanced,
-        engine_shards,
-        make_hf,
-        megatron_shards,
-        mismatches,
-    )
+    from tests.unit.test_reshard_oracle import SMALL, balanced
 
     t, p, tg, pg, strategy, fmt, tied, is_balanced = case
-    d = world // (t * p)
     if is_balanced:
-        shape, specs = balanced(t, p, d)
+        shape, specs = balanced(t, p, world // (t * p))
     else:
         shape = LlamaShape(**{**SMALL.__dict__, "tied": tied})
         specs = build_specs(shape)
@@ -76,7 +62,27 @@ def _one_case(rank, world, case):
     nested = t % tg == 0 and p % pg == 0
     grouping = "vanilla" if strategy == "vanilla" else ("hybridflow" if nested else "consecutive")
     gen = gen_placement(tl, shape, tg, pg, grouping, vocab_pad=64 if fmt == "engine" else None)
-    plan = plan_reshard(train, gen, specs, strategy, bucket_mb=0.02, itemsize=4)
+    return shape, specs, train, gen, plan_reshard(train, gen, specs, strategy, bucket_mb=0.02,
+                                                  itemsize=4)
+
+
+def _one_case(rank, world, case):
+    import torch
+    import torch.distributed as dist
+
+    from hybridrl.reshard.assemble import Assembler
+    from hybridrl.reshard.executor import run_plan, train_sources
+    from hybridrl.reshard.formats import build_format
+    from tests.unit.test_reshard_oracle import (
+        PAD,
+        engine_shards,
+        make_hf,
+        megatron_shards,
+        mismatches,
+    )
+
+    t, p, tg, pg, strategy, fmt, tied, is_balanced = case
+    shape, specs, train, gen, plan = _setup(world, case)
     hf = make_hf(shape, seed=t * 100 + p)
     b, a, _ = train.coords[rank]
     named = megatron_shards(shape, hf, t, b, p, a, train.vocab_chunk, pad_value=PAD)

@@ -113,6 +113,10 @@ def test_p2p_is_minimal_for_any_gen_layout():
                 gen = gen_placement(tl, SMALL, tg, pg, "hybridflow" if nested else "consecutive")
                 s = summarize(train, gen, specs, "p2p", 2)
                 assert list(s.recv) == [_minimum(train, gen, specs, r, 2) for r in range(w)]
+                if w <= 8 and not nested:  # the full plan agrees and covers every row once
+                    plan = plan_reshard(train, gen, specs, "p2p", bucket_mb=0.01)
+                    _coverage(plan, specs)
+                    assert [plan.recv_bytes(r) for r in range(w)] == list(s.recv)
                 if nested:
                     zr = summarize(train, gen, specs, "zero_redundancy", 2)
                     assert s.recv == zr.recv  # zero_redundancy is already minimal when nested
