@@ -49,6 +49,11 @@ def load() -> bool:
 @torch.compiler.assume_constant_result
 def compiled_available(op: str, device_type: str) -> bool:
     """True when ``hybridrl::op`` has a compiled kernel for ``device_type`` ("cpu", "cuda")."""
+    return _compiled_available(op, device_type)  # dynamo takes the result as a constant
+
+
+@functools.cache
+def _compiled_available(op: str, device_type: str) -> bool:
     if not load():
         return False
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
