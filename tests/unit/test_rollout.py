@@ -1,0 +1,154 @@
+"""Builtin engine on one process (gen tp = 1) against transformers' LlamaForCausalLM, sampling
+filters, parameter validation and the SGLang adapter's missing-import error.
+
+The engine's tensors come from the independent oracle ``engine_shards`` (HF -> SGLang packing),
+so the engine is checked against HF without going through the library's reshard.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridrl.reshard.specs import LlamaShape
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
+from hybridrl.rollout.sampling import filter_logits, sample_next
+from tests.unit.test_reshard_oracle import engine_shards
+
+VOCAB, CHUNK = 100, 128  # SGLang pads the vocab to a multiple of 64: 128 rows per rank at tp=1
+
+
+def tiny_hf(tied: bool = False, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                      max_position_embeddings=64, tie_word_embeddings=tied, rms_norm_eps=1e-5,
+                      attn_implementation="eager")
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def engine_from_hf(model, tp: int = 1, tp_rank: int = 0, **kwargs) -> BuiltinEngine:
+    c = model.config
+    shape = LlamaShape(hidden=c.hidden_size, ffn=c.intermediate_size, heads=c.num_attention_heads,
+                       num_query_groups=c.num_key_value_heads, layers=c.num_hidden_layers,
+                       vocab=c.vocab_size, tied=c.tie_word_embeddings)
+    chunk = -(-(-(-c.vocab_size // 64) * 64) // tp)
+    spec = EngineSpec(c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                      c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
+                      c.num_hidden_layers, c.vocab_size, chunk, c.rope_theta if hasattr(
+                          c, "rope_theta") else 10000.0, c.rms_norm_eps, c.tie_word_embeddings,
+                      c.max_position_embeddings)
+    hf = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine = BuiltinEngine(spec, tp_rank=tp_rank, tp_size=tp, **kwargs)
+    engine.update_weights(engine_shards(shape, hf, tp, tp_rank, 1, 0, chunk).items())
+    return engine
+
+
+def hf_greedy(model, prompt: list[int], n: int):
+    """Greedy tokens and their log-probs by full re-forward (no cache)."""
+    ids, toks, logps = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            t = int(logits.argmax())
+            toks.append(t)
+            logps.append(float(torch.log_softmax(logits, -1)[t]))
+            ids.append(t)
+    return toks, logps
+
+
+PROMPTS = [[5, 17, 42, 8, 9, 33], [7, 1], [99, 0, 3, 61]]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_greedy_matches_transformers(tied):
+    model = tiny_hf(tied)
+    engine = engine_from_hf(model)
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0))
+    for b, prompt in enumerate(PROMPTS):
+        toks, logps = hf_greedy(model, prompt, 6)
+        assert out.response_ids[b].tolist() == toks
+        torch.testing.assert_close(out.logprobs[b], torch.tensor(logps), atol=1e-5, rtol=0)
+        assert out.response_mask[b].tolist() == [1] * 6
+
+
+def test_sampled_logprobs_match_transformers_at_temperature():
+    model = tiny_hf()
+    engine = engine_from_hf(model)
+    params = SamplingParams(max_new_tokens=5, temperature=0.7, top_k=20, top_p=0.9, seed=3)
+    out = engine.generate(PROMPTS, params)
+    again = engine.generate(PROMPTS, params)
+    assert torch.equal(out.response_ids, again.response_ids)  # seeded
+    for b, prompt in enumerate(PROMPTS):
+        seq = torch.tensor([prompt + out.response_ids[b].tolist()])
+        with torch.no_grad():
+            logits = model(seq).logits[0].float() / 0.7
+        logp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+        want = logp.gather(-1, out.response_ids[b].unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(out.logprobs[b], want, atol=1e-5, rtol=0)
+
+
+def test_eos_stops_rows_and_pads():
+    model = tiny_hf()
+    engine = engine_from_hf(model)
+    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0))
+    eos = int(greedy.response_ids[0, 2])  # row 0 stops after its third token
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0,
+                                                  eos_token_id=eos, pad_token_id=0))
+    row = out.response_ids[0].tolist()
+    first = greedy.response_ids[0].tolist().index(eos)
+    assert row[: first + 1] == greedy.response_ids[0].tolist()[: first + 1]
+    assert out.response_mask[0].tolist()[: first + 1] == [1] * (first + 1)
+    assert all(m == 0 for m in out.response_mask[0].tolist()[first + 1:])
+    assert all(t == 0 for t in row[first + 1:])
+
+
+def test_filters_and_sampling():
+    z = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    assert torch.isinf(filter_logits(z, top_k=2)).tolist() == [[False, False, True, True]]
+    p = torch.softmax(z, -1)[0]  # 0.644, 0.237, 0.087, 0.032
+    kept = ~torch.isinf(filter_logits(z, top_p=float(p[0] + 0.01)))
+    assert kept.tolist() == [[True, True, False, False]]
+    assert (~torch.isinf(filter_logits(z, top_p=0.1))).tolist() == [[True, False, False, False]]
+    g = torch.Generator().manual_seed(0)
+    toks, logp = sample_next(z.repeat(64, 1), SamplingParams(1, temperature=1.0, top_k=1), g)
+    assert toks.eq(0).all()
+    torch.testing.assert_close(logp, torch.log_softmax(z, -1)[0, 0].expand(64))
+
+
+def test_bad_input_is_a_value_error():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(max_new_tokens=1, top_p=0.0)
+    spec = EngineSpec(32, 48, 4, 2, 8, 2, VOCAB, CHUNK)
+    with pytest.raises(ValueError, match="gen pp = 1"):
+        BuiltinEngine(spec, pp_size=2)
+    engine = BuiltinEngine(spec)
+    with pytest.raises(ValueError, match="not loaded"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))])
+    with pytest.raises(ValueError, match="unknown weight"):
+        engine.update_weights([("model.nope", torch.zeros(3))])
+
+
+def test_sglang_missing_is_a_clear_import_error():
+    pytest.importorskip("torch")
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("sglang is installed here")
+    from hybridrl.rollout.sglang import SGLangEngine
+
+    with pytest.raises(ImportError, match="rollout.engine=builtin"):
+        SGLangEngine("model/")
