@@ -14,6 +14,8 @@ Contract:
   ``fmt`` unused. Needs a plan whose destination is the gen shard (zero_redundancy, p2p).
 - Gen pieces with no real rows (vocab chunks past the vocabulary) are emitted at construction.
 - ``slot(key, lo, hi)`` gives the executor a contiguous view to receive into (no extra copy).
+- ``dtype`` / ``device``: of the buffers it allocates (must match the training tensors; NCCL:
+  the CUDA device).
 - ``live_bytes``: canonical bytes of open buffers plus converted tensors kept (for peak checks).
 """
 
@@ -32,8 +34,10 @@ Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 class Assembler:
     def __init__(self, plan: Plan, rank: int, fmt: Format | None, sink: Sink | None = None,
-                 dtype: torch.dtype = torch.float32, into: dict[str, torch.Tensor] | None = None):
+                 dtype: torch.dtype = torch.float32, into: dict[str, torch.Tensor] | None = None,
+                 device: torch.device | str = "cpu"):
         self.plan, self.rank, self.fmt, self.sink, self.dtype = plan, rank, fmt, sink, dtype
+        self.device = torch.device(device)
         if into is not None and plan.strategy in ("allgather", "vanilla"):
             raise ValueError(f"into= needs a gen-shard destination; strategy {plan.strategy!r} "
                              "assembles full tensors")
@@ -51,7 +55,7 @@ class Assembler:
             if iv[1] > iv[0]:
                 self.gen_specs.setdefault(spec.key, []).append(spec)
             else:  # nothing real to receive: all padding
-                self._emit(spec, torch.empty(spec.piece_shape(0), dtype=dtype))
+                self._emit(spec, torch.empty(spec.piece_shape(0), dtype=dtype, device=self.device))
         missing = set(self.gen_specs) - set(self.dests)
         if missing:
             raise AssertionError(f"plan gives rank {rank} no destination for {sorted(missing)}")
@@ -90,7 +94,8 @@ class Assembler:
             self.regions[key] = [buf, 0]
         if key not in self.regions:
             dlo, dhi = self.dests[key]
-            buf = torch.empty(self.plan.spec(key).piece_shape(dhi - dlo), dtype=self.dtype)
+            buf = torch.empty(self.plan.spec(key).piece_shape(dhi - dlo), dtype=self.dtype,
+                              device=self.device)
             self.regions[key] = [buf, 0]
             self.open_bytes += buf.numel() * buf.element_size()
         return self.regions[key]

@@ -78,7 +78,8 @@ class _Bucket:
         for t in recvs:
             slot = assembler.slot(t.key, t.lo, t.hi)
             if slot is None:
-                slot = torch.empty(t.nbytes // plan.itemsize, dtype=assembler.dtype)  # [numel]
+                slot = torch.empty(t.nbytes // plan.itemsize, dtype=assembler.dtype,
+                                   device=assembler.device)  # [numel]
                 self.temp_bytes += t.nbytes
             self.landing.append((t, slot))
             ops.append(dist.P2POp(dist.irecv, slot.view(-1), t.src, group, tag))
@@ -97,6 +98,8 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
     dtype = next((v.dtype for v, _ in sources.values()), torch.float32)
     if torch.empty((), dtype=dtype).element_size() != plan.itemsize:
         raise ValueError(f"plan itemsize={plan.itemsize} but the training tensors are {dtype}")
+    if assembler.dtype != dtype:
+        raise ValueError(f"assembler dtype={assembler.dtype} but the training tensors are {dtype}")
     mine = [(s, r, k) for k, (s, r) in enumerate(plan.rank_buckets(rank)) if s or r]
     sent = recv = peak_comm = peak_live = 0
 

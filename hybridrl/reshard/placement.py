@@ -115,6 +115,8 @@ def gen_placement(
     if not isinstance(tp, int) or not isinstance(pp, int) or tp < 1 or pp < 1:
         raise ValueError(f"gen tp and pp must be positive integers, got tp={tp!r}, pp={pp!r}")
     check_split(shape, tp, pp, "gen")
+    if vocab_pad is not None and (not isinstance(vocab_pad, int) or vocab_pad < 1):
+        raise ValueError(f"vocab_pad must be a positive integer or None, got {vocab_pad!r}")
     if train.world % (tp * pp):
         raise ValueError(f"gen tp*pp={tp}*{pp} must divide world={train.world}")
     if grouping == "consecutive":

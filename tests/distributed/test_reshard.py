@@ -40,6 +40,9 @@ def _cases():
             (4, 2, 2, 1, "zero_redundancy", "into", False, False),
             (2, 2, 4, 1, "p2p", "into", True, False),
             (8, 1, 1, 1, "allgather", "hf", True, False)]
+    out = [(*c, "fp32") for c in out]
+    out += [(4, 2, 2, 1, "zero_redundancy", "engine", False, False, "bf16"),
+            (2, 1, 4, 1, "p2p", "megatron", False, False, "bf16")]
     return out
 
 
@@ -51,7 +54,7 @@ def _setup(world, case):
     from hybridrl.reshard.specs import LlamaShape, build_specs
     from tests.unit.test_reshard_oracle import SMALL, balanced
 
-    t, p, tg, pg, strategy, fmt, tied, is_balanced = case
+    t, p, tg, pg, strategy, fmt, tied, is_balanced, dtype = case
     if is_balanced:
         shape, specs = balanced(t, p, world // (t * p))
     else:
@@ -63,7 +66,7 @@ def _setup(world, case):
     grouping = "vanilla" if strategy == "vanilla" else ("hybridflow" if nested else "consecutive")
     gen = gen_placement(tl, shape, tg, pg, grouping, vocab_pad=64 if fmt == "engine" else None)
     return shape, specs, train, gen, plan_reshard(train, gen, specs, strategy, bucket_mb=0.02,
-                                                  itemsize=4)
+                                                  itemsize=2 if dtype == "bf16" else 4)
 
 
 def _one_case(rank, world, case):
@@ -81,9 +84,10 @@ def _one_case(rank, world, case):
         mismatches,
     )
 
-    t, p, tg, pg, strategy, fmt, tied, is_balanced = case
+    t, p, tg, pg, strategy, fmt, tied, is_balanced, dtype = case
     shape, specs, train, gen, plan = _setup(world, case)
-    hf = make_hf(shape, seed=t * 100 + p)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    hf = make_hf(shape, seed=t * 100 + p, dtype=torch_dtype)
     b, a, _ = train.coords[rank]
     named = megatron_shards(shape, hf, t, b, p, a, train.vocab_chunk, pad_value=PAD)
     into = None
@@ -92,7 +96,7 @@ def _one_case(rank, world, case):
         into = {k: torch.full_like(v, 7.0) for k, v in
                 megatron_shards(shape, hf, tg, gb, pg, ga, gen.vocab_chunk).items()}
     fmt_fn = None if into is not None else build_format(fmt, shape, gen, rank)
-    asm = Assembler(plan, rank, fmt_fn, dtype=torch.float32, into=into)
+    asm = Assembler(plan, rank, fmt_fn, dtype=torch_dtype, into=into)
     dist.barrier()
     stats = run_plan(plan, rank, train_sources(plan, rank, named), asm)
     got = asm.result()
@@ -106,7 +110,7 @@ def _one_case(rank, world, case):
         want = dict(hf)
     if is_balanced:
         want = {k: v for k, v in want.items() if "linear_" in k}
-    model_bytes = sum(s.numel for s in specs if not s.tied_copy) * 4
+    model_bytes = sum(s.numel for s in specs if not s.tied_copy) * plan.itemsize
     return {
         "bad": mismatches(got, want),
         "recv": (stats.bytes_received, plan.recv_bytes(rank)),
