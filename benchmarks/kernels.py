@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma list of BxT")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--kinds", default="low_var_kl", help="comma list of KL kinds")
     parser.add_argument("--only", default="gae,kl,whiten", help="comma list of gae,kl,whiten")
     args = parser.parse_args(argv)

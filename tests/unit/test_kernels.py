@@ -78,9 +78,15 @@ def test_kl_low_precision_matches_fp32_reference(dtype, kind):
 def test_kl_noncontiguous_and_ops_directly():
     lp, rl = _kl_inputs((40, 30), seed=5)
     lp_t, rl_t = lp.t(), rl.t()  # [30, 40] views
-    out = torch.ops.hybridrl.kl_forward(lp_t, rl_t, ref.KL_K3, ref.KL_K3)
-    torch.testing.assert_close(out, ref.kl_penalty_ref(lp_t, rl_t, "k3"), rtol=1e-6, atol=1e-6)
-    assert out.is_contiguous()
+    grad = torch.randn(30, 40)
+    for code, kind in enumerate(["k1", "abs", "k2", "k3"]):  # every code, also k1's kernels
+        out = torch.ops.hybridrl.kl_forward(lp_t, rl_t, code, code)
+        torch.testing.assert_close(out, ref.kl_penalty_ref(lp_t, rl_t, kind), rtol=1e-6, atol=1e-6)
+        assert out.is_contiguous()
+        a = lp_t.clone().requires_grad_()
+        ref.kl_penalty_ref(a, rl_t, kind).backward(grad)
+        got = torch.ops.hybridrl.kl_backward(grad, lp_t, rl_t, code)
+        torch.testing.assert_close(got, a.grad, rtol=1e-6, atol=1e-6)
 
 
 def test_kl_bad_input():
