@@ -12,6 +12,8 @@ Contract:
 - One isend/irecv per transfer, of flat 1-D contiguous tensors (gloo: no 2-D all_gather outputs,
   no uneven all_gather): a contiguous piece is sent as a view, a contiguous destination slot is
   received into directly; other pieces go through a temporary buffer.
+- ``verify=True`` (default) first checks with one small all_gather_object that every rank runs
+  the same plan (``plan_fingerprint``), so a mismatch raises on all ranks instead of hanging.
 - ``run_plan_local(plan, sources_by_rank, assemblers)`` plays every rank in one process (tests).
 - Returns ``RunStats``: bytes actually sent / received by this rank (buffer sizes), number of
   buckets, and the peak live bytes (comm buffers + assembling regions + emitted canonical bytes).
@@ -93,13 +95,34 @@ class _Bucket:
             assembler.accept(t.key, t.lo, t.hi, slot.view(plan.spec(t.key).piece_shape(t.hi - t.lo)))
 
 
-def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=None) -> RunStats:
+def plan_fingerprint(plan: Plan) -> tuple:
+    """Small summary every rank of one reshard must share (layouts, strategy, buckets, bytes)."""
+    g, t = plan.gen, plan.train
+    return (plan.strategy, t.world, t.tp, t.pp, g.tp, g.pp, g.grouping, g.vocab_chunk,
+            plan.itemsize, len(plan.buckets), sum(x.nbytes for b in plan.buckets for x in b))
+
+
+def check_same_plan(plan: Plan, group=None) -> None:
+    """One all_gather_object: ValueError on every rank unless all ranks run the same plan."""
+    mine = plan_fingerprint(plan)
+    seen: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, mine, group=group)
+    bad = [i for i, other in enumerate(seen) if other != mine]
+    if bad:
+        raise ValueError(f"ranks disagree on the reshard plan: this rank has {mine}, "
+                         f"group rank {bad[0]} has {seen[bad[0]]}")
+
+
+def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=None,
+             verify: bool = True) -> RunStats:
     """Execute this rank's part of ``plan`` (see module doc)."""
     dtype = next((v.dtype for v, _ in sources.values()), torch.float32)
     if torch.empty((), dtype=dtype).element_size() != plan.itemsize:
         raise ValueError(f"plan itemsize={plan.itemsize} but the training tensors are {dtype}")
     if assembler.dtype != dtype:
         raise ValueError(f"assembler dtype={assembler.dtype} but the training tensors are {dtype}")
+    if verify:
+        check_same_plan(plan, group)
     mine = [(s, r, k) for k, (s, r) in enumerate(plan.rank_buckets(rank)) if s or r]
     sent = recv = peak_comm = peak_live = 0
 

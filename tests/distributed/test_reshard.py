@@ -5,7 +5,8 @@ tests/unit/test_reshard_oracle.py) from seeded full HF weights, runs the plan wi
 torch.distributed, and checks: its gen shard is bit-identical to the oracle's slice of the full
 weights (megatron format; the engine and HF formats on a subset), bytes it actually moved equal
 the plan's, its peak live bytes stay within the plan's peak (gen shard + two buckets), and, on a
-balanced model, zero_redundancy moves exactly (dg-1)/(t*p)*M per rank.
+balanced model, zero_redundancy moves exactly (dg-1)/(t*p)*M per rank. Also: bf16, in-place
+receive (``into=``), and ranks given different plans all raise instead of hanging.
 """
 
 import itertools
@@ -123,14 +124,29 @@ def _one_case(rank, world, case):
     }
 
 
+def _mismatch(rank, world):
+    """Ranks holding different plans: every rank raises, nobody hangs."""
+    from hybridrl.reshard.executor import check_same_plan
+
+    strategy = "p2p" if rank == 3 else "zero_redundancy"
+    plan = _setup(world, (2, 2, 1, 1, strategy, "megatron", False, False, "fp32"))[4]
+    try:
+        check_same_plan(plan)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def _reshard_rank(rank, world, cases):
-    return [_one_case(rank, world, case) for case in cases]
+    return [_one_case(rank, world, case) for case in cases], _mismatch(rank, world)
 
 
 @pytest.mark.slow
 def test_reshard_8_ranks_every_layout_and_strategy():
     cases = _cases()
-    per_rank = run_on_ranks(_reshard_rank, WORLD, cases, timeout=600)
+    out = run_on_ranks(_reshard_rank, WORLD, cases, timeout=600)
+    per_rank = [r[0] for r in out]
+    assert all(r[1] and "disagree on the reshard plan" in r[1] for r in out), [r[1] for r in out]
     assert len(cases) > 150
     for i, case in enumerate(cases):
         t, p = case[0], case[1]
