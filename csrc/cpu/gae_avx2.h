@@ -1,8 +1,9 @@
 // AVX2 GAE loop for fp32, 8 rows at a time held in registers, compiled for AVX2 by the
-// `#pragma GCC target` below (callers check __builtin_cpu_supports("avx2") first). Steps are consumed in blocks of 16 from the end of the rows:
-// each 8-step half block of each input is an 8 x 8 register transpose (rows -> steps), the recurrence runs
-// on 8-row vectors with separate mul/add (never fused: bit-identical to the reference loop), and
-// outputs are transposed back. The first T % 16 steps finish per row in scalar code.
+// `#pragma GCC target` below (callers check __builtin_cpu_supports("avx2") first). Steps are
+// consumed in blocks of 16 from the end of the rows: each 8-step half block of each input is an
+// 8 x 8 register transpose (rows -> steps), the recurrence runs on 8-row vectors with separate
+// mul/add (never fused: bit-identical to the reference loop), and outputs are transposed back.
+// The first T % 16 steps finish per row in scalar code.
 #pragma once
 
 #include <immintrin.h>
