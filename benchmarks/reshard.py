@@ -170,7 +170,7 @@ def _strategy_method(rank, cfg, layout, train, specs, named, strategy, info, res
     import torch
 
     from hybridrl.reshard.assemble import Assembler
-    from hybridrl.reshard.executor import run_plan, train_sources
+    from hybridrl.reshard.executor import check_same_plan, run_plan, train_sources
     from hybridrl.reshard.formats import megatron_format
     from hybridrl.reshard.placement import gen_placement
     from hybridrl.reshard.planner import plan_reshard
@@ -181,6 +181,7 @@ def _strategy_method(rank, cfg, layout, train, specs, named, strategy, info, res
     t0 = time.perf_counter()
     plan = plan_reshard(train, gen, specs, strategy, bucket_mb=cfg["bucket_mb"], itemsize=4)
     info[strategy] = {"plan_s": time.perf_counter() - t0, "planned": plan.recv_bytes(rank)}
+    check_same_plan(plan)  # once per plan (plans are reused across steps, as megatron's is)
     sources = train_sources(plan, rank, named)
     into = None
     if strategy in ("zero_redundancy", "p2p"):  # into preallocated gen tensors, as an engine
@@ -190,7 +191,7 @@ def _strategy_method(rank, cfg, layout, train, specs, named, strategy, info, res
 
     def once():
         asm = Assembler(plan, rank, megatron_format(gen, rank), into=into)
-        stats = run_plan(plan, rank, sources, asm)
+        stats = run_plan(plan, rank, sources, asm, verify=False)
         info[strategy].update(recv=stats.bytes_received, peak=stats.peak_live_bytes)
         result = asm.result()
         if strategy == "zero_redundancy":  # kept for the comparison with megatron
