@@ -58,14 +58,22 @@ class Plan:
     dests: tuple[dict[str, tuple[int, int]], ...]  # per rank: key -> destination rows
     locals: tuple[tuple[tuple[str, int, int], ...], ...]  # per rank: rows it copies from itself
     buckets: tuple[tuple[Transfer, ...], ...]
+    _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def spec(self, key: str) -> ParamSpec:
-        return next(s for s in self.specs if s.key == key)
+        if "specs" not in self._cache:
+            self._cache["specs"] = {}
+            for s in self.specs:
+                self._cache["specs"].setdefault(s.key, s)
+        return self._cache["specs"][key]
 
     def rank_buckets(self, rank: int) -> list[tuple[list[Transfer], list[Transfer]]]:
-        """Per bucket: (this rank's sends, this rank's receives), in plan order."""
-        return [([t for t in b if t.src == rank], [t for t in b if t.dst == rank])
+        """Per bucket: (this rank's sends, this rank's receives), in plan order (cached)."""
+        if ("rank", rank) not in self._cache:
+            self._cache[("rank", rank)] = [
+                ([t for t in b if t.src == rank], [t for t in b if t.dst == rank])
                 for b in self.buckets]
+        return self._cache[("rank", rank)]
 
     def recv_bytes(self, rank: int) -> int:
         return sum(t.nbytes for b in self.buckets for t in b if t.dst == rank)
