@@ -1,0 +1,100 @@
+"""Atomic, resumable PPO checkpoints: ``<checkpoint_dir>/global_step_<N>/``.
+
+Contract:
+- ``save_checkpoint(root, step, rank_state, trainer_state, meta)`` is collective (every rank of
+  the default group calls it; ``root`` must be on storage every rank sees). Every rank writes
+  ``rank_<r>.pt`` (its model shards, optimizer state and RNG states) into
+  ``.tmp_global_step_<N>/``; rank 0 adds ``trainer_state.pt`` (step, KL controller, data loader
+  position, ...) and ``meta.json``; after a barrier rank 0 writes the ``COMPLETE`` marker and
+  renames the folder to ``global_step_<N>`` (an existing one is replaced). Each file is written
+  to a temporary name and ``os.replace``d, so a crash at any point leaves either no new
+  checkpoint or a complete one, never a half-written ``global_step_<N>``.
+- ``latest_checkpoint(root)`` is the complete ``global_step_<N>`` with the largest N (None when
+  there is none); incomplete or temporary folders are ignored.
+- ``load_checkpoint(path, rank, meta)`` returns ``(rank_state, trainer_state)``; a checkpoint
+  written by a different world size or layout (``meta`` differs) raises ``ValueError`` naming the
+  fields, as does a missing file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+COMPLETE = "COMPLETE"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(root: str | Path, step: int, rank_state: dict, trainer_state: dict,
+                    meta: dict) -> Path:
+    """Write this rank's part of checkpoint ``step`` (collective; see module docstring)."""
+    root = Path(root)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final, tmp = root / f"global_step_{step}", root / f".tmp_global_step_{step}"
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    _atomic_save(rank_state, tmp / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        _atomic_save(trainer_state, tmp / "trainer_state.pt")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    _barrier()
+    if rank == 0:
+        (tmp / COMPLETE).write_text(f"step {step}\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    _barrier()
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint folder with the highest step under ``root`` (or None)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / COMPLETE).is_file():
+            found.append((int(match.group(1)), child))
+    return max(found)[1] if found else None
+
+
+def load_checkpoint(path: str | Path, rank: int, meta: dict) -> tuple[dict, dict]:
+    """(this rank's state, the shared trainer state) of checkpoint ``path``."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise ValueError(f"checkpoint {str(path)!r} is not a complete checkpoint "
+                         f"(no {COMPLETE} marker)")
+    saved = json.loads((path / "meta.json").read_text())
+    diff = {k: (saved.get(k), v) for k, v in meta.items() if saved.get(k) != v}
+    if diff:
+        detail = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(f"checkpoint {str(path)!r} was written by a different run layout "
+                         f"({detail}); resume with the same world size and parallel config")
+    rank_file = path / f"rank_{rank:05d}.pt"
+    if not rank_file.is_file():
+        raise ValueError(f"checkpoint {str(path)!r} has no {rank_file.name}")
+    rank_state = torch.load(rank_file, map_location="cpu", weights_only=False)
+    trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    return rank_state, trainer_state

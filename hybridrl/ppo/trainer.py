@@ -1,0 +1,423 @@
+"""The PPO / GRPO loop: one step = reshard, rollout, score, log-probs, advantages, updates.
+
+Contract:
+- ``PPOTrainer(cfg, groups)`` (collective: every rank, same config) builds the tokenizer, the
+  loaders, the megatron actor / reference (/ critic for GAE) on the training layout, their
+  optimizers, the KL controller, the reward scorer and the ``RolloutWorker`` (engine on the
+  generation layout + the reshard plan). ``fit()`` resumes when configured, runs
+  ``trainer.total_steps`` steps and returns the list of per-step metric dicts (every rank).
+- One step (``train_step``), every rank:
+  1. ``timing_s/reshard``: actor train shards -> engine shards (``RolloutWorker.sync_weights``);
+  2. ``timing_s/gen``: each gen replica samples its share of the prompts (``rollout.n`` per
+     prompt), gathered back so every rank holds all N sequences;
+  3. old log-probs (actor), reference log-probs (when a KL term is used), values (critic, GAE
+     only): megatron forwards on this rank's DP share, all-gathered over DP;
+  4. reward (``RewardScorer.score_tokens``), placed on each sequence's last token; the in-reward
+     KL (``algorithm.use_kl_in_reward``) updates the KL controller; advantages from the registry
+     (``algorithm.adv_estimator``) on the whole batch, identical on every rank;
+  5. ``actor.ppo_epochs`` (``critic.ppo_epochs``) passes over mini-batches of
+     ``ppo_mini_batch_size * rollout.n`` sequences; each DP rank takes its share as fixed-size or
+     token-budget micro-batches; the loss uses global normalizers (``compute_agg_normalizers``);
+  6. KL guard (``trainer.kl_guard.max_kl`` > 0): if the largest |actor/ppo_kl| of the step's
+     mini-batches exceeds it, actor, critic, optimizers and KL controller go back to their state
+     before the step (the batch is skipped, ``training/kl_guard_rollback`` = 1); more than
+     ``max_rollbacks`` consecutive rollbacks, or ``rollback: false``, raise ``RuntimeError``;
+  7. metrics (DESIGN.md key names) on rank 0: one line per step to stdout, one JSON line to
+     ``<checkpoint_dir>/metrics.jsonl`` when ``jsonl`` is a logger; checkpoints every
+     ``trainer.save_freq`` steps and after the last (``hybridrl.ppo.checkpoint``).
+- Log-probs are those of ``log_softmax(logits / T)`` with T = ``rollout.temperature`` (1 when
+  greedy), as the engine reports them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridrl.data.batching import (
+    inverse_order,
+    plan_dp_micro_batches,
+    plan_micro_batches,
+    split_mini_batches,
+)
+from hybridrl.data.build import build_loaders, build_tokenizer
+from hybridrl.data.tokenizer import vocab_size
+from hybridrl.models.forward import broadcast_from_last_stage, run_microbatches
+from hybridrl.models.hf_io import build_from_config
+from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
+from hybridrl.ppo.advantages import compute_advantage
+from hybridrl.ppo.agg import compute_agg_normalizers
+from hybridrl.ppo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from hybridrl.ppo.kl_control import apply_kl_in_reward, build_kl_controller
+from hybridrl.ppo.losses import actor_loss, value_loss
+from hybridrl.rewards.reward_model import place_on_last_token
+from hybridrl.rewards.scoring import build_reward_scorer
+from hybridrl.rollout.batch import RolloutBatch, gather_response
+from hybridrl.rollout.worker import RolloutWorker
+
+SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
+
+
+@contextlib.contextmanager
+def _timer(timing: dict, key: str):
+    start = time.perf_counter()
+    yield
+    timing[f"timing_s/{key}"] = timing.get(f"timing_s/{key}", 0.0) + time.perf_counter() - start
+
+
+class PPOTrainer:
+    """The loop (see module docstring); ``groups`` come from ``hybridrl.parallel.build_groups``."""
+
+    def __init__(self, cfg, groups, *, print_fn=print):
+        self.cfg, self.groups, self.print = cfg, groups, print_fn
+        self.rank, self.world = groups.rank, dist.get_world_size()
+        self.tokenizer = build_tokenizer(cfg.model)
+        self.loader, self.val_loader = build_loaders(cfg.data, self.tokenizer)
+        seed = cfg.trainer.seed
+        self.actor = build_from_config(cfg.model, groups, "actor", seed=seed)
+        if vocab_size(self.tokenizer) > self.actor.spec.vocab_size:
+            raise ValueError(f"the tokenizer has {vocab_size(self.tokenizer)} ids but the model "
+                             f"vocab_size is {self.actor.spec.vocab_size} (model.vocab_size)")
+        a = cfg.actor
+        self.need_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.ref = (build_from_config(cfg.model, groups, "reference", path=cfg.ref.model_path,
+                                      seed=seed) if self.need_ref else None)
+        self.critic = (build_from_config(cfg.model, groups, "critic", path=cfg.critic.model_path,
+                                         seed=seed) if cfg.use_critic else None)
+        self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * len(self.loader)
+        self.actor_opt = self._optimizer(self.actor, a)
+        self.critic_opt = self._optimizer(self.critic, cfg.critic) if self.critic else None
+        k = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+        if cfg.reward.reward_model_path:
+            raise ValueError("reward.reward_model_path is not wired into the trainer yet; "
+                             "use rule rewards or reward.reward_fn")
+        self.scorer = build_reward_scorer(cfg.reward)
+        self.worker = RolloutWorker(cfg, groups, self.actor, self.tokenizer)
+        self.temperature = cfg.rollout.temperature or 1.0
+        self.step, self.rollbacks = 0, 0
+        self.metrics_path = Path(cfg.trainer.checkpoint_dir) / "metrics.jsonl"
+
+    def _optimizer(self, model, role_cfg) -> ModelOptimizer:
+        per_step = role_cfg.ppo_epochs * (self.cfg.data.train_batch_size // role_cfg.ppo_mini_batch_size)
+        return ModelOptimizer(model, OptimConfig.from_role_config(role_cfg, self.total_steps * per_step))
+
+    # ------------------------------------------------------------------ rollout side
+    def _rollout(self, prompts) -> RolloutBatch:
+        n, r = self.cfg.rollout.n, self.cfg.rollout
+        rows = [i for i in range(len(prompts)) for _ in range(n)]  # each prompt n times
+        params = self.worker.sampling_params(r.response_length, r.temperature, r.top_k, r.top_p)
+        out = self.worker.generate([prompts.prompt_ids[i] for i in rows], params,
+                                   seed=self.cfg.trainer.seed * 100_003 + self.step)
+        return RolloutBatch([prompts.prompt_ids[i] for i in rows], out.response_ids,
+                            out.response_mask, out.logprobs, rows,
+                            [prompts.ground_truth[i] for i in rows],
+                            [prompts.data_source[i] for i in rows],
+                            [prompts.extra_info[i] for i in rows])
+
+    def _dp_share(self, n_rows: int) -> list[int]:
+        dp, d = self.groups.dp_size, self.groups.dp_rank
+        return list(range(d * n_rows // dp, (d + 1) * n_rows // dp))
+
+    @torch.no_grad()
+    def _forward(self, model, rb: RolloutBatch, key: str, micro: int, dynamic: bool,
+                 max_tokens: int) -> torch.Tensor:
+        """Per-token ``key`` output [N, R] of ``model`` on the whole batch (DP share + gather)."""
+        mine = self._dp_share(len(rb))
+        if dynamic:
+            parts = plan_micro_batches([rb.seq_lengths[i] for i in mine], max_tokens).micro_batches
+            parts = [[mine[j] for j in p] for p in parts]
+        else:
+            parts = [mine[s:s + micro] for s in range(0, len(mine), micro)]
+        outs = run_microbatches(model, [rb.microbatch(p) for p in parts], with_entropy=False,
+                                temperature=self.temperature)
+        local = None
+        if self.groups.is_last_stage:
+            cols = [gather_response(o[key], rb.microbatch(p)["resp_index"]).float().cpu()
+                    for o, p in zip(outs, parts)]
+            local = torch.cat(cols)[inverse_order(
+                [[mine.index(i) for i in p] for p in parts])]  # [N/dp, R] in row order
+        local = broadcast_from_last_stage(local, self.groups).to(self.actor.device)
+        if self.groups.dp_size == 1:
+            return local.cpu()
+        shards = [torch.empty_like(local) for _ in range(self.groups.dp_size)]
+        dist.all_gather(shards, local.contiguous(), group=self.groups.dp)
+        return torch.cat(shards).cpu()
+
+    # ------------------------------------------------------------------ losses
+    def _actor_loss(self, outputs, batch, *, norm, k):
+        a, dev = self.cfg.actor, outputs["logprobs"].device
+        idx = batch["resp_index"]
+        ent = gather_response(outputs["entropy"], idx) if "entropy" in outputs else None
+        loss, metrics = actor_loss(
+            batch["old_log_probs"].to(dev), gather_response(outputs["logprobs"], idx),
+            batch["advantages"].to(dev), batch["response_mask"].to(dev),
+            policy_loss=a.policy_loss, entropy_BT=ent, entropy_coeff=a.entropy_coeff,
+            ref_log_prob=batch["ref_log_probs"].to(dev) if "ref_log_probs" in batch else None,
+            use_kl_loss=a.use_kl_loss, kl_loss_type=a.kl_loss_type, kl_loss_coef=a.kl_loss_coef,
+            loss_agg_mode=a.loss_agg_mode, norm=norm, clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c)
+        return _undo_megatron_mean(loss, metrics, k)
+
+    def _critic_loss(self, outputs, batch, *, norm, k):
+        c, dev = self.cfg.critic, outputs["values"].device
+        vpreds = gather_response(outputs["values"], batch["resp_index"])
+        loss, metrics = value_loss(vpreds, batch["returns"].to(dev), batch["values"].to(dev),
+                                   batch["response_mask"].to(dev), c.cliprange_value,
+                                   c.loss_agg_mode, norm)
+        return _undo_megatron_mean(loss, metrics, k)
+
+    def _update(self, model, opt, role_cfg, rb, tensors, loss_method, prefix) -> dict:
+        """PPO epochs over mini-batches of one model; metrics averaged over its optimizer steps."""
+        n, dp = self.cfg.rollout.n, self.groups.dp_size
+        mini = role_cfg.ppo_mini_batch_size * n
+        acc = defaultdict(list)
+        for _ in range(role_cfg.ppo_epochs):
+            for rows in split_mini_batches(len(rb), mini):
+                if role_cfg.use_dynamic_bsz:
+                    plans = plan_dp_micro_batches([rb.seq_lengths[i] for i in rows], dp,
+                                                  role_cfg.ppo_max_token_len_per_gpu)
+                    micro = [[rows[j] for j in mb] for mb in plans[self.groups.dp_rank].micro_batches]
+                else:
+                    share = rows[self.groups.dp_rank * len(rows) // dp:
+                                 (self.groups.dp_rank + 1) * len(rows) // dp]
+                    size = role_cfg.ppo_micro_batch_size_per_gpu
+                    micro = [share[s:s + size] for s in range(0, len(share), size)]
+                mbs = [rb.microbatch(m, tensors) for m in micro]
+                norm = compute_agg_normalizers([mb["response_mask"] for mb in mbs],
+                                               self.groups.dp if dp > 1 else None)
+                loss_fn = functools.partial(loss_method, norm=norm, k=len(mbs))
+                for key, value in train_step(model, opt, mbs, loss_fn,
+                                             temperature=self.temperature).items():
+                    acc[key].append(value)
+        out = {(k if "/" in k else f"{prefix}/{k}"): float(np.mean(v)) for k, v in acc.items()}
+        if "actor/ppo_kl" in acc:
+            out["actor/ppo_kl_max"] = float(max(abs(v) for v in acc["actor/ppo_kl"]))
+        return out
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict:
+        cfg, timing, t0 = self.cfg, {}, time.perf_counter()
+        snapshot = self._snapshot() if cfg.trainer.kl_guard.max_kl > 0 else None
+        prompts = self.loader.next_batch()
+        with _timer(timing, "reshard"):
+            self.worker.sync_weights(self.actor)
+        with _timer(timing, "gen"):
+            rb = self._rollout(prompts)
+        mask = rb.response_mask
+        r, a = cfg.ref, cfg.actor
+        with _timer(timing, "old_log_prob"):
+            old = self._forward(self.actor, rb, "logprobs", r.log_prob_micro_batch_size_per_gpu,
+                                r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
+        tensors = {"old_log_probs": old}
+        if self.ref is not None:
+            with _timer(timing, "ref"):
+                tensors["ref_log_probs"] = self._forward(
+                    self.ref, rb, "logprobs", r.log_prob_micro_batch_size_per_gpu,
+                    r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
+        if self.critic is not None:
+            c = cfg.critic
+            with _timer(timing, "values"):
+                tensors["values"] = self._forward(self.critic, rb, "values",
+                                                  c.ppo_micro_batch_size_per_gpu,
+                                                  c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu)
+        metrics = {}
+        with _timer(timing, "reward"):
+            scores, reward_metrics = self.scorer.score_tokens(
+                self.tokenizer, rb.response_ids, mask, rb.ground_truth, rb.data_source,
+                rb.extra_info)
+        metrics.update(reward_metrics)
+        with _timer(timing, "adv"):
+            rewards = place_on_last_token(scores, mask).float()
+            if cfg.algorithm.use_kl_in_reward:
+                rewards, kl_metrics = apply_kl_in_reward(rewards, old, tensors["ref_log_probs"],
+                                                         mask, self.kl_ctrl,
+                                                         cfg.algorithm.kl_penalty)
+                metrics.update(kl_metrics)
+            alg = cfg.algorithm
+            tensors["advantages"], tensors["returns"] = compute_advantage(
+                alg.adv_estimator, rewards, mask.float(), values=tensors.get("values"),
+                index=rb.uid, gamma=alg.gamma, lam=alg.lam,
+                norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        if self.critic is not None:
+            with _timer(timing, "update_critic"):
+                metrics.update(self._update(self.critic, self.critic_opt, cfg.critic, rb, tensors,
+                                            self._critic_loss, "critic"))
+        with _timer(timing, "update_actor"):
+            metrics.update(self._update(self.actor, self.actor_opt, a, rb, tensors,
+                                        self._actor_loss, "actor"))
+        metrics.update(self._kl_guard(metrics, snapshot))
+        timing["timing_s/step"] = time.perf_counter() - t0
+        return {**metrics, **self._batch_metrics(rb, tensors, timing), **timing}
+
+    def _batch_metrics(self, rb: RolloutBatch, tensors: dict, timing: dict) -> dict:
+        m, lens = rb.response_mask.float(), rb.response_lengths.float()
+        n_tok = m.sum().clamp(min=1)
+        tokens = sum(rb.seq_lengths)
+        return {
+            "response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
+            "response_length/clip_ratio": float((lens >= self.cfg.rollout.response_length)
+                                                .float().mean()),
+            "prompt_length/mean": float(np.mean([len(p) for p in rb.prompt_ids])),
+            "critic/advantages/mean": float((tensors["advantages"] * m).sum() / n_tok),
+            "critic/returns/mean": float((tensors["returns"] * m).sum() / n_tok),
+            "training/rollout_logprob_diff": float(
+                ((rb.rollout_logprobs - tensors["old_log_probs"]).abs() * m).sum() / n_tok),
+            "perf/total_tokens": float(tokens),
+            "perf/throughput": tokens / max(timing["timing_s/step"], 1e-9) / self.world,
+        }
+
+    # ------------------------------------------------------------------ KL guard
+    def _models(self):
+        pairs = [(self.actor, self.actor_opt), (self.critic, self.critic_opt)]
+        return [(m, o) for m, o in pairs if m is not None]
+
+    def _snapshot(self) -> dict:
+        return {"params": [{n: p.detach().clone() for n, p in m.module.named_parameters()}
+                           for m, _ in self._models()],
+                "optim": [copy.deepcopy(o.state_dict()) for _, o in self._models()],
+                "kl_ctrl": dict(self.kl_ctrl.state_dict())}
+
+    @torch.no_grad()
+    def _restore(self, snap: dict) -> None:
+        for (model, opt), params, state in zip(self._models(), snap["params"], snap["optim"]):
+            for name, p in model.module.named_parameters():
+                p.copy_(params[name])
+            opt.load_state_dict(copy.deepcopy(state))
+        self.kl_ctrl.load_state_dict(snap["kl_ctrl"])
+
+    def _kl_guard(self, metrics: dict, snapshot: dict | None) -> dict:
+        guard = self.cfg.trainer.kl_guard
+        if snapshot is None:
+            return {}
+        kl = torch.tensor([metrics.get("actor/ppo_kl_max", 0.0)], dtype=torch.float64)
+        dist.all_reduce(kl, op=dist.ReduceOp.MAX)  # every rank takes the same decision
+        if float(kl) <= guard.max_kl:
+            self.rollbacks = 0
+            return {"training/kl_guard_rollback": 0.0}
+        if not guard.rollback:
+            raise RuntimeError(f"step {self.step + 1}: policy KL {float(kl):.4g} exceeds "
+                               f"trainer.kl_guard.max_kl={guard.max_kl} (rollback disabled)")
+        self.rollbacks += 1
+        if self.rollbacks > guard.max_rollbacks:
+            raise RuntimeError(f"step {self.step + 1}: {self.rollbacks} consecutive KL-guard "
+                               f"rollbacks (KL {float(kl):.4g} > max_kl={guard.max_kl}); "
+                               "giving up: lower actor.lr or raise trainer.kl_guard.max_kl")
+        self._restore(snapshot)
+        self._log_line(f"step {self.step + 1}: KL {float(kl):.4g} > max_kl {guard.max_kl}: "
+                       f"rolled back (rollback {self.rollbacks}/{guard.max_rollbacks})")
+        return {"training/kl_guard_rollback": 1.0}
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict:
+        """Greedy (``rollout.val_temperature``) responses on the validation prompts."""
+        if self.val_loader is None:
+            return {}
+        self.worker.sync_weights(self.actor)
+        r, scores = self.cfg.rollout, []
+        params = self.worker.sampling_params(r.response_length, r.val_temperature, r.top_k, r.top_p)
+        for prompts in self.val_loader:
+            out = self.worker.generate(prompts.prompt_ids, params, seed=self.cfg.trainer.seed)
+            s, _ = self.scorer.score_tokens(self.tokenizer, out.response_ids, out.response_mask,
+                                            prompts.ground_truth, prompts.data_source,
+                                            prompts.extra_info)
+            scores.append(s)
+        return {"val/score/mean": float(torch.cat(scores).float().mean())}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _meta(self) -> dict:
+        t = self.groups.train
+        return {"world": self.world, "tp": t.tp, "pp": t.pp, "dp": t.dp,
+                "critic": self.critic is not None}
+
+    def save(self) -> Path:
+        rank_state = {"params": [{n: p.detach().cpu() for n, p in m.module.named_parameters()}
+                                 for m, _ in self._models()],
+                      "optim": [o.state_dict() for _, o in self._models()],
+                      "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                              "python": random.getstate()}}
+        trainer_state = {"step": self.step, "rollbacks": self.rollbacks,
+                         "kl_ctrl": self.kl_ctrl.state_dict(), "loader": self.loader.state_dict()}
+        return save_checkpoint(self.cfg.trainer.checkpoint_dir, self.step, rank_state,
+                               trainer_state, self._meta())
+
+    def resume(self) -> Path | None:
+        t = self.cfg.trainer
+        if t.resume == "disable":
+            return None
+        path = Path(t.resume_path) if t.resume == "path" else latest_checkpoint(t.checkpoint_dir)
+        if path is None:
+            return None
+        rank_state, state = load_checkpoint(path, self.rank, self._meta())
+        snap = {"params": rank_state["params"], "optim": rank_state["optim"],
+                "kl_ctrl": state["kl_ctrl"]}
+        self._restore(snap)
+        self.loader.load_state_dict(state["loader"])
+        self.step, self.rollbacks = int(state["step"]), int(state["rollbacks"])
+        rng = rank_state["rng"]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        return path
+
+    # ------------------------------------------------------------------ driver
+    def _log_line(self, text: str) -> None:
+        if self.rank == 0:
+            self.print(text, flush=True)
+
+    def _log(self, metrics: dict) -> None:
+        if self.rank != 0:
+            return
+        keys = (("score", "critic/score/mean"), ("pg_loss", "actor/pg_loss"),
+                ("ppo_kl", "actor/ppo_kl"), ("kl_loss", "actor/kl_loss"),
+                ("vf_loss", "critic/vf_loss"), ("entropy", "actor/entropy"),
+                ("len", "response_length/mean"), ("val", "val/score/mean"),
+                ("gen_s", "timing_s/gen"), ("reshard_s", "timing_s/reshard"),
+                ("step_s", "timing_s/step"))
+        parts = [f"{short} {metrics[k]:.4g}" for short, k in keys if k in metrics]
+        self.print(f"step {self.step}/{self.total_steps} | " + " | ".join(parts), flush=True)
+        if "jsonl" in self.cfg.trainer.logger:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps({"step": self.step, **metrics}) + "\n")
+
+    def fit(self) -> list[dict]:
+        """Resume if configured, then train to ``total_steps``; per-step metrics."""
+        t = self.cfg.trainer
+        resumed = self.resume()
+        g = self.groups.train
+        self._log_line(f"hybridrl: world {self.world}, train tp {g.tp} pp {g.pp} dp {g.dp}, "
+                       f"gen tp {self.worker.gen.tp} x {self.worker.n_replicas} replicas, "
+                       f"reshard {self.worker.strategy}, steps {self.step + 1}..{self.total_steps}"
+                       + (f" (resumed from {resumed})" if resumed else ""))
+        if t.val_before_train and self.step == 0:
+            self._log_line(f"step 0 | val {self.validate().get('val/score/mean', float('nan')):.4g}")
+        history = []
+        while self.step < self.total_steps:
+            metrics = self.train_step()
+            self.step += 1
+            if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == self.total_steps):
+                metrics.update(self.validate())
+            self._log(metrics)
+            history.append(metrics)
+            if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
+                self.save()
+        return history
+
+
+def _undo_megatron_mean(loss, metrics: dict, k: int):
+    """megatron divides each micro-batch loss by k; the global normalizers already count every
+    micro-batch, so scale the loss (and the aggregated metrics) back by k."""
+    metrics = {key: v * k if key in SHARE_METRICS else v for key, v in metrics.items()}
+    return loss * k, metrics
+

@@ -1,0 +1,75 @@
+"""A step's rollout batch on the training side, and its megatron micro-batches.
+
+Contract:
+- ``RolloutBatch`` holds N sequences (each prompt repeated ``rollout.n`` times, consecutive):
+  unpadded ``prompt_ids``, right-padded ``response_ids`` / ``response_mask`` / engine
+  ``rollout_logprobs`` [N, R], the prompt group ``uid`` [N] (for GRPO), and what the reward
+  needs (``ground_truth``, ``data_source``, ``extra_info``). Per-token training tensors
+  (old/ref log-probs, values, advantages, returns) live beside it as [N, R] tensors.
+- ``microbatch(idx, tensors)``: the megatron input for rows ``idx``: ``input_ids`` [b, T]
+  right-padded (prompt then response, starting at position 0 as megatron's RoPE needs, T = the
+  longest prompt + response among the rows), ``resp_index`` [b, R] = the output positions that
+  score each response token (prompt_len - 1 + j: position t scores token t + 1),
+  ``response_mask`` [b, R], plus ``tensors[k][idx]`` for each given [N, R] tensor.
+- ``gather_response(out_bT, resp_index_bR)`` picks the response columns [b, R] out of a per-token
+  model output [b, T].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    prompt_ids: list[list[int]]  # N unpadded prompts
+    response_ids: torch.Tensor  # [N, R] int64, right-padded
+    response_mask: torch.Tensor  # [N, R] int64
+    rollout_logprobs: torch.Tensor  # [N, R] fp32 (the engine's)
+    uid: list[int]  # [N] prompt group of each sequence
+    ground_truth: list[Any]
+    data_source: list[str]
+    extra_info: list[dict]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1)  # [N]
+
+    @property
+    def seq_lengths(self) -> list[int]:
+        """Prompt + response tokens of each sequence (for token-budget micro-batches)."""
+        return [len(p) + int(r) for p, r in zip(self.prompt_ids, self.response_lengths)]
+
+    def microbatch(self, idx: list[int], tensors: dict[str, torch.Tensor] | None = None,
+                   pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+        """The megatron micro-batch of rows ``idx`` (see the module docstring)."""
+        if not idx:
+            raise ValueError("a micro-batch needs at least one row, got 0")
+        rows = torch.as_tensor(idx, dtype=torch.long)
+        R = self.response_ids.shape[1]
+        lens = [len(self.prompt_ids[i]) + int(self.response_mask[i].sum()) for i in idx]
+        T = max(lens)
+        input_ids_bT = torch.full((len(idx), T), pad_token_id, dtype=torch.long)
+        resp_index_bR = torch.empty(len(idx), R, dtype=torch.long)
+        for b, i in enumerate(idx):
+            p = self.prompt_ids[i]
+            r = self.response_ids[i, : int(self.response_mask[i].sum())]
+            input_ids_bT[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+            input_ids_bT[b, len(p): len(p) + len(r)] = r
+            resp_index_bR[b] = (len(p) - 1 + torch.arange(R)).clamp(max=T - 1)
+        out = {"input_ids": input_ids_bT, "resp_index": resp_index_bR,
+               "response_mask": self.response_mask[rows]}
+        for key, value in (tensors or {}).items():
+            out[key] = value[rows]
+        return out
+
+
+def gather_response(out_bT: torch.Tensor, resp_index_bR: torch.Tensor) -> torch.Tensor:
+    """Response columns [b, R] of a per-token output [b, T]."""
+    return out_bT.gather(1, resp_index_bR.to(out_bT.device))

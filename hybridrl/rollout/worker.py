@@ -1,0 +1,140 @@
+"""The generation side of a PPO step: reshard train shards -> engine, sample, gather back.
+
+Contract:
+- ``RolloutWorker(cfg, groups, actor, tokenizer)`` (collective: every rank, same arguments)
+  places the generation layout on the training ranks (``parallel.gen``: the HybridFlow grouping
+  when the shards nest, else consecutive gen TP groups), plans the reshard once (strategy
+  ``reshard.strategy``; ``auto`` = zero_redundancy when nested, else p2p), creates one process
+  group per gen TP group and the engine (``rollout.engine``: builtin or sglang) on this rank's
+  gen shard, with SGLang's vocab padding (64).
+- ``sync_weights(actor)`` runs the plan: every rank sends what others lack and the engine
+  receives its engine-format shard bucket by bucket (``update_weights`` is the sink). Returns the
+  executor's ``RunStats``.
+- ``generate(prompts, params, seed)`` (collective): the N prompts are cut into contiguous shares,
+  one per gen replica (``numpy.array_split`` order); each replica samples its share with seed
+  ``seed * 1_000_003 + replica`` (reproducible, resumable without saved generator state); the
+  shares are all-gathered so every rank returns the same ``GenerationOutput`` for all N, in
+  prompt order, R = the longest response.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridrl.reshard.assemble import Assembler
+from hybridrl.reshard.executor import run_plan, train_sources
+from hybridrl.reshard.formats import engine_format
+from hybridrl.reshard.placement import gen_placement, train_placement
+from hybridrl.reshard.planner import plan_reshard
+from hybridrl.reshard.specs import LlamaShape, build_specs
+from hybridrl.rollout.base import GenerationOutput, SamplingParams
+
+ENGINE_VOCAB_PAD = 64  # SGLang's vocab padding; the builtin engine uses the same
+
+
+def shape_of(spec) -> LlamaShape:
+    """The reshard's ``LlamaShape`` of a ``hybridrl.models.spec.LlamaSpec``."""
+    if spec.qkv_bias:
+        raise ValueError(f"{spec.architecture} has q/k/v biases, which the reshard does not "
+                         "move yet; use a Llama-style model (no biases)")
+    return LlamaShape(hidden=spec.hidden_size, ffn=spec.ffn_hidden_size,
+                      heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
+                      layers=spec.num_layers, vocab=spec.vocab_size, head_dim=spec.head_dim,
+                      tied=spec.tie_word_embeddings)
+
+
+def _gen_tp_groups(gen, rank: int):
+    """(this rank's gen TP group or None, its member ranks): one new_group per replica."""
+    mine, members = None, None
+    for rep in range(gen.world // (gen.tp * gen.pp)):
+        ranks = [gen.rank_at(b, 0, rep) for b in range(gen.tp)]
+        group = dist.new_group(ranks) if gen.tp > 1 else None  # same order on every rank
+        if rank in ranks:
+            mine, members = group, ranks
+    return mine, members
+
+
+class RolloutWorker:
+    """This rank's engine plus the reshard plan that feeds it (see module docstring)."""
+
+    def __init__(self, cfg, groups, actor, tokenizer):
+        if cfg.parallel.gen.pp != 1:
+            raise ValueError(f"parallel.gen.pp must be 1 (rollout engines run gen pp = 1 here), "
+                             f"got {cfg.parallel.gen.pp}")
+        self.rank, layout, gen_cfg = groups.rank, groups.train, cfg.parallel.gen
+        self.shape = shape_of(actor.spec)
+        nested = layout.tp % gen_cfg.tp == 0 and layout.pp % gen_cfg.pp == 0
+        grouping = gen_cfg.grouping if nested else "consecutive"
+        self.gen = gen_placement(layout, self.shape, gen_cfg.tp, gen_cfg.pp, grouping,
+                                 vocab_pad=ENGINE_VOCAB_PAD)
+        strategy = cfg.reshard.strategy
+        if strategy == "auto":
+            strategy = "zero_redundancy" if nested and grouping == "hybridflow" else "p2p"
+        itemsize = torch.empty((), dtype=actor.config.params_dtype).element_size()
+        specs = build_specs(self.shape, "te" if actor.uses_te else "local")
+        self.plan = plan_reshard(train_placement(layout, self.shape), self.gen, specs, strategy,
+                                 cfg.reshard.bucket_mb, itemsize)
+        self.strategy, self.dtype = strategy, actor.config.params_dtype
+        tp_rank, _, self.replica = self.gen.coords[self.rank]
+        self.n_replicas = self.gen.world // (self.gen.tp * self.gen.pp)
+        tp_group, members = _gen_tp_groups(self.gen, self.rank)
+        self.is_src = self.rank == members[0]
+        self.engine = self._build_engine(cfg, actor, tp_group, tp_rank, members[0])
+        self.pad_token_id = int(tokenizer.pad_token_id)
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+
+    def _build_engine(self, cfg, actor, tp_group, tp_rank, tp_src):
+        if cfg.rollout.engine == "sglang":
+            from hybridrl.rollout.sglang import SGLangEngine
+
+            if not cfg.model.path:
+                raise ValueError("rollout.engine=sglang needs model.path (an HF folder)")
+            return SGLangEngine(cfg.model.path, tp_group=tp_group, tp_src=tp_src,
+                                **dict(cfg.rollout.engine_kwargs))
+        from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
+
+        spec = EngineSpec.from_llama(actor.spec, self.gen.vocab_chunk)
+        return BuiltinEngine(spec, tp_group=tp_group, tp_rank=tp_rank, tp_size=self.gen.tp,
+                             tp_src=tp_src, device=actor.device, dtype=self.dtype,
+                             pp_size=self.gen.pp)
+
+    @torch.no_grad()
+    def sync_weights(self, actor):
+        """Reshard the actor's training shards into the engine (collective)."""
+        named = {n: p.detach() for n, p in actor.module.named_parameters()}
+        asm = Assembler(self.plan, self.rank, engine_format(self.shape, self.gen, self.rank),
+                        sink=self.engine.update_weights, dtype=self.dtype)
+        stats = run_plan(self.plan, self.rank, train_sources(self.plan, self.rank, named), asm)
+        asm.result()
+        return stats
+
+    def sampling_params(self, max_new_tokens: int, temperature: float, top_k: int = -1,
+                        top_p: float = 1.0) -> SamplingParams:
+        return SamplingParams(max_new_tokens, temperature, top_k, top_p, self.eos_token_id,
+                              self.pad_token_id)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seed: int) -> GenerationOutput:
+        """Responses for every prompt, the same on every rank (collective)."""
+        shares = np.array_split(np.arange(len(prompts)), self.n_replicas)
+        mine = [int(i) for i in shares[self.replica]]
+        payload = None
+        if mine:
+            params = dataclasses.replace(params, seed=seed * 1_000_003 + self.replica)
+            out = self.engine.generate([prompts[i] for i in mine], params)
+            payload = (mine, out.response_ids.cpu(), out.response_mask.cpu(), out.logprobs.cpu())
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, payload if self.is_src else None)
+        parts = [p for p in seen if p is not None]
+        R = max(p[1].shape[1] for p in parts)
+        ids = torch.full((len(prompts), R), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), R, dtype=torch.long)
+        logp = torch.zeros(len(prompts), R, dtype=torch.float32)
+        for rows, r_ids, r_mask, r_logp in parts:
+            r = r_ids.shape[1]
+            ids[rows, :r], mask[rows, :r], logp[rows, :r] = r_ids, r_mask, r_logp
+        return GenerationOutput(ids, mask, logp)

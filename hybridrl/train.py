@@ -1,0 +1,89 @@
+"""The torchrun entrypoint: ``torchrun --nproc-per-node N -m hybridrl.train --config a.yaml k=v``.
+
+Contract: every rank parses ``--config`` files (in order) and ``key=value`` overrides, loads and
+validates the config and checks it against the world size (``cfg.check_world``) BEFORE any
+collective, so a bad config makes every rank exit with status 2 together (rank 0 prints one line
+naming the problem; no traceback, no hang). Then it initializes torch.distributed (gloo on CPU,
+NCCL on CUDA), builds the training and generation groups, builds the ``PPOTrainer`` and runs it.
+Exit status: 0 done, 1 training failed (e.g. the KL guard gave up; rank 0 prints one line),
+2 bad config or layout, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hybridrl.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", action="append", default=[], metavar="YAML",
+                        help="config file (repeatable; later files override earlier ones)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. actor.lr=1e-4 parallel.tp=2")
+    return parser.parse_args(argv)
+
+
+def _fail(rank: int, status: int, message: str) -> int:
+    if rank == 0:
+        print(f"hybridrl.train: error: {message}", file=sys.stderr, flush=True)
+    return status
+
+
+def build_layout(cfg, world: int):
+    """(TrainLayout, GenLayout or None) of the config for ``world`` ranks (pure)."""
+    from hybridrl.parallel.layout import GenLayout, TrainLayout
+
+    p = cfg.parallel
+    train = TrainLayout(world=world, tp=p.tp, pp=p.pp, order=p.order)
+    gen = GenLayout(train, tp=p.gen.tp, pp=p.gen.pp, grouping=p.gen.grouping) if p.nested else None
+    return train, gen
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    for pattern in (".*Transformer Engine and Apex.*", ".*Apex is not installed.*",
+                    ".*full scope is deprecated.*"):  # megatron-core's import-time notices
+        warnings.filterwarnings("ignore", message=pattern)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        from hybridrl.config import load_config
+
+        cfg = load_config(args.config, args.overrides)
+        cfg.check_world(world)
+        train, gen = build_layout(cfg, world)
+    except ValueError as err:
+        return _fail(rank, 2, str(err))
+    import torch
+    import torch.distributed as dist
+
+    from hybridrl.parallel.groups import build_groups, init_distributed
+
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        return _fail(rank, 2, "trainer.device is 'cuda' but no GPU is visible")
+    if "MASTER_ADDR" not in os.environ:  # plain `python -m hybridrl.train`: a world of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"),
+                          RANK="0", WORLD_SIZE="1")
+    init_distributed("gloo" if cfg.trainer.device == "cpu" else None)
+    torch.manual_seed(cfg.trainer.seed)
+    status = 0
+    try:
+        from hybridrl.ppo.trainer import PPOTrainer
+
+        PPOTrainer(cfg, build_groups(train, gen)).fit()
+    except ValueError as err:
+        status = _fail(rank, 2, str(err))
+    except RuntimeError as err:
+        status = _fail(rank, 1, str(err).splitlines()[0] if str(err) else repr(err))
+    except KeyboardInterrupt:
+        status = _fail(rank, 130, "interrupted")
+    if status == 0:
+        dist.barrier()
+    dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
