@@ -12,7 +12,9 @@ TORCH_LIBRARY(hybridrl, m) {
   // grad * d(estimator bwd_kind)/d(logprob); the ref_logprob gradient is its negation.
   m.def("kl_backward(Tensor grad, Tensor logprob, Tensor ref_logprob, int bwd_kind) -> Tensor");
   // Masked GAE over [B, T]: (advantages, returns), no whitening.
-  m.def("gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam) -> (Tensor, Tensor)");
+  m.def(
+      "gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam)"
+      " -> (Tensor, Tensor)");
   // (values - mean) * rsqrt(unbiased var + 1e-8), statistics over mask != 0 of the whole tensor.
   m.def("masked_whiten(Tensor values, Tensor mask) -> Tensor");
 }

@@ -2,8 +2,8 @@
 // rows split over threads with at::parallel_for. Full groups of 8 rows go through a
 // row-vectorized loop: for fp32 on AVX2 machines the register-transposed loop of gae_avx2.h,
 // otherwise the tiled loop of gae_tiles.h (compiled for AVX-512, AVX2 and the baseline ISA,
-// picked at run time); leftover rows walk alone. fp32 math for fp32/bf16/fp16, double for fp64; built with
-// -ffp-contract=off, so fp32 results are bit-identical to the reference loop.
+// picked at run time); leftover rows walk alone. fp32 math for fp32/bf16/fp16, double for fp64;
+// built with -ffp-contract=off, so fp32 results are bit-identical to the reference loop.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

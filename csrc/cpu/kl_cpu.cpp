@@ -70,7 +70,8 @@ template <int64_t KIND>
 void kl_double(const double* grad, const double* lp, const double* ref, double* out,
                int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    out[i] = grad ? kl_grad<KIND, double>(grad[i], lp[i], ref[i]) : kl_value<KIND, double>(lp[i], ref[i]);
+    out[i] = grad ? kl_grad<KIND, double>(grad[i], lp[i], ref[i])
+                  : kl_value<KIND, double>(lp[i], ref[i]);
   }
 }
 

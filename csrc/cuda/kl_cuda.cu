@@ -36,8 +36,9 @@ __global__ void kl_kernel(const scalar_t* __restrict__ grad, const scalar_t* __r
       const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
       if (i < n) {
         const acc_t p = static_cast<acc_t>(lp[i]), r = static_cast<acc_t>(ref[i]);
-        out[i] = static_cast<scalar_t>(grad ? kl_grad<KIND, acc_t>(static_cast<acc_t>(grad[i]), p, r)
-                                            : kl_value<KIND, acc_t>(p, r));
+        const acc_t y = grad ? kl_grad<KIND, acc_t>(static_cast<acc_t>(grad[i]), p, r)
+                             : kl_value<KIND, acc_t>(p, r);
+        out[i] = static_cast<scalar_t>(y);
       }
     }
   }
@@ -48,7 +49,8 @@ void launch(const scalar_t* g, const scalar_t* p, const scalar_t* r, scalar_t* o
   const int64_t per_block = static_cast<int64_t>(kThreads) * kUnroll;
   const int sms = sm_count();
   const int64_t blocks = std::min<int64_t>((n + per_block - 1) / per_block, int64_t(sms) * 32);
-  kl_kernel<scalar_t, KIND><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(g, p, r, o, n);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  kl_kernel<scalar_t, KIND><<<blocks, kThreads, 0, stream>>>(g, p, r, o, n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -87,7 +87,8 @@ __global__ void whiten_normalize(const scalar_t* __restrict__ v, scalar_t* __res
                                  cuda_acc_t<scalar_t> rstd) {
   using acc_t = cuda_acc_t<scalar_t>;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = first; i < n; i += stride) {
     out[i] = static_cast<scalar_t>((static_cast<acc_t>(v[i]) - mean) * rstd);
   }
 }
