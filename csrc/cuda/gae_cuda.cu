@@ -165,6 +165,8 @@ std::tuple<at::Tensor, at::Tensor> gae_cuda(const at::Tensor& rew_in, const at::
   TORCH_CHECK_VALUE(rew_in.scalar_type() == val_in.scalar_type() &&
                         msk_in.scalar_type() == val_in.scalar_type(),
                     "rewards, values and mask must share a floating dtype");
+  TORCH_CHECK_VALUE(rew_in.device() == val_in.device() && msk_in.device() == val_in.device(),
+                    "rewards, values and mask must be on one device");
   const c10::cuda::CUDAGuard guard(val_in.device());
   const at::Tensor rew = rew_in.contiguous(), val = val_in.contiguous(), msk = msk_in.contiguous();
   at::Tensor adv = at::empty_like(val, at::MemoryFormat::Contiguous);

@@ -60,6 +60,9 @@ at::Tensor kl_apply_cuda(const at::Tensor& grad_in, const at::Tensor& lp_in,
   TORCH_CHECK_VALUE(lp_in.sizes() == ref_in.sizes(), "ref_logprob must have the shape of logprob");
   TORCH_CHECK_VALUE(lp_in.scalar_type() == ref_in.scalar_type(),
                     "logprob and ref_logprob must share a dtype");
+  TORCH_CHECK_VALUE(ref_in.device() == lp_in.device() &&
+                        (!grad_in.defined() || grad_in.device() == lp_in.device()),
+                    "logprob, ref_logprob (and grad) must be on one device");
   const c10::cuda::CUDAGuard guard(lp_in.device());
   const at::Tensor lp = lp_in.contiguous(), ref = ref_in.contiguous();
   const at::Tensor grad = grad_in.defined() ? grad_in.to(lp.scalar_type()).contiguous() : grad_in;

@@ -117,6 +117,7 @@ at::Tensor masked_whiten_cuda(const at::Tensor& val_in, const at::Tensor& msk_in
                     val_in.sizes(), ", got ", msk_in.sizes());
   TORCH_CHECK_VALUE(val_in.scalar_type() == msk_in.scalar_type(),
                     "values and mask must share a floating dtype");
+  TORCH_CHECK_VALUE(msk_in.device() == val_in.device(), "values and mask must be on one device");
   const c10::cuda::CUDAGuard guard(val_in.device());
   const at::Tensor val = val_in.contiguous(), msk = msk_in.contiguous();
   at::Tensor out = at::empty_like(val, at::MemoryFormat::Contiguous);
