@@ -3,7 +3,8 @@
 Contract: prints, for each B x T, the compiled op's time, the reference's time (GAE: verl's
 Python time-step loop; KL: eager torch forward + backward; whitening: eager torch), their ratio
 and the compiled op's achieved bandwidth (minimal bytes moved / time). Times are the minimum over
---repeat runs after one warm-up (a slow reference stops repeating after ~1 s). The compiled ops
+--repeat alternating runs of both sides after one warm-up (a slow reference stops repeating after
+~2 s); the header prints the machine's load average, since a shared machine skews timings. The compiled ops
 must be built (``pip install --no-build-isolation -e .``); otherwise the script says so and exits.
 
     python -m benchmarks.kernels --sizes 256x512,1024x1024 --device cpu
@@ -12,6 +13,7 @@ must be built (``pip install --no-build-isolation -e .``); otherwise the script 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -27,20 +29,28 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, device: str, repeat: int) -> float:
-    """Minimum seconds of fn() over repeat runs after one warm-up; stops early past ~1 s."""
-    fn()
-    _sync(device)
-    best, spent = float("inf"), 0.0
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        elapsed = time.perf_counter() - start
-        best, spent = min(best, elapsed), spent + elapsed
-        if spent > 1.0:
-            break
-    return best
+def _time_pair(fast, slow, device: str, repeat: int) -> tuple[float, float]:
+    """Minimum seconds of fast() and slow() over up to repeat alternating runs (after a warm-up).
+
+    Alternating the two sides exposes both to the same background load; the slow side stops
+    repeating once it has spent ~2 s.
+    """
+    best = [float("inf"), float("inf")]
+    spent_slow = 0.0
+    for rep in range(repeat + 1):
+        for side, fn in enumerate((fast, slow)):
+            if side == 1 and spent_slow > 2.0:
+                continue
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if side == 1:
+                spent_slow += elapsed
+            if rep > 0 or (side == 1 and spent_slow > 2.0):  # rep 0 warms up (unless too slow)
+                best[side] = min(best[side], elapsed)
+    return best[0], best[1]
 
 
 def _row(name: str, B: int, T: int, fast: float, slow: float, nbytes: int) -> str:
@@ -54,8 +64,8 @@ def bench_gae(B: int, T: int, device: str, dtype, repeat: int) -> str:
     v = torch.randn(B, T, generator=gen).to(device, dtype)
     lengths = torch.randint(1, T + 1, (B, 1), generator=gen)
     m = (torch.arange(T)[None, :] < lengths).to(device, dtype)  # right-padded responses
-    fast = _time(lambda: K.gae(r, v, m, 1.0, 0.95), device, repeat)
-    slow = _time(lambda: reference.gae_ref(r, v, m, 1.0, 0.95), device, repeat)
+    fast, slow = _time_pair(lambda: K.gae(r, v, m, 1.0, 0.95),
+                            lambda: reference.gae_ref(r, v, m, 1.0, 0.95), device, repeat)
     nbytes = 5 * B * T * r.element_size()  # read rewards, values, mask; write adv, returns
     return _row("gae", B, T, fast, slow, nbytes)
 
@@ -72,8 +82,7 @@ def bench_kl(B: int, T: int, device: str, dtype, repeat: int, kind: str) -> str:
             fn(lp, rl, kind).backward(grad)
         return step
 
-    fast = _time(run(K.kl_penalty), device, repeat)
-    slow = _time(run(reference.kl_penalty_ref), device, repeat)
+    fast, slow = _time_pair(run(K.kl_penalty), run(reference.kl_penalty_ref), device, repeat)
     nbytes = 7 * B * T * lp.element_size()  # fwd: 2 in + 1 out; bwd: 3 in + 1 out
     return _row(f"kl[{kind}]", B, T, fast, slow, nbytes)
 
@@ -82,8 +91,8 @@ def bench_whiten(B: int, T: int, device: str, dtype, repeat: int) -> str:
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(B, T, generator=gen).to(device, dtype)
     m = (torch.rand(B, T, generator=gen) > 0.3).to(device, dtype)
-    fast = _time(lambda: K.masked_whiten(x, m), device, repeat)
-    slow = _time(lambda: reference.masked_whiten_ref(x, m), device, repeat)
+    fast, slow = _time_pair(lambda: K.masked_whiten(x, m),
+                            lambda: reference.masked_whiten_ref(x, m), device, repeat)
     nbytes = 3 * B * T * x.element_size()  # read values, mask; write output (one-pass minimum)
     return _row("whiten", B, T, fast, slow, nbytes)
 
@@ -102,8 +111,9 @@ def main(argv=None) -> None:
                          "`pip install --no-build-isolation -e .` first")
     dtype = getattr(torch, args.dtype)
     only = set(args.only.split(","))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"dtype {args.dtype}, min of {args.repeat}")
+          f"dtype {args.dtype}, min of {args.repeat} alternating runs, load average {load:.1f}")
     for size in args.sizes.split(","):
         B, T = (int(s) for s in size.lower().split("x"))
         if "gae" in only:
