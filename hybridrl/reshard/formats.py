@@ -6,7 +6,7 @@ rank's gen shard, see hybridrl.reshard.specs):
   layer names, vocab chunks padded with zero rows to ``gen.vocab_chunk``.
 - ``engine_format(shape, gen, rank)``: the per-TP-rank format shared by SGLang and the builtin
   engine: HF-style names with global layer indices, ``self_attn.qkv_proj.weight`` = [q; k; v] of
-  the rank's heads, ``mlp.gate_up_proj.weight`` = [gate; up] of the rank's slice, ``o_proj``,
+  the rank's heads (and ``qkv_proj.bias`` likewise for Qwen2), ``mlp.gate_up_proj.weight`` = [gate; up] of the rank's slice, ``o_proj``,
   ``down_proj``, vocab-parallel ``embed_tokens`` / ``lm_head`` padded to ``gen.vocab_chunk`` (build
   ``gen`` with the engine's ``vocab_pad``, SGLang: 64). Tied models send ``lm_head`` only as the
   last stage's copy (pp > 1). ValueError when gen TP cannot split the KV heads.
@@ -37,6 +37,7 @@ _LAYER_NAMES = {  # megatron suffix -> HF suffix (engine packing for qkv / fc1)
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
+    "self_attention.linear_qkv.bias": "self_attn.qkv_proj.bias",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
@@ -53,11 +54,12 @@ def hf_name(spec: ParamSpec) -> str:
 
 
 def split_qkv(shape: LlamaShape, piece: torch.Tensor):
-    """Canonical qkv rows of whole groups [Gr*(hpg+2)*hd, H] -> q [Gr*hpg*hd, H], k, v [Gr*hd, H]."""
-    hpg, hd = shape.heads_per_group, shape.head_dim
-    g = piece.view(-1, hpg + 2, hd, piece.shape[-1])  # [Gr, hpg+2, hd, H]
-    q = g[:, :hpg].reshape(-1, piece.shape[-1])
-    return q, g[:, hpg].reshape(-1, piece.shape[-1]), g[:, hpg + 1].reshape(-1, piece.shape[-1])
+    """Canonical qkv rows of whole groups [Gr*(hpg+2)*hd, *R] (R = [H] weight, [] bias)
+    -> q [Gr*hpg*hd, *R], k [Gr*hd, *R], v [Gr*hd, *R]."""
+    hpg, hd, rest = shape.heads_per_group, shape.head_dim, tuple(piece.shape[1:])
+    g = piece.view(-1, hpg + 2, hd, *rest)  # [Gr, hpg+2, hd, *R]
+    q = g[:, :hpg].reshape(-1, *rest)
+    return q, g[:, hpg].reshape(-1, *rest), g[:, hpg + 1].reshape(-1, *rest)
 
 
 def megatron_format(gen: Placement, rank: int):
@@ -100,10 +102,10 @@ def hf_format(shape: LlamaShape):
             return []
         name = hf_name(spec)
         if spec.kind == "qkv":
-            base = name.rsplit(".", 2)[0]
+            base, _, what = name.rsplit(".", 2)  # what: weight | bias
             q, k, v = split_qkv(shape, piece)
-            return [(f"{base}.q_proj.weight", q), (f"{base}.k_proj.weight", k),
-                    (f"{base}.v_proj.weight", v)]
+            return [(f"{base}.q_proj.{what}", q), (f"{base}.k_proj.{what}", k),
+                    (f"{base}.v_proj.{what}", v)]
         if spec.kind == "fc1":
             base = name.rsplit(".", 2)[0]
             return [(f"{base}.gate_proj.weight", piece[0].contiguous()),
@@ -116,16 +118,17 @@ def hf_format(shape: LlamaShape):
 def hf_to_canonical(shape: LlamaShape, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full canonical tensors by key from full HF tensors (inverse of ``hf_format``)."""
     out = {}
-    hpg, hd, H = shape.heads_per_group, shape.head_dim, shape.hidden
+    hpg, hd = shape.heads_per_group, shape.head_dim
     for spec in build_specs(shape):
         if spec.tied_copy:
             continue
         name = hf_name(spec)
-        base = name.rsplit(".", 2)[0]
+        base, what = name.rsplit(".", 2)[0], name.rsplit(".", 1)[1]  # what: weight | bias
         if spec.kind == "qkv":
-            q = hf[f"{base}.q_proj.weight"].view(-1, hpg, hd, H)  # [G, hpg, hd, H]
-            k = hf[f"{base}.k_proj.weight"].view(-1, 1, hd, H)
-            v = hf[f"{base}.v_proj.weight"].view(-1, 1, hd, H)
+            rest = spec.shape[1:]  # (H,) weight, () bias
+            q = hf[f"{base}.q_proj.{what}"].view(-1, hpg, hd, *rest)  # [G, hpg, hd, *R]
+            k = hf[f"{base}.k_proj.{what}"].view(-1, 1, hd, *rest)
+            v = hf[f"{base}.v_proj.{what}"].view(-1, 1, hd, *rest)
             out[spec.key] = torch.cat([q, k, v], dim=1).reshape(spec.shape)
         elif spec.kind == "fc1":
             out[spec.key] = torch.stack([hf[f"{base}.gate_proj.weight"], hf[f"{base}.up_proj.weight"]])

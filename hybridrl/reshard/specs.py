@@ -14,7 +14,7 @@ Contract:
   kind   canonical full shape          cut_dim  megatron storage of TP rank b (of n)
   ====== ============================ ======= =============================================
   qkv    [G*(hpg+2)*hd, H]            0        rows of groups [b*G/n, (b+1)*G/n), each group
-                                               [q(hpg*hd); k(hd); v(hd)] (megatron interleave)
+         (bias: [G*(hpg+2)*hd])                [q(hpg*hd); k(hd); v(hd)] (megatron interleave)
   fc1    [2, F, H]                    1        [2, F/n, H] viewed as [gate_b; up_b] = [2F/n, H]
   row    [H, X] (proj X=heads*hd,     1        [H, X/n]
          fc2 X=F)
@@ -54,6 +54,7 @@ class LlamaShape:
     head_dim: int | None = None
     tied: bool = False
     make_vocab_size_divisible_by: int = 128
+    qkv_bias: bool = False  # Qwen2: linear_qkv.bias, interleaved per query group like the weight
 
     def __post_init__(self) -> None:
         for f in ("hidden", "ffn", "heads", "num_query_groups", "layers", "vocab",
@@ -96,9 +97,22 @@ class LlamaShape:
                 vocab=int(cfg["vocab_size"]),
                 head_dim=cfg.get("head_dim"),
                 tied=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=cfg.get("model_type") == "qwen2"
+                or "Qwen2ForCausalLM" in (cfg.get("architectures") or [])
+                or bool(cfg.get("attention_bias", False)),
             )
         except KeyError as e:
             raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
+
+    @staticmethod
+    def from_model(m) -> LlamaShape:
+        """From hybridrl.models' ``LlamaSpec`` or the config's ``ModelConfig`` (same field names)."""
+        return LlamaShape(
+            hidden=m.hidden_size, ffn=m.ffn_hidden_size, heads=m.num_attention_heads,
+            num_query_groups=m.num_query_groups, layers=m.num_layers, vocab=m.vocab_size,
+            head_dim=getattr(m, "head_dim", None), tied=bool(m.tie_word_embeddings),
+            qkv_bias=bool(getattr(m, "qkv_bias", False)),
+        )
 
 
 PRESETS = {
@@ -194,10 +208,13 @@ def _layer_specs(s: LlamaShape, layer: int, naming: str) -> list[ParamSpec]:
     def spec(suffix, kind, shape, cut, unit=1):
         return ParamSpec(p + suffix, p + suffix, kind, shape, cut, layer=layer, unit=unit)
 
+    bias = [spec("self_attention.linear_qkv.bias", "qkv", (s.num_query_groups * group_rows,), 0,
+                 unit=group_rows)] if s.qkv_bias else []
     return [
         spec(ln1, "norm", (H,), 0),
         spec("self_attention.linear_qkv.weight", "qkv",
              (s.num_query_groups * group_rows, H), 0, unit=group_rows),
+        *bias,
         spec("self_attention.linear_proj.weight", "row", (H, s.heads * s.head_dim), 1),
         spec(ln2, "norm", (H,), 0),
         spec("mlp.linear_fc1.weight", "fc1", (2, s.ffn, H), 1),

@@ -28,22 +28,25 @@ def _cases():
     for t, p in trains:
         for tg, pg in itertools.product(_div(t), _div(p)):
             for strategy in ("allgather", "vanilla", "zero_redundancy", "p2p"):
-                out.append((t, p, tg, pg, strategy, "megatron", False, False))
-            out.append((t, p, tg, pg, "zero_redundancy", "megatron", False, True))  # Table 2
+                out.append((t, p, tg, pg, strategy, "megatron", "untied", False))
+            out.append((t, p, tg, pg, "zero_redundancy", "megatron", "untied", True))  # Table 2
         for tg, pg in itertools.product(_div(WORLD), _div(WORLD)):
             if WORLD % (tg * pg) == 0 and (t % tg or p % pg):  # not nested: p2p only
-                out.append((t, p, tg, pg, "p2p", "megatron", False, False))
-    out += [(2, 2, 1, 1, s, "megatron", True, False) for s in ("zero_redundancy", "p2p", "allgather")]
-    out += [(4, 2, 2, 2, "zero_redundancy", "engine", False, False),
-            (2, 1, 4, 1, "p2p", "engine", True, False),
-            (1, 2, 8, 1, "p2p", "engine", False, False),
-            (2, 2, 1, 1, "zero_redundancy", "hf", False, False),
-            (4, 2, 2, 1, "zero_redundancy", "into", False, False),
-            (2, 2, 4, 1, "p2p", "into", True, False),
-            (8, 1, 1, 1, "allgather", "hf", True, False)]
+                out.append((t, p, tg, pg, "p2p", "megatron", "untied", False))
+    out += [(2, 2, 1, 1, s, "megatron", "tied", False) for s in ("zero_redundancy", "p2p", "allgather")]
+    out += [(4, 2, 2, 2, "zero_redundancy", "engine", "untied", False),
+            (2, 1, 4, 1, "p2p", "engine", "tied", False),
+            (1, 2, 8, 1, "p2p", "engine", "untied", False),
+            (2, 2, 1, 1, "zero_redundancy", "hf", "untied", False),
+            (4, 2, 2, 1, "zero_redundancy", "into", "untied", False),
+            (2, 2, 4, 1, "p2p", "into", "tied", False),
+            (8, 1, 1, 1, "allgather", "hf", "tied", False)]
+    out += [(2, 2, 1, 1, "zero_redundancy", "engine", "qkv_bias", False),
+            (4, 2, 2, 1, "zero_redundancy", "megatron", "qkv_bias", False),
+            (2, 1, 4, 1, "p2p", "engine", "qkv_bias", False)]
     out = [(*c, "fp32") for c in out]
-    out += [(4, 2, 2, 1, "zero_redundancy", "engine", False, False, "bf16"),
-            (2, 1, 4, 1, "p2p", "megatron", False, False, "bf16")]
+    out += [(4, 2, 2, 1, "zero_redundancy", "engine", "untied", False, "bf16"),
+            (2, 1, 4, 1, "p2p", "megatron", "untied", False, "bf16")]
     return out
 
 
@@ -55,11 +58,12 @@ def _setup(world, case):
     from hybridrl.reshard.specs import LlamaShape, build_specs
     from tests.unit.test_reshard_oracle import SMALL, balanced
 
-    t, p, tg, pg, strategy, fmt, tied, is_balanced, dtype = case
+    t, p, tg, pg, strategy, fmt, variant, is_balanced, dtype = case
     if is_balanced:
         shape, specs = balanced(t, p, world // (t * p))
     else:
-        shape = LlamaShape(**{**SMALL.__dict__, "tied": tied})
+        shape = LlamaShape(**{**SMALL.__dict__, "tied": variant == "tied",
+                              "qkv_bias": variant == "qkv_bias"})
         specs = build_specs(shape)
     tl = TrainLayout(world, tp=t, pp=p)
     train = train_placement(tl, shape)
@@ -85,7 +89,7 @@ def _one_case(rank, world, case):
         mismatches,
     )
 
-    t, p, tg, pg, strategy, fmt, tied, is_balanced, dtype = case
+    t, p, tg, pg, strategy, fmt, variant, is_balanced, dtype = case
     shape, specs, train, gen, plan = _setup(world, case)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     hf = make_hf(shape, seed=t * 100 + p, dtype=torch_dtype)
@@ -129,7 +133,7 @@ def _mismatch(rank, world):
     from hybridrl.reshard.executor import check_same_plan
 
     strategy = "p2p" if rank == 3 else "zero_redundancy"
-    plan = _setup(world, (2, 2, 1, 1, strategy, "megatron", False, False, "fp32"))[4]
+    plan = _setup(world, (2, 2, 1, 1, strategy, "megatron", "untied", False, "fp32"))[4]
     try:
         check_same_plan(plan)
     except ValueError as err:

@@ -1,7 +1,8 @@
 """Spec names and shapes against a real megatron-core GPTModel built on CPU (local layer spec).
 
-Two gloo ranks, one group, three layouts: (tp, pp) = (1, 1) untied and tied, (1, 2) tied (the last
-stage's output_layer copy, stage-local layer names) and (2, 1) (TP shapes, padded vocab). Each
+Two gloo ranks, one group, five cases: (tp, pp) = (1, 1) untied and tied, (1, 2) tied (the last
+stage's output_layer copy, stage-local layer names), (2, 1) (TP shapes, padded vocab) and (2, 1)
+with Qwen2's linear_qkv.bias. Each
 rank compares the model's named_parameters {name: shape} with the specs' local names and
 ``storage_shape``. The CUDA RNG tracker and
 ``Tensor.cuda`` (tied output copy) are replaced here, in the test only, during construction.
@@ -11,7 +12,8 @@ import pytest
 
 from hybridrl.testing.dist import run_on_ranks
 
-CASES = [(1, 1, False), (1, 1, True), (1, 2, True), (2, 1, False)]
+CASES = [(1, 1, False, False), (1, 1, True, False), (1, 2, True, False), (2, 1, False, False),
+         (2, 1, False, True)]  # (tp, pp, tied, qkv_bias)
 
 
 class _CpuTracker:
@@ -26,7 +28,7 @@ class _CpuTracker:
         return True
 
 
-def _build(tp, pp, tied, shape):
+def _build(tp, pp, tied, shape, qkv_bias=False):
     import torch
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -38,7 +40,7 @@ def _build(tp, pp, tied, shape):
         ffn_hidden_size=shape.ffn, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False,
         use_cpu_initialization=True, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, add_qkv_bias=qkv_bias,
     )
     from megatron.core import parallel_state as ps
 
@@ -71,12 +73,12 @@ def _specs_rank(rank, world, cases):
     mrandom._CUDA_RNG_STATE_TRACKER = _CpuTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     out = []
-    for tp, pp, tied in cases:
+    for tp, pp, tied, qkv_bias in cases:
         shape = LlamaShape(hidden=64, ffn=96, heads=8, num_query_groups=2, layers=4, vocab=100,
-                           head_dim=16, tied=tied, make_vocab_size_divisible_by=8)
+                           head_dim=16, tied=tied, make_vocab_size_divisible_by=8, qkv_bias=qkv_bias)
         layout = TrainLayout(world, tp=tp, pp=pp)
         apply_megatron_groups(build_groups(layout))
-        model = _build(tp, pp, tied, shape)
+        model = _build(tp, pp, tied, shape, qkv_bias)
         got = {n: tuple(p.shape) for n, p in model.named_parameters()}
         place = train_placement(layout, shape)
         b, a, _ = place.coords[rank]

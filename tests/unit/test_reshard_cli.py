@@ -75,5 +75,19 @@ def test_specs_presets_and_naming():
     assert not any("input_layernorm" in n for n in te)
     with pytest.raises(ValueError, match="num_query_groups=3"):
         LlamaShape(hidden=64, ffn=64, heads=8, num_query_groups=3, layers=2, vocab=10)
+    qwen = LlamaShape.from_hf_config({
+        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24,
+        "vocab_size": 151936, "tie_word_embeddings": True})
+    assert qwen.qkv_bias and qwen.tied
+    names = [s.name for s in build_specs(qwen)]
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in names
+    assert abs(qwen.num_params() - 494.0e6) < 0.5e6  # Qwen2.5-0.5B
+    from hybridrl.config.model import ModelConfig
+
+    mc = ModelConfig()
+    s = LlamaShape.from_model(mc)
+    assert (s.hidden, s.layers, s.num_query_groups, s.vocab) == (
+        mc.hidden_size, mc.num_layers, mc.num_query_groups, mc.vocab_size)
     with pytest.raises(ValueError, match="naming"):
         build_specs(PRESETS["llama-7b"], naming="hf")

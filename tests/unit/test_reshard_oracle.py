@@ -44,6 +44,9 @@ def make_hf(shape: LlamaShape, seed: int = 0, dtype=torch.float32) -> dict[str, 
             p + "mlp.gate_proj.weight": r(F, H), p + "mlp.up_proj.weight": r(F, H),
             p + "mlp.down_proj.weight": r(H, F),
         })
+        if shape.qkv_bias:
+            hf.update({p + "self_attn.q_proj.bias": r(qd), p + "self_attn.k_proj.bias": r(kd),
+                       p + "self_attn.v_proj.bias": r(kd)})
     return hf
 
 
@@ -72,17 +75,23 @@ def megatron_shards(shape, hf, n, b, pp, a, chunk, pad_value=0.0, naming="local"
     for local in range(per_stage):
         L = a * per_stage + local
         h, m = f"model.layers.{L}.", f"decoder.layers.{local}."
-        q, k, v = (hf[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
-        groups = []
-        for grp in range(b * G // n, (b + 1) * G // n):
-            groups += [q[grp * hpg * hd:(grp + 1) * hpg * hd], k[grp * hd:(grp + 1) * hd],
-                       v[grp * hd:(grp + 1) * hd]]
+
+        def interleave(what, h=h):
+            q, k, v = (hf[h + f"self_attn.{x}_proj.{what}"] for x in "qkv")
+            groups = []
+            for grp in range(b * G // n, (b + 1) * G // n):
+                groups += [q[grp * hpg * hd:(grp + 1) * hpg * hd], k[grp * hd:(grp + 1) * hd],
+                           v[grp * hd:(grp + 1) * hd]]
+            return torch.cat(groups)
+
+        if shape.qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = interleave("bias")
         f = shape.ffn // n
         cols = shape.heads * hd // n
         out.update({
             m + ln1: hf[h + "input_layernorm.weight"].clone(),
             m + ln2: hf[h + "post_attention_layernorm.weight"].clone(),
-            m + "self_attention.linear_qkv.weight": torch.cat(groups),
+            m + "self_attention.linear_qkv.weight": interleave("weight"),
             m + "self_attention.linear_proj.weight": hf[h + "self_attn.o_proj.weight"][:, b * cols:(b + 1) * cols].clone(),
             m + "mlp.linear_fc1.weight": torch.cat([hf[h + "mlp.gate_proj.weight"][b * f:(b + 1) * f],
                                                     hf[h + "mlp.up_proj.weight"][b * f:(b + 1) * f]]),
@@ -106,6 +115,11 @@ def engine_shards(shape, hf, n, b, pp, a, chunk):
     qn, kn, f = shape.heads * hd // n, shape.num_query_groups * hd // n, shape.ffn // n
     for L in range(a * per_stage, (a + 1) * per_stage):
         h = f"model.layers.{L}."
+        if shape.qkv_bias:
+            out[h + "self_attn.qkv_proj.bias"] = torch.cat([
+                hf[h + "self_attn.q_proj.bias"][b * qn:(b + 1) * qn],
+                hf[h + "self_attn.k_proj.bias"][b * kn:(b + 1) * kn],
+                hf[h + "self_attn.v_proj.bias"][b * kn:(b + 1) * kn]])
         out.update({
             h + "input_layernorm.weight": hf[h + "input_layernorm.weight"],
             h + "post_attention_layernorm.weight": hf[h + "post_attention_layernorm.weight"],

@@ -155,9 +155,9 @@ def _run_local(shape, w, t, p, tg, pg, strategy, fmt_name, bucket_mb=0.01):
     return out
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_local_execution_matches_oracle_every_format(tied):
-    shape = LlamaShape(**{**SMALL.__dict__, "tied": tied})
+@pytest.mark.parametrize("tied, qkv_bias", [(False, False), (True, False), (False, True)])
+def test_local_execution_matches_oracle_every_format(tied, qkv_bias):
+    shape = LlamaShape(**{**SMALL.__dict__, "tied": tied, "qkv_bias": qkv_bias})
     cases = [(8, 2, 2, 1, 1), (8, 4, 2, 2, 2), (8, 2, 4, 1, 2), (8, 1, 1, 1, 1), (4, 2, 2, 2, 1)]
     for w, t, p, tg, pg in cases:
         for strategy in STRATEGIES:
@@ -170,14 +170,17 @@ def test_local_execution_matches_oracle_every_format(tied):
     assert _run_local(shape, 4, 2, 2, 1, 1, "p2p", "hf") == [[]] * 4
 
 
-def test_hf_roundtrip_and_engine_kv_error():
-    hf = make_hf(SMALL)
-    canon = hf_to_canonical(SMALL, hf)
-    fmt = hf_format(SMALL)
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_hf_roundtrip_and_engine_kv_error(qkv_bias):
+    shape = LlamaShape(**{**SMALL.__dict__, "qkv_bias": qkv_bias})
+    hf = make_hf(shape)
+    canon = hf_to_canonical(shape, hf)
+    fmt = hf_format(shape)
     back = {}
-    for s in build_specs(SMALL):
+    for s in build_specs(shape):
         back.update(fmt(s, canon[s.key]))
     assert mismatches(back, hf) == []
+    assert ("model.layers.0.self_attn.q_proj.bias" in back) == qkv_bias
     tl = TrainLayout(16, tp=1, pp=1)
     with pytest.raises(ValueError, match="num_query_groups=8"):
         gen_placement(tl, SMALL, 16, 1, "consecutive")
