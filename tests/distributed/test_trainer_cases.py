@@ -1,0 +1,101 @@
+"""Rank-side bodies of the trainer tests (module level so forkserver ranks can import them).
+
+A case is (name, overrides, action); every rank builds the config from ``base_overrides`` plus
+the case's, builds its groups and a ``PPOTrainer`` and runs ``action``. Results are plain
+python values: per-step metric dicts without the timing/perf keys (they are not reproducible).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def base_overrides(root: str) -> list[str]:
+    """A tiny run: 2-layer llama, 1-digit additions, 4 prompts x 2 samples, 2 mini-batches."""
+    return [
+        "model.hidden_size=32", "model.num_layers=2", "model.num_attention_heads=4",
+        "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.vocab_size=100",
+        "model.max_position_embeddings=96",
+        "data.max_prompt_length=80", "data.train_batch_size=4", "data.val_batch_size=8",
+        "data.synthetic.max_digits=1", "data.synthetic.train_size=32",
+        "data.synthetic.val_size=8", f"data.synthetic.dir={root}/data",
+        "rollout.n=2", "rollout.response_length=6",
+        "actor.lr=1e-3", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2",
+        "critic.lr=1e-3", "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size_per_gpu=2",
+        "ref.log_prob_micro_batch_size_per_gpu=2",
+        "trainer.total_steps=2", "trainer.save_freq=-1", "trainer.test_freq=-1",
+        "trainer.logger=[console,jsonl]", "trainer.device=cpu", "reshard.bucket_mb=1",
+        "reward.format_score=0.1",
+    ]
+
+
+def _clean(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))}
+            for m in history]
+
+
+def _trainer(rank: int, world: int, overrides: list[str]):
+    from hybridrl.config import load_config
+    from hybridrl.parallel.groups import build_groups
+    from hybridrl.ppo.trainer import PPOTrainer
+    from hybridrl.train import build_layout
+
+    cfg = load_config([], overrides)
+    cfg.check_world(world)
+    train, gen = build_layout(cfg, world)
+    torch.manual_seed(cfg.trainer.seed)
+    lines = []
+    trainer = PPOTrainer(cfg, build_groups(train, gen),
+                         print_fn=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    return trainer, lines
+
+
+def _params(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.actor.module.named_parameters()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _guard(rank, world, overrides):
+    """One guarded step: the params after it equal those before; a plain step changes them."""
+    trainer, lines = _trainer(rank, world, overrides)
+    before = _params(trainer)
+    optim_before = trainer.actor_opt.step_count
+    m = trainer.train_step()
+    after = _params(trainer)
+    return {"rollback": m["training/kl_guard_rollback"], "same": _same(before, after),
+            "optim_steps": (optim_before, trainer.actor_opt.step_count),
+            "logged": any("rolled back" in line for line in lines)}
+
+
+def _error(rank, world, overrides):
+    """Run to the end; return the RuntimeError's message (or None)."""
+    trainer, _ = _trainer(rank, world, overrides)
+    try:
+        trainer.fit()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def _fit(rank, world, overrides):
+    trainer, lines = _trainer(rank, world, overrides)
+    before = _params(trainer)
+    history = trainer.fit()
+    return {"metrics": _clean(history), "changed": not _same(before, _params(trainer)),
+            "lines": lines, "finite": all(math.isfinite(v) for m in history for v in m.values())}
+
+
+ACTIONS = {"fit": _fit, "guard": _guard, "error": _error}
+
+
+def run_cases(rank: int, world: int, root: str, cases: list) -> dict:
+    """Every case in order on this rank: {name: result}."""
+    out = {}
+    for name, overrides, action in cases:
+        out[name] = ACTIONS[action](rank, world, base_overrides(root) + overrides)
+    return out
