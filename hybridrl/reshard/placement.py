@@ -10,8 +10,10 @@ Contract:
 - ``gen_placement(train, shape, tp, pp, grouping=..., vocab_pad=None)``: the generation layout.
   ``grouping="hybridflow"`` / ``"vanilla"`` take the coordinates of ``GenLayout`` (needs tg | t and
   pg | p; replica = dp * dg + micro_dp). ``grouping="consecutive"`` works for any (tg, pg) whose
-  product divides the world: rank r has gen_tp = r % tg, gen_pp = (r // tg) % pg, replica =
-  r // (tg * pg) (gen TP groups on neighbouring ranks, as an engine launcher would place them).
+  product divides the world: with ranks listed in training (dp, pp, tp) order, the i-th gets
+  gen_tp = i % tg, gen_pp = (i // tg) % pg, replica = i // (tg * pg). When tg*pg | t*p every gen
+  replica lies inside one training DP replica, so every replica does the same work and no rank
+  serves more than its share (a plain rank-order placement made some ranks send 2-4x more).
   ``vocab_pad=None`` keeps megatron's padded vocab of the TRAINING model split tg ways (the gen
   shard of a megatron model); an int (SGLang: 64) pads the real vocab to that multiple first, as
   the rollout engine does. Either way a chunk is ceil(padded / tg) rows.
@@ -91,6 +93,18 @@ class Placement:
         return out
 
 
+def _consecutive(train: TrainLayout, tp: int, pp: int) -> tuple[tuple[int, int, int], ...]:
+    """Ranks in training (dp, pp, tp) order; the i-th gets gen (i % tp, (i // tp) % pp, i // (tp*pp))."""
+    def key(r):
+        c = train.coords(r)
+        return c["dp"], c["pp"], c["tp"]
+
+    coords: list = [None] * train.world
+    for i, r in enumerate(sorted(range(train.world), key=key)):
+        coords[r] = (i % tp, (i // tp) % pp, i // (tp * pp))
+    return tuple(coords)
+
+
 def train_placement(layout: TrainLayout, shape: LlamaShape) -> Placement:
     check_split(shape, layout.tp, layout.pp, "train")
     coords = []
@@ -120,7 +134,7 @@ def gen_placement(
     if train.world % (tp * pp):
         raise ValueError(f"gen tp*pp={tp}*{pp} must divide world={train.world}")
     if grouping == "consecutive":
-        coords = tuple((r % tp, (r // tp) % pp, r // (tp * pp)) for r in range(train.world))
+        coords = _consecutive(train, tp, pp)
     else:
         gen = GenLayout(train, tp=tp, pp=pp, grouping=grouping)  # raises unless tg | t, pg | p
         coords = []

@@ -189,3 +189,16 @@ def test_hf_roundtrip_and_engine_kv_error(qkv_bias):
                      gen_placement(TrainLayout(8, tp=2), SMALL, 4, 1, "consecutive"), build_specs(SMALL),
                      "zero_redundancy")
     assert torch.equal(canon["output_layer.weight"], hf["lm_head.weight"])
+
+
+def test_p2p_consecutive_placement_balances_senders():
+    """Non-nested gen layouts: no rank sends much more than it receives (llama-70b shapes)."""
+    from hybridrl.reshard.specs import PRESETS
+
+    shape = PRESETS["llama-70b"]
+    specs = build_specs(shape)
+    for w, t, p, tg, pg in [(1024, 2, 8, 8, 1), (256, 4, 4, 8, 2)]:
+        tl = TrainLayout(w, tp=t, pp=p)
+        s = summarize(train_placement(tl, shape), gen_placement(tl, shape, tg, pg, "consecutive"),
+                      specs, "p2p")
+        assert max(s.sent) <= 1.05 * max(s.recv), (w, t, p, tg, pg, max(s.sent), max(s.recv))
