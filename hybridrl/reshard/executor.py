@@ -13,7 +13,9 @@ Contract:
   no uneven all_gather): a contiguous piece is sent as a view, a contiguous destination slot is
   received into directly; other pieces go through a temporary buffer.
 - ``verify=True`` (default) first checks with one small all_gather_object that every rank runs
-  the same plan (``plan_fingerprint``), so a mismatch raises on all ranks instead of hanging.
+  the same plan (``plan_fingerprint``) and that no rank's inputs are wrong (dtype vs itemsize),
+  so a mismatch raises ValueError on all ranks instead of hanging. Verify once per plan; reruns
+  of a verified plan may pass ``verify=False``.
 - ``run_plan_local(plan, sources_by_rank, assemblers)`` plays every rank in one process (tests).
 - Returns ``RunStats``: bytes actually sent / received by this rank (buffer sizes), number of
   buckets, and the peak live bytes (comm buffers + assembling regions + emitted canonical bytes).
@@ -102,27 +104,38 @@ def plan_fingerprint(plan: Plan) -> tuple:
             plan.itemsize, len(plan.buckets), sum(x.nbytes for b in plan.buckets for x in b))
 
 
-def check_same_plan(plan: Plan, group=None) -> None:
-    """One all_gather_object: ValueError on every rank unless all ranks run the same plan."""
+def check_same_plan(plan: Plan, group=None, local_error: str | None = None) -> None:
+    """One all_gather_object: ValueError on every rank unless all ranks run the same plan and
+    none reports a ``local_error`` (so a bad input on one rank fails all, never hangs)."""
     mine = plan_fingerprint(plan)
     seen: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(seen, mine, group=group)
-    bad = [i for i, other in enumerate(seen) if other != mine]
+    dist.all_gather_object(seen, (mine, local_error), group=group)
+    errors = [(i, err) for i, (_, err) in enumerate(seen) if err]
+    if errors:
+        raise ValueError(f"group rank {errors[0][0]}: {errors[0][1]}")
+    bad = [i for i, (other, _) in enumerate(seen) if other != mine]
     if bad:
         raise ValueError(f"ranks disagree on the reshard plan: this rank has {mine}, "
-                         f"group rank {bad[0]} has {seen[bad[0]]}")
+                         f"group rank {bad[0]} has {seen[bad[0]][0]}")
+
+
+def _local_error(plan: Plan, sources: dict, assembler: Assembler) -> tuple[str | None, torch.dtype]:
+    dtype = next((v.dtype for v, _ in sources.values()), torch.float32)
+    if torch.empty((), dtype=dtype).element_size() != plan.itemsize:
+        return f"plan itemsize={plan.itemsize} but the training tensors are {dtype}", dtype
+    if assembler.dtype != dtype:
+        return f"assembler dtype={assembler.dtype} but the training tensors are {dtype}", dtype
+    return None, dtype
 
 
 def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=None,
              verify: bool = True) -> RunStats:
     """Execute this rank's part of ``plan`` (see module doc)."""
-    dtype = next((v.dtype for v, _ in sources.values()), torch.float32)
-    if torch.empty((), dtype=dtype).element_size() != plan.itemsize:
-        raise ValueError(f"plan itemsize={plan.itemsize} but the training tensors are {dtype}")
-    if assembler.dtype != dtype:
-        raise ValueError(f"assembler dtype={assembler.dtype} but the training tensors are {dtype}")
+    error, _ = _local_error(plan, sources, assembler)
     if verify:
-        check_same_plan(plan, group)
+        check_same_plan(plan, group, error)
+    elif error:
+        raise ValueError(error)
     mine = [(s, r, k) for k, (s, r) in enumerate(plan.rank_buckets(rank)) if s or r]
     sent = recv = peak_comm = peak_live = 0
 

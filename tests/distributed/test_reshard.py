@@ -129,16 +129,20 @@ def _one_case(rank, world, case):
 
 
 def _mismatch(rank, world):
-    """Ranks holding different plans: every rank raises, nobody hangs."""
+    """Ranks holding different plans, or one rank with a bad input: every rank raises."""
     from hybridrl.reshard.executor import check_same_plan
 
     strategy = "p2p" if rank == 3 else "zero_redundancy"
     plan = _setup(world, (2, 2, 1, 1, strategy, "megatron", "untied", False, "fp32"))[4]
-    try:
-        check_same_plan(plan)
-    except ValueError as err:
-        return str(err)
-    return None
+    same = _setup(world, (2, 2, 1, 1, "p2p", "megatron", "untied", False, "fp32"))[4]
+    out = []
+    for args in ((plan, None, None), (same, None, "bad input" if rank == 5 else None)):
+        try:
+            check_same_plan(*args)
+            out.append(None)
+        except ValueError as err:
+            out.append(str(err))
+    return out
 
 
 def _reshard_rank(rank, world, cases):
@@ -150,7 +154,8 @@ def test_reshard_8_ranks_every_layout_and_strategy():
     cases = _cases()
     out = run_on_ranks(_reshard_rank, WORLD, cases, timeout=600)
     per_rank = [r[0] for r in out]
-    assert all(r[1] and "disagree on the reshard plan" in r[1] for r in out), [r[1] for r in out]
+    assert all(r[1][0] and "disagree on the reshard plan" in r[1][0] for r in out), out[0][1]
+    assert all(r[1][1] == "group rank 5: bad input" for r in out), [r[1][1] for r in out]
     assert len(cases) > 150
     for i, case in enumerate(cases):
         t, p = case[0], case[1]
