@@ -104,7 +104,15 @@ def apply_megatron_groups(groups: ParallelGroups):
 
 
 def clear_megatron_groups() -> None:
-    """Forget the installed groups (megatron's destroy_model_parallel); the groups stay alive."""
+    """Forget the installed groups (megatron's destroy_model_parallel); the groups stay alive.
+
+    megatron's ``destroy_model_parallel`` destroys the process groups held in its ``*_GLOO``
+    globals; those are hybridrl's groups (on gloo, the DP groups themselves), owned by
+    ``ParallelGroups``, so they are detached first and only the references are dropped.
+    """
     from megatron.core import parallel_state as ps
 
+    for name in dir(ps):
+        if name.startswith("_") and name.endswith("_GLOO") and name.isupper():
+            setattr(ps, name, None)
     ps.destroy_model_parallel()

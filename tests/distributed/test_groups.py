@@ -64,6 +64,13 @@ def _one_layout(rank, world, tp, pp, gen_tp, gen_pp):
         "pgc_pp_size": groups.pp_size,
     }
     clear_megatron_groups()
+    apply_megatron_groups(groups)  # apply/clear twice: hybridrl's groups must survive megatron
+    clear_megatron_groups()
+    for name, pg in groups.groups.items():
+        t = torch.tensor([1.0])
+        dist.all_reduce(t, group=pg)
+        assert t.item() == len(groups.members[name]), (name, "group destroyed by megatron")
+        assert dist.get_process_group_ranks(pg) == list(groups.members[name]), name  # registered
     return sums, view, ours
 
 
