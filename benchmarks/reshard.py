@@ -291,6 +291,10 @@ def main(argv=None) -> int:
           f"median of {args.repeats} after a warm-up, max over ranks")
     for spec in args.layouts:
         layout = tuple(int(x) for x in spec.split(","))
+        t, p, tg, pg = layout
+        if t % tg or p % pg or args.world % (t * p):
+            ap.error(f"layout {spec}: needs tg | t, pg | p and t*p | world (zero_redundancy and "
+                     "its micro-DP wire reference); p2p-only layouts are covered by the tests")
         cfg = {"layout": layout, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
                "megatron": not args.no_megatron}
         t0 = time.perf_counter()
