@@ -91,3 +91,16 @@ def test_specs_presets_and_naming():
         mc.hidden_size, mc.num_layers, mc.num_query_groups, mc.vocab_size)
     with pytest.raises(ValueError, match="naming"):
         build_specs(PRESETS["llama-7b"], naming="hf")
+
+
+def test_wired_into_hybridrl_cli(capsys):
+    """``hybridrl plan`` through the top-level CLI (hybridrl/cli.py registers add_parser)."""
+    from hybridrl.cli import main as hybridrl_main
+
+    rc = hybridrl_main(["plan", "--model", "llama-7b", "--world", "8", "--tp", "2", "--pp", "2",
+                        "--gen-tp", "1", "--json"])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and json.loads(out)["strategies"]["zero_redundancy"]["max_bytes_received_per_rank"] > 0
+    rc = hybridrl_main(["plan", "--model", "llama-7b", "--world", "8", "--tp", "3", "--gen-tp", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("hybridrl plan: error:")
