@@ -105,7 +105,10 @@ def main(argv=None) -> None:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--kinds", default="low_var_kl", help="comma list of KL kinds")
     parser.add_argument("--only", default="gae,kl,whiten", help="comma list of gae,kl,whiten")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     if not ops.compiled_available("gae", args.device):
         raise SystemExit(f"compiled hybridrl ops are not built for {args.device}; run "
                          "`pip install --no-build-isolation -e .` first")
