@@ -11,6 +11,10 @@ Contract:
   checkpoint or a complete one, never a half-written ``global_step_<N>``.
 - ``latest_checkpoint(root)`` is the complete ``global_step_<N>`` with the largest N (None when
   there is none); incomplete or temporary folders are ignored.
+- ``capture_state(models, kl_ctrl)`` / ``restore_state(models, state, kl_ctrl)``: a copy of the
+  trainable models' parameters (by module name), their optimizers' state and the KL controller,
+  and putting it back (the KL guard's rollback and checkpoints use the same pair);
+  ``models`` = [(ShardedModel, ModelOptimizer)].
 - ``load_checkpoint(path, rank, meta)`` returns ``(rank_state, trainer_state)``; a checkpoint
   written by a different world size or layout (``meta`` differs) raises ``ValueError`` naming the
   fields, as does a missing file.
@@ -18,6 +22,7 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -98,3 +103,26 @@ def load_checkpoint(path: str | Path, rank: int, meta: dict) -> tuple[dict, dict
     rank_state = torch.load(rank_file, map_location="cpu", weights_only=False)
     trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
     return rank_state, trainer_state
+
+
+def capture_state(models, kl_ctrl) -> dict:
+    """Copies of parameters, optimizer state and KL controller (see module docstring)."""
+    return {"params": [{n: p.detach().clone() for n, p in m.module.named_parameters()}
+                       for m, _ in models],
+            "optim": [copy.deepcopy(o.state_dict()) for _, o in models],
+            "kl_ctrl": dict(kl_ctrl.state_dict())}
+
+
+@torch.no_grad()
+def restore_state(models, state: dict, kl_ctrl) -> None:
+    """Put back what ``capture_state`` took (parameters copied in place)."""
+    if len(state["params"]) != len(models):
+        raise ValueError(f"saved state holds {len(state['params'])} models, this run has "
+                         f"{len(models)} (a critic in one and not the other?)")
+    for (model, opt), params, optim in zip(models, state["params"], state["optim"]):
+        for name, p in model.module.named_parameters():
+            if name not in params:
+                raise ValueError(f"saved state lacks parameter {name!r}")
+            p.copy_(params[name])
+        opt.load_state_dict(copy.deepcopy(optim))
+    kl_ctrl.load_state_dict(state["kl_ctrl"])

@@ -32,7 +32,6 @@ Contract:
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import json
 import random
@@ -57,12 +56,18 @@ from hybridrl.models.hf_io import build_from_config
 from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
 from hybridrl.ppo.advantages import compute_advantage
 from hybridrl.ppo.agg import compute_agg_normalizers
-from hybridrl.ppo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from hybridrl.ppo.checkpoint import (
+    capture_state,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_state,
+    save_checkpoint,
+)
 from hybridrl.ppo.kl_control import apply_kl_in_reward, build_kl_controller
 from hybridrl.ppo.losses import actor_loss, value_loss
 from hybridrl.rewards.reward_model import place_on_last_token
 from hybridrl.rewards.scoring import build_reward_scorer
-from hybridrl.rollout.batch import RolloutBatch, gather_response
+from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
 from hybridrl.rollout.worker import RolloutWorker
 
 SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
@@ -139,14 +144,15 @@ class PPOTrainer:
             parts = [[mine[j] for j in p] for p in parts]
         else:
             parts = [mine[s:s + micro] for s in range(0, len(mine), micro)]
-        outs = run_microbatches(model, [rb.microbatch(p) for p in parts], with_entropy=False,
-                                temperature=self.temperature)
+        mbs = [rb.microbatch(p) for p in parts]
+        outs = run_microbatches(model, mbs, with_entropy=False, temperature=self.temperature)
         local = None
         if self.groups.is_last_stage:
-            cols = [gather_response(o[key], rb.microbatch(p)["resp_index"]).float().cpu()
-                    for o, p in zip(outs, parts)]
-            local = torch.cat(cols)[inverse_order(
-                [[mine.index(i) for i in p] for p in parts])]  # [N/dp, R] in row order
+            cols = [gather_response(o[key], mb["resp_index"]).float().cpu()
+                    for o, mb in zip(outs, mbs)]
+            position = {row: j for j, row in enumerate(mine)}
+            order = inverse_order([[position[i] for i in p] for p in parts])
+            local = torch.cat(cols)[order]  # [N/dp, R] in row order
         local = broadcast_from_last_stage(local, self.groups).to(self.actor.device)
         if self.groups.dp_size == 1:
             return local.cpu()
@@ -258,24 +264,9 @@ class PPOTrainer:
                                         self._actor_loss, "actor"))
         metrics.update(self._kl_guard(metrics, snapshot))
         timing["timing_s/step"] = time.perf_counter() - t0
-        return {**metrics, **self._batch_metrics(rb, tensors, timing), **timing}
-
-    def _batch_metrics(self, rb: RolloutBatch, tensors: dict, timing: dict) -> dict:
-        m, lens = rb.response_mask.float(), rb.response_lengths.float()
-        n_tok = m.sum().clamp(min=1)
-        tokens = sum(rb.seq_lengths)
-        return {
-            "response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
-            "response_length/clip_ratio": float((lens >= self.cfg.rollout.response_length)
-                                                .float().mean()),
-            "prompt_length/mean": float(np.mean([len(p) for p in rb.prompt_ids])),
-            "critic/advantages/mean": float((tensors["advantages"] * m).sum() / n_tok),
-            "critic/returns/mean": float((tensors["returns"] * m).sum() / n_tok),
-            "training/rollout_logprob_diff": float(
-                ((rb.rollout_logprobs - tensors["old_log_probs"]).abs() * m).sum() / n_tok),
-            "perf/total_tokens": float(tokens),
-            "perf/throughput": tokens / max(timing["timing_s/step"], 1e-9) / self.world,
-        }
+        batch = batch_metrics(rb, tensors, self.cfg.rollout.response_length, timing["timing_s/step"],
+                              self.world)
+        return {**metrics, **batch, **timing}
 
     # ------------------------------------------------------------------ KL guard
     def _models(self):
@@ -283,18 +274,10 @@ class PPOTrainer:
         return [(m, o) for m, o in pairs if m is not None]
 
     def _snapshot(self) -> dict:
-        return {"params": [{n: p.detach().clone() for n, p in m.module.named_parameters()}
-                           for m, _ in self._models()],
-                "optim": [copy.deepcopy(o.state_dict()) for _, o in self._models()],
-                "kl_ctrl": dict(self.kl_ctrl.state_dict())}
+        return capture_state(self._models(), self.kl_ctrl)
 
-    @torch.no_grad()
     def _restore(self, snap: dict) -> None:
-        for (model, opt), params, state in zip(self._models(), snap["params"], snap["optim"]):
-            for name, p in model.module.named_parameters():
-                p.copy_(params[name])
-            opt.load_state_dict(copy.deepcopy(state))
-        self.kl_ctrl.load_state_dict(snap["kl_ctrl"])
+        restore_state(self._models(), snap, self.kl_ctrl)
 
     def _kl_guard(self, metrics: dict, snapshot: dict | None) -> dict:
         guard = self.cfg.trainer.kl_guard
@@ -341,9 +324,7 @@ class PPOTrainer:
                 "critic": self.critic is not None}
 
     def save(self) -> Path:
-        rank_state = {"params": [{n: p.detach().cpu() for n, p in m.module.named_parameters()}
-                                 for m, _ in self._models()],
-                      "optim": [o.state_dict() for _, o in self._models()],
+        rank_state = {**capture_state(self._models(), self.kl_ctrl),
                       "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                               "python": random.getstate()}}
         trainer_state = {"step": self.step, "rollbacks": self.rollbacks,
@@ -359,9 +340,7 @@ class PPOTrainer:
         if path is None:
             return None
         rank_state, state = load_checkpoint(path, self.rank, self._meta())
-        snap = {"params": rank_state["params"], "optim": rank_state["optim"],
-                "kl_ctrl": state["kl_ctrl"]}
-        self._restore(snap)
+        self._restore({**rank_state, "kl_ctrl": state["kl_ctrl"]})
         self.loader.load_state_dict(state["loader"])
         self.step, self.rollbacks = int(state["step"]), int(state["rollbacks"])
         rng = rank_state["rng"]
@@ -391,15 +370,31 @@ class PPOTrainer:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps({"step": self.step, **metrics}) + "\n")
 
+    def _trim_metrics_file(self) -> None:
+        """metrics.jsonl holds exactly the steps up to the resumed one (none when fresh)."""
+        if self.rank != 0 or "jsonl" not in self.cfg.trainer.logger:
+            return
+        path = self.metrics_path
+        kept = [] if self.step == 0 or not path.exists() else [
+            line for line in path.read_text().splitlines()
+            if line and json.loads(line).get("step", 0) <= self.step]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(line + "\n" for line in kept))
+
     def fit(self) -> list[dict]:
         """Resume if configured, then train to ``total_steps``; per-step metrics."""
         t = self.cfg.trainer
         resumed = self.resume()
+        self._trim_metrics_file()
         g = self.groups.train
         self._log_line(f"hybridrl: world {self.world}, train tp {g.tp} pp {g.pp} dp {g.dp}, "
                        f"gen tp {self.worker.gen.tp} x {self.worker.n_replicas} replicas, "
                        f"reshard {self.worker.strategy}, steps {self.step + 1}..{self.total_steps}"
                        + (f" (resumed from {resumed})" if resumed else ""))
+        if self.step >= self.total_steps:
+            self._log_line(f"nothing to do: the checkpoint is at step {self.step} >= "
+                           f"trainer.total_steps={self.total_steps} (raise total_steps, or set "
+                           "trainer.resume=disable to start over)")
         if t.val_before_train and self.step == 0:
             self._log_line(f"step 0 | val {self.validate().get('val/score/mean', float('nan')):.4g}")
         history = []

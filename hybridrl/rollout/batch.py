@@ -11,6 +11,8 @@ Contract:
   longest prompt + response among the rows), ``resp_index`` [b, R] = the output positions that
   score each response token (prompt_len - 1 + j: position t scores token t + 1),
   ``response_mask`` [b, R], plus ``tensors[k][idx]`` for each given [N, R] tensor.
+- ``batch_metrics(rb, tensors, max_response_length, step_s, world)``: response/prompt lengths,
+  advantage/return means, |engine - actor| log-prob gap, tokens and tokens/s per rank.
 - ``gather_response(out_bT, resp_index_bR)`` picks the response columns [b, R] out of a per-token
   model output [b, T].
 """
@@ -73,3 +75,22 @@ class RolloutBatch:
 def gather_response(out_bT: torch.Tensor, resp_index_bR: torch.Tensor) -> torch.Tensor:
     """Response columns [b, R] of a per-token output [b, T]."""
     return out_bT.gather(1, resp_index_bR.to(out_bT.device))
+
+
+def batch_metrics(rb: RolloutBatch, tensors: dict, max_response_length: int, step_s: float,
+                  world: int) -> dict[str, float]:
+    """Batch statistics of one step (see the module docstring)."""
+    m, lens = rb.response_mask.float(), rb.response_lengths.float()
+    n_tok = m.sum().clamp(min=1)
+    tokens = sum(rb.seq_lengths)
+    return {
+        "response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
+        "response_length/clip_ratio": float((lens >= max_response_length).float().mean()),
+        "prompt_length/mean": sum(len(p) for p in rb.prompt_ids) / len(rb),
+        "critic/advantages/mean": float((tensors["advantages"] * m).sum() / n_tok),
+        "critic/returns/mean": float((tensors["returns"] * m).sum() / n_tok),
+        "training/rollout_logprob_diff": float(
+            ((rb.rollout_logprobs - tensors["old_log_probs"]).abs() * m).sum() / n_tok),
+        "perf/total_tokens": float(tokens),
+        "perf/throughput": tokens / max(step_s, 1e-9) / world,
+    }

@@ -172,3 +172,33 @@ def test_two_ranks_match_one(world1, world2):
     assert world2[0]["grpo_dp2"]["metrics"] == world2[1]["grpo_dp2"]["metrics"]
     assert world2[0]["tp2"]["lines"][0].startswith("hybridrl: world 2, train tp 2")
     assert world2[1]["tp2"]["lines"] == []  # only rank 0 prints
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO = os.path.join(REPO, "configs", "demo_cpu.yaml")
+
+
+def _torchrun(args, cwd):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "hybridrl.train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_entrypoint_runs_and_rejects_bad_config(root):
+    r, _ = root
+    overrides = [*cases_mod.base_overrides(r), *GRPO, "trainer.total_steps=1",
+                 f"trainer.checkpoint_dir={r}/cli", "trainer.save_freq=1"]
+    ok = _torchrun(["--config", DEMO, *overrides], r)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "step 1/1" in ok.stdout and ok.stdout.count("step 1/1") == 1  # rank 0 only
+    assert os.path.isdir(f"{r}/cli/global_step_1")
+    bad = _torchrun(["--config", DEMO, "actor.lr=-1"], r)
+    assert bad.returncode != 0
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("hybridrl.train: error")]
+    assert len(errors) == 1 and "actor.lr" in errors[0], bad.stderr[-2000:]
+    assert "exitcode  : 2" in bad.stderr and "ValueError" not in bad.stderr  # no traceback
