@@ -3,8 +3,9 @@
 Contract:
 - ``hybridrl._C`` (C++ CPU kernels, always built when the compiler works) defines the op schemas and
   CPU kernels; ``hybridrl._C_cuda`` (built only against a CUDA torch with nvcc) adds CUDA kernels.
-- ``load()`` imports them once and registers, on the Python side, a fake (meta) kernel for every op
-  and the autograd formula of ``kl_forward``, so the ops trace under torch.compile and run in a loss.
+- ``load()`` imports them once and registers, on the Python side, a fake (meta) kernel for every
+  op, so the ops trace under torch.compile; the autograd kernel of ``kl_forward`` is C++
+  (csrc/cpu/kl_autograd.cpp), so the op runs in a loss.
 - ``compiled_available(op, device_type)`` says whether a compiled kernel exists for that device;
   when it does not, ``warn_fallback`` emits one warning per device type and callers use the
   pure-torch references of ``hybridrl.kernels.reference``.
@@ -25,8 +26,6 @@ import warnings
 
 import torch
 
-from hybridrl.kernels.reference import KL_K1
-
 OP_NAMES = ("kl_forward", "kl_backward", "gae", "masked_whiten")
 
 
@@ -41,8 +40,7 @@ def load() -> bool:
         from hybridrl import _C_cuda  # noqa: F401  (registers CUDA kernels)
     except ImportError:
         pass
-    _register_fake_kernels()
-    _register_autograd()
+    _register_fake_kernels()  # the autograd kernel of kl_forward is C++ (csrc/cpu/kl_autograd.cpp)
     return True
 
 
@@ -89,26 +87,3 @@ def _register_fake_kernels() -> None:
     @torch.library.register_fake("hybridrl::masked_whiten")
     def _masked_whiten_fake(values, mask):
         return torch.empty_like(values, memory_format=torch.contiguous_format)
-
-
-def _kl_setup_context(ctx, inputs, output):
-    logprob, ref_logprob, _fwd_kind, bwd_kind = inputs
-    ctx.save_for_backward(logprob, ref_logprob)
-    ctx.bwd_kind = bwd_kind
-
-
-def _kl_backward(ctx, grad):
-    logprob, ref_logprob = ctx.saved_tensors
-    grad_logprob = None
-    if ctx.bwd_kind == KL_K1:  # d(logp - ref)/d logp = 1: pass grad through, as eager torch does
-        grad_logprob = grad
-    elif ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-        grad_logprob = torch.ops.hybridrl.kl_backward(grad, logprob, ref_logprob, ctx.bwd_kind)
-    grad_ref = -grad_logprob if ctx.needs_input_grad[1] else None
-    return (grad_logprob if ctx.needs_input_grad[0] else None), grad_ref, None, None
-
-
-def _register_autograd() -> None:
-    torch.library.register_autograd(
-        "hybridrl::kl_forward", _kl_backward, setup_context=_kl_setup_context
-    )
