@@ -202,3 +202,25 @@ def test_entrypoint_runs_and_rejects_bad_config(root):
     errors = [line for line in bad.stderr.splitlines() if line.startswith("hybridrl.train: error")]
     assert len(errors) == 1 and "actor.lr" in errors[0], bad.stderr[-2000:]
     assert "exitcode  : 2" in bad.stderr and "ValueError" not in bad.stderr  # no traceback
+
+
+def test_checkpoint_folder_is_atomic_and_checked(tmp_path):
+    from hybridrl.ppo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    assert latest_checkpoint(tmp_path / "none") is None
+    meta = {"world": 1, "tp": 1, "pp": 1, "dp": 1, "critic": False}
+    save_checkpoint(tmp_path, 2, {"x": torch.ones(2)}, {"step": 2}, meta)
+    (tmp_path / "global_step_5").mkdir()  # a crash before COMPLETE: ignored
+    (tmp_path / ".tmp_global_step_6").mkdir()
+    latest = latest_checkpoint(tmp_path)
+    assert latest == tmp_path / "global_step_2"
+    rank_state, state = load_checkpoint(latest, 0, meta)
+    assert torch.equal(rank_state["x"], torch.ones(2)) and state == {"step": 2}
+    with pytest.raises(ValueError, match="tp: saved 1 vs now 2"):
+        load_checkpoint(latest, 0, {**meta, "tp": 2})
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        load_checkpoint(tmp_path / "global_step_5", 0, meta)
+    save_checkpoint(tmp_path, 2, {"x": torch.zeros(2)}, {"step": 2}, meta)  # replaced whole
+    assert torch.equal(load_checkpoint(latest, 0, meta)[0]["x"], torch.zeros(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".tmp_global_step_6", "global_step_2", "global_step_5"]
