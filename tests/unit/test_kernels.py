@@ -109,7 +109,7 @@ def _gae_inputs(B, T, seed, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (5, 2), (13, 37), (9, 1000), (40, 257),
-                                 (16, 1024)])
+                                 (16, 1024), (8, 1135), (9, 4096)])
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95)])
 def test_gae_fp32_matches_reference(B, T, gamma, lam):
     r, v, m = _gae_inputs(B, T, seed=B * 1000 + T)
