@@ -50,7 +50,7 @@ from hybridrl.data.batching import (
     split_mini_batches,
 )
 from hybridrl.data.build import build_loaders, build_tokenizer
-from hybridrl.data.tokenizer import vocab_size
+from hybridrl.data.tokenizer import CharTokenizer, vocab_size
 from hybridrl.models.forward import broadcast_from_last_stage, run_microbatches
 from hybridrl.models.hf_io import build_from_config
 from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
@@ -90,9 +90,11 @@ class PPOTrainer:
         self.loader, self.val_loader = build_loaders(cfg.data, self.tokenizer)
         seed = cfg.trainer.seed
         self.actor = build_from_config(cfg.model, groups, "actor", seed=seed)
-        if vocab_size(self.tokenizer) > self.actor.spec.vocab_size:
-            raise ValueError(f"the tokenizer has {vocab_size(self.tokenizer)} ids but the model "
-                             f"vocab_size is {self.actor.spec.vocab_size} (model.vocab_size)")
+        n_ids, model_vocab = vocab_size(self.tokenizer), self.actor.spec.vocab_size
+        if n_ids > model_vocab or (isinstance(self.tokenizer, CharTokenizer) and n_ids != model_vocab):
+            raise ValueError(f"model.vocab_size={model_vocab} but the tokenizer has {n_ids} ids; "
+                             f"the builtin character tokenizer needs model.vocab_size={n_ids} "
+                             "(the policy must not sample ids the tokenizer cannot decode)")
         a = cfg.actor
         self.need_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.ref = (build_from_config(cfg.model, groups, "reference", path=cfg.ref.model_path,
