@@ -10,8 +10,9 @@ Checked here, in the parent:
 - KL guard: with a tiny max_kl the step is rolled back (actor parameters and optimizer step count
   equal those before it); too many rollbacks, or rollback disabled, stop with a clear error;
 - layouts: from the same HF checkpoint with greedy rollouts (layout-invariant), dp = 2,
-  tp = 2 (gen tp 2: engine TP all-reduces) and tp = 2 with gen tp 1 (two micro-DP replicas)
-  give the single-process metrics of both steps within float tolerance.
+  tp = 2 (gen tp 2: engine TP all-reduces), tp = 2 with gen tp 1 (two micro-DP replicas) and,
+  on 4 ranks, tp = 2 x pp = 2 with gen tp 2 (dynamic micro-batches) give the single-process
+  metrics of both steps within float tolerance.
 """
 
 from __future__ import annotations
@@ -97,6 +98,16 @@ def world2(root):
                       "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=160"], "fit"),
     ]
     return run_on_ranks(cases_mod.run_cases, 2, r, cases, timeout=400,
+                        preload=("megatron.core",))
+
+
+@pytest.fixture(scope="module")
+def world4(root):
+    r, _ = root
+    cases = [("3d", _hf(root, "3d", ["parallel.tp=2", "parallel.pp=2", "parallel.gen.tp=2",
+                                     "actor.use_dynamic_bsz=true",
+                                     "actor.ppo_max_token_len_per_gpu=200"]), "fit")]
+    return run_on_ranks(cases_mod.run_cases, 4, r, cases, timeout=400,
                         preload=("megatron.core",))
 
 
@@ -224,3 +235,14 @@ def test_checkpoint_folder_is_atomic_and_checked(tmp_path):
     assert torch.equal(load_checkpoint(latest, 0, meta)[0]["x"], torch.zeros(2))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".tmp_global_step_6", "global_step_2", "global_step_5"]
+
+
+@pytest.mark.slow
+def test_3d_layout_matches_one_rank(world1, world4):
+    """tp 2 x pp 2 (pipeline schedule, last-stage broadcast) with 2 gen replicas of gen tp 2."""
+    want = world1["hf"]["metrics"]
+    for rank in range(4):
+        got = world4[rank]["3d"]
+        assert got["finite"] and got["changed"]
+        for step in range(2):
+            _close(got["metrics"][step], want[step])
