@@ -10,7 +10,8 @@ Checked here, in the parent:
 - KL guard: with a tiny max_kl the step is rolled back (actor parameters and optimizer step count
   equal those before it); too many rollbacks, or rollback disabled, stop with a clear error;
 - layouts: from the same HF checkpoint with greedy rollouts (layout-invariant), dp = 2,
-  tp = 2 (gen tp 2: engine TP all-reduces), tp = 2 with gen tp 1 (two micro-DP replicas) and,
+  tp = 2 (gen tp 2: engine TP all-reduces), tp = 2 with gen tp 1 (two micro-DP replicas; also
+  with the HybridFlow-V grouping, which the p2p reshard serves) and,
   on 4 ranks, tp = 2 x pp = 2 with gen tp 2 (dynamic micro-batches) give the single-process
   metrics of both steps within float tolerance.
 """
@@ -94,6 +95,8 @@ def world2(root):
         ("dp2", _hf(root, "dp2"), "fit"),
         ("tp2", _hf(root, "tp2", ["parallel.tp=2", "parallel.gen.tp=2"]), "fit"),
         ("tp2_gen1", _hf(root, "tp2g1", ["parallel.tp=2", "parallel.gen.tp=1"]), "fit"),
+        ("tp2_vanilla_p2p", _hf(root, "tp2v", ["parallel.tp=2", "parallel.gen.grouping=vanilla"]),
+         "fit"),
         ("grpo_dp2", [*GRPO, f"trainer.checkpoint_dir={r}/grpo2",
                       "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=160"], "fit"),
     ]
@@ -171,7 +174,7 @@ def test_kl_guard_rolls_back(world1):
 def test_two_ranks_match_one(world1, world2):
     want = world1["hf"]["metrics"]
     assert world1["hf"]["changed"]
-    for name in ("dp2", "tp2", "tp2_gen1"):
+    for name in ("dp2", "tp2", "tp2_gen1", "tp2_vanilla_p2p"):
         for rank in (0, 1):
             got = world2[rank][name]
             assert got["finite"] and got["changed"], name
