@@ -12,7 +12,7 @@ Contract:
   score each response token (prompt_len - 1 + j: position t scores token t + 1),
   ``response_mask`` [b, R], plus ``tensors[k][idx]`` for each given [N, R] tensor.
 - ``batch_metrics(rb, tensors, max_response_length, step_s, world)``: response/prompt lengths,
-  advantage/return means, |engine - actor| log-prob gap, tokens and tokens/s per rank.
+  advantage/return means, |engine - actor| log-prob gap (mean, max), tokens and tokens/s per rank.
 - ``gather_response(out_bT, resp_index_bR)`` picks the response columns [b, R] out of a per-token
   model output [b, T].
 """
@@ -83,14 +83,15 @@ def batch_metrics(rb: RolloutBatch, tensors: dict, max_response_length: int, ste
     m, lens = rb.response_mask.float(), rb.response_lengths.float()
     n_tok = m.sum().clamp(min=1)
     tokens = sum(rb.seq_lengths)
+    gap = (rb.rollout_logprobs - tensors["old_log_probs"]).abs()  # [N, R] engine vs actor
     return {
         "response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
         "response_length/clip_ratio": float((lens >= max_response_length).float().mean()),
         "prompt_length/mean": sum(len(p) for p in rb.prompt_ids) / len(rb),
         "critic/advantages/mean": float((tensors["advantages"] * m).sum() / n_tok),
         "critic/returns/mean": float((tensors["returns"] * m).sum() / n_tok),
-        "training/rollout_logprob_diff": float(
-            ((rb.rollout_logprobs - tensors["old_log_probs"]).abs() * m).sum() / n_tok),
+        "training/rollout_logprob_diff": float((gap * m).sum() / n_tok),
+        "training/rollout_logprob_diff_max": float((gap * m).max()),
         "perf/total_tokens": float(tokens),
         "perf/throughput": tokens / max(step_s, 1e-9) / world,
     }
