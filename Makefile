@@ -8,7 +8,7 @@ BUILD_INPUTS := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/*/*.cpp c
 
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: .venv test demo lint clean
+.PHONY: .venv test demo layout-demo lint clean
 
 .venv: $(STAMP)
 
@@ -27,6 +27,10 @@ test: .venv lint
 	$(PY) -m pytest
 
 demo: .venv
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m hybridrl.train --config configs/demo_cpu.yaml
+
+# the layouts of a 256-GPU job, then every group built on 8 real gloo ranks
+layout-demo: .venv
 	$(VENV)/bin/hybridrl layout --world 256 --tp 8 --pp 4 --gen-tp 4 --gen-pp 1
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 8 -m hybridrl.parallel.show \
 		--tp 2 --pp 2 --gen-tp 1 --gen-pp 2

@@ -63,6 +63,9 @@ def main(argv=None) -> int:
 
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         return _fail(rank, 2, "trainer.device is 'cuda' but no GPU is visible")
+    if cfg.trainer.device == "cpu" and torch.cuda.is_available():  # models follow CUDA if visible
+        return _fail(rank, 2, "trainer.device is 'cpu' but a GPU is visible; hide it with "
+                              "CUDA_VISIBLE_DEVICES= or set trainer.device=auto")
     if "MASTER_ADDR" not in os.environ:  # plain `python -m hybridrl.train`: a world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"),
                           RANK="0", WORLD_SIZE="1")

@@ -28,8 +28,8 @@ class ModelConfig:
     num_query_groups: int = knob(2, "Builtin model: number of key/value heads (GQA groups); "
                                  "equal to num_attention_heads for plain multi-head attention.")
     ffn_hidden_size: int = knob(128, "Builtin model: SwiGLU intermediate size.")
-    vocab_size: int = knob(128, "Builtin model: vocabulary size (before megatron's TP padding); "
-                           "must cover the tokenizer.")
+    vocab_size: int = knob(100, "Builtin model: vocabulary size (before megatron's TP padding); "
+                           "must cover the tokenizer (the builtin char tokenizer: exactly 100).")
     max_position_embeddings: int = knob(1024, "Builtin model: longest sequence (prompt + "
                                         "response) the model is built for.")
     rope_theta: float = knob(10000.0, "Builtin model: RoPE base.")

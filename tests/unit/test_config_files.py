@@ -38,7 +38,8 @@ def test_demo_cpu_runs_on_one_to_four_ranks():
 def test_demo_vocab_covers_the_builtin_tokenizer():
     tokenizer = pytest.importorskip("hybridrl.data.tokenizer")
     cfg = load_config([os.path.join(ROOT, "configs", "demo_cpu.yaml")])
-    assert cfg.model.vocab_size >= tokenizer.CharTokenizer().vocab_size
+    assert cfg.model.vocab_size == tokenizer.CharTokenizer().vocab_size  # the trainer requires it
+    assert load_config().model.vocab_size == tokenizer.CharTokenizer().vocab_size  # defaults too
 
 
 def test_llama70b_is_the_256_gpu_layout():
