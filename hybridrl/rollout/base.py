@@ -5,7 +5,11 @@ Contract:
   format* of ``hybridrl.reshard.formats.engine_format``: HF names, packed ``qkv_proj`` = [q; k; v]
   and ``gate_up_proj`` = [gate; up] per gen TP rank, vocab-parallel ``embed_tokens``/``lm_head``).
 - ``update_weights(named_tensors)`` takes any subset of those tensors, any number of times (the
-  reshard calls it once per bucket); unknown names or wrong shapes raise ``ValueError``.
+  reshard calls it once per non-empty bucket, and ranks of one gen TP group may call it different
+  numbers of times); it must not communicate. Unknown names or wrong shapes raise ``ValueError``.
+- ``finish_update()`` is called exactly once per weight sync, after the last ``update_weights``,
+  by every rank of the gen TP group; it may run collectives over that group (SGLang gathers the
+  buffered shards there) and is a no-op for engines that load in ``update_weights`` (builtin).
 - ``generate(prompt_ids, params)``: ``prompt_ids`` is a list of B token-id lists (or a [B, P]
   tensor of real tokens); every rank of one gen TP group calls it with the same prompts and
   params and gets the same ``GenerationOutput``: ``response_ids`` [B, R] right-padded with
@@ -69,6 +73,8 @@ class RolloutEngine(Protocol):
     """What the trainer calls; ``BuiltinEngine`` and ``SGLangEngine`` implement it."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def finish_update(self) -> None: ...
 
     def generate(self, prompt_ids, params: SamplingParams) -> GenerationOutput: ...
 

@@ -134,6 +134,9 @@ class BuiltinEngine:
                 else:
                     self.weights[name] = tensor.detach().to(self.device, self.dtype).clone()
 
+    def finish_update(self) -> None:
+        """End of a weight sync: nothing to do, ``update_weights`` already loaded (no collective)."""
+
     def missing_weights(self) -> list[str]:
         optional = {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
         return sorted(set(self.expected) - set(self.weights) - optional)

@@ -7,10 +7,15 @@ Contract (tested here only up to the missing-import error: this machine cannot i
   through, e.g. ``mem_fraction_static``). Without sglang: ``ImportError`` saying how to install.
 - ``update_weights(named_tensors)``: the tensors are this rank's engine-format shard
   (``hybridrl.reshard.formats.engine_format``, the same per-rank packing SGLang's models use).
-  Each rank serializes its list (``MultiprocessingSerializer``: CUDA IPC handles, no copy), the
-  source rank gathers the per-rank payloads and calls ``update_weights_from_tensor`` with
-  ``load_format=DIRECT_LOADER``, SGLang's loader that copies tensors by name into the rank's
-  parameters without re-splitting them (they are already the rank's shard).
+  It only buffers them locally (no collective): the reshard calls it once per non-empty bucket,
+  and ranks of one gen TP group see different numbers of buckets (e.g. 15 vs 14), so a
+  collective per call would be unmatched and hang.
+- ``finish_update()`` (every rank of the gen TP group, exactly once per sync): each rank
+  serializes its buffered list (``MultiprocessingSerializer``: CUDA IPC handles, no copy), the
+  source rank gathers the per-rank payloads with ONE ``gather_object`` and calls
+  ``update_weights_from_tensor`` with ``load_format=DIRECT_LOADER``, SGLang's loader that copies
+  tensors by name into the rank's parameters without re-splitting them (they are already the
+  rank's shard). Cost: the rank's whole engine-format gen shard stays alive until this call.
 - ``generate(prompt_ids, params)``: the source rank calls ``Engine.generate(input_ids=...,
   sampling_params=..., return_logprob=True)`` and broadcasts the ``GenerationOutput`` to the
   group. Per-token log-probs are SGLang's ``output_token_logprobs``.
@@ -40,6 +45,29 @@ def import_sglang():
     return sglang
 
 
+class GatheredUpdates:
+    """Per-sync weight buffer of one gen TP rank: ``add`` is local, ``gather`` is the one
+    collective (``gather_object`` to ``tp_src``); no SGLang needed (tested on gloo)."""
+
+    def __init__(self, tp_group=None, tp_src: int = 0, tp_size: int = 1):
+        self.tp_group, self.tp_src, self.tp_size = tp_group, tp_src, tp_size
+        self.pending: list[tuple[str, torch.Tensor]] = []
+
+    def add(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.pending.extend(named_tensors)  # keeps the tensors alive until ``gather``
+
+    def gather(self, serialize) -> list | None:
+        """Every rank: its payload ``serialize(pending)`` -> list of payloads on ``tp_src``
+        (in group-rank order), None elsewhere; empties the buffer."""
+        payload, self.pending = serialize(self.pending), []
+        if self.tp_size == 1:
+            return [payload]
+        is_src = dist.get_rank() == self.tp_src
+        gathered = [None] * self.tp_size if is_src else None
+        dist.gather_object(payload, gathered, dst=self.tp_src, group=self.tp_group)
+        return gathered
+
+
 class SGLangEngine:
     """One gen TP group's SGLang engine; see the module docstring."""
 
@@ -50,16 +78,18 @@ class SGLangEngine:
         self.is_src = tp_group is None or dist.get_rank() == tp_src
         self.engine = (sglang.Engine(model_path=model_path, tp_size=self.tp_size, **engine_kwargs)
                        if self.is_src else None)
+        self.updates = GatheredUpdates(tp_group, tp_src, self.tp_size)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Buffer locally; no collective (see the module docstring)."""
+        self.updates.add(named_tensors)
+
+    def finish_update(self) -> None:
+        """The sync's one collective: gather every rank's buffer and load it (see module doc)."""
         from sglang.srt.utils import MultiprocessingSerializer
 
-        payload = MultiprocessingSerializer.serialize(list(named_tensors), output_str=True)
-        gathered = [None] * self.tp_size if self.is_src else None
-        if self.tp_size > 1:
-            dist.gather_object(payload, gathered, dst=self.tp_src, group=self.tp_group)
-        else:
-            gathered = [payload]
+        gathered = self.updates.gather(
+            lambda named: MultiprocessingSerializer.serialize(named, output_str=True))
         if self.is_src:
             from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 

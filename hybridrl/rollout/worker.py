@@ -8,8 +8,10 @@ Contract:
   group per gen TP group and the engine (``rollout.engine``: builtin or sglang) on this rank's
   gen shard, with SGLang's vocab padding (64).
 - ``sync_weights(actor)`` runs the plan: every rank sends what others lack and the engine
-  receives its engine-format shard bucket by bucket (``update_weights`` is the sink). Returns the
-  executor's ``RunStats``.
+  receives its engine-format shard bucket by bucket (``update_weights`` is the sink, called a
+  rank-dependent number of times, never communicating), then ``finish_update()`` exactly once on
+  every rank (the one place an engine may run a gen-TP collective). Returns the executor's
+  ``RunStats``.
 - ``generate(prompts, params, seed)`` (collective): the N prompts are cut into contiguous shares,
   one per gen replica (``numpy.array_split`` order); each replica samples its share with seed
   ``seed * 1_000_003 + replica`` (reproducible, resumable without saved generator state); the
@@ -56,6 +58,18 @@ def _gen_tp_groups(gen, rank: int):
         if rank in ranks:
             mine, members = group, ranks
     return mine, members
+
+
+@torch.no_grad()
+def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype):
+    """Run ``plan`` from this rank's training tensors ``named`` into ``engine`` (collective):
+    ``update_weights`` per flushed bucket, then ``finish_update`` exactly once."""
+    asm = Assembler(plan, rank, engine_format(shape, plan.gen, rank), sink=engine.update_weights,
+                    dtype=dtype)
+    stats = run_plan(plan, rank, train_sources(plan, rank, named), asm)
+    asm.result()
+    engine.finish_update()
+    return stats
 
 
 class RolloutWorker:
@@ -106,11 +120,7 @@ class RolloutWorker:
     def sync_weights(self, actor):
         """Reshard the actor's training shards into the engine (collective)."""
         named = {n: p.detach() for n, p in actor.module.named_parameters()}
-        asm = Assembler(self.plan, self.rank, engine_format(self.shape, self.gen, self.rank),
-                        sink=self.engine.update_weights, dtype=self.dtype)
-        stats = run_plan(self.plan, self.rank, train_sources(self.plan, self.rank, named), asm)
-        asm.result()
-        return stats
+        return sync_engine(self.plan, self.rank, self.shape, named, self.engine, self.dtype)
 
     def sampling_params(self, max_new_tokens: int, temperature: float, top_k: int = -1,
                         top_p: float = 1.0) -> SamplingParams:

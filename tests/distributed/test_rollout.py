@@ -70,3 +70,84 @@ def test_two_gen_tp_ranks_match_transformers(tied):
     for key in ("greedy", "sampled"):
         assert torch.equal(res[0][key].response_ids, res[1][key].response_ids)
         assert torch.equal(res[0][key].logprobs, res[1][key].logprobs)
+
+
+class _BufferingEngine:
+    """The SGLang adapter's weight path without SGLang: ``update_weights`` buffers in a
+    ``GatheredUpdates``, ``finish_update`` gathers once (payload = the tensors themselves)."""
+
+    def __init__(self, tp_group, tp_src, tp_size):
+        from hybridrl.rollout.sglang import GatheredUpdates
+
+        self.updates = GatheredUpdates(tp_group, tp_src, tp_size)
+        self.n_update = self.n_finish = 0
+        self.comm_in_update = 0
+        self.mine, self.gathered = {}, None
+
+    def update_weights(self, named_tensors):
+        before = _COLLECTIVES[0]
+        named = list(named_tensors)
+        self.mine.update((n, t.clone()) for n, t in named)
+        self.updates.add(named)
+        self.n_update += 1
+        self.comm_in_update += _COLLECTIVES[0] - before
+
+    def finish_update(self):
+        self.n_finish += 1
+        self.gathered = self.updates.gather(lambda named: {n: t.clone() for n, t in named})
+
+
+_COLLECTIVES = [0]  # gather_object calls on this rank (patched in _sync_rank)
+
+
+def _sync_rank(rank, world):
+    """sync_engine (RolloutWorker.sync_weights' body) on a gen TP group of 2 whose ranks flush
+    different numbers of buckets: one gather per sync, none inside update_weights."""
+    import torch.distributed as dist
+
+    from hybridrl.parallel.layout import TrainLayout
+    from hybridrl.reshard.placement import gen_placement, train_placement
+    from hybridrl.reshard.planner import plan_reshard
+    from hybridrl.reshard.specs import build_specs
+    from hybridrl.rollout.worker import sync_engine
+    from tests.unit.test_reshard_oracle import PAD, SMALL, engine_shards, make_hf, megatron_shards
+
+    real_gather = dist.gather_object
+
+    def counting_gather(*args, **kwargs):
+        _COLLECTIVES[0] += 1
+        return real_gather(*args, **kwargs)
+
+    dist.gather_object = counting_gather
+    tl = TrainLayout(world, tp=1, pp=2)  # gen tp=2 does not nest: consecutive grouping, p2p
+    train = train_placement(tl, SMALL)
+    gen = gen_placement(tl, SMALL, 2, 1, "consecutive", vocab_pad=64)
+    plan = plan_reshard(train, gen, build_specs(SMALL), "p2p", bucket_mb=0.005, itemsize=4)
+    hf = make_hf(SMALL, seed=3)
+    b, a, _ = train.coords[rank]
+    named = megatron_shards(SMALL, hf, 1, b, 2, a, train.vocab_chunk, pad_value=PAD)
+    engine = _BufferingEngine(dist.group.WORLD, 0, world)
+    out = []
+    for _ in range(2):  # two syncs: one gather each
+        sync_engine(plan, rank, SMALL, named, engine, torch.float32)
+        out.append((engine.n_update, engine.n_finish, _COLLECTIVES[0], engine.comm_in_update))
+    gb, ga, _ = gen.coords[rank]
+    want = engine_shards(SMALL, hf, 2, gb, 1, ga, gen.vocab_chunk)
+    return {"counts": out, "mine": engine.mine, "gathered": engine.gathered, "want": want}
+
+
+@pytest.mark.slow
+def test_sync_gathers_once_per_sync_on_every_rank():
+    from tests.unit.test_reshard_oracle import mismatches
+
+    res = run_on_ranks(_sync_rank, 2, timeout=200)
+    n_update = [r["counts"][0][0] for r in res]
+    assert n_update[0] != n_update[1], n_update  # the case that hung: unequal flush counts
+    for r in res:
+        (u1, f1, c1, x1), (u2, f2, c2, x2) = r["counts"]
+        assert (f1, c1, x1) == (1, 1, 0) and (f2, c2, x2) == (2, 2, 0), r["counts"]
+        assert u2 == 2 * u1 > 0
+        assert mismatches(r["mine"], r["want"]) == []
+    assert res[1]["gathered"] is None
+    for src_rank, payload in enumerate(res[0]["gathered"]):
+        assert mismatches(payload, res[src_rank]["want"]) == []
