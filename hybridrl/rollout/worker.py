@@ -6,7 +6,9 @@ Contract:
   when the shards nest, else consecutive gen TP groups), plans the reshard once (strategy
   ``reshard.strategy``; ``auto`` = zero_redundancy when nested, else p2p), creates one process
   group per gen TP group and the engine (``rollout.engine``: builtin or sglang) on this rank's
-  gen shard, with SGLang's vocab padding (64).
+  gen shard, with SGLang's vocab padding (64). Every model the reshard moves is accepted here,
+  q/k/v biases (Qwen2) included; an engine that cannot run one refuses it itself (the builtin
+  engine's ``EngineSpec.from_llama`` rejects biases, SGLang takes them).
 - ``sync_weights(actor)`` runs the plan: every rank sends what others lack and the engine
   receives its engine-format shard bucket by bucket (``update_weights`` is the sink, called a
   rank-dependent number of times, never communicating), then ``finish_update()`` exactly once on
@@ -36,17 +38,6 @@ from hybridrl.reshard.specs import LlamaShape, build_specs
 from hybridrl.rollout.base import GenerationOutput, SamplingParams
 
 ENGINE_VOCAB_PAD = 64  # SGLang's vocab padding; the builtin engine uses the same
-
-
-def shape_of(spec) -> LlamaShape:
-    """The reshard's ``LlamaShape`` of a ``hybridrl.models.spec.LlamaSpec``."""
-    if spec.qkv_bias:
-        raise ValueError(f"{spec.architecture} has q/k/v biases, which the reshard does not "
-                         "move yet; use a Llama-style model (no biases)")
-    return LlamaShape(hidden=spec.hidden_size, ffn=spec.ffn_hidden_size,
-                      heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
-                      layers=spec.num_layers, vocab=spec.vocab_size, head_dim=spec.head_dim,
-                      tied=spec.tie_word_embeddings)
 
 
 def _gen_tp_groups(gen, rank: int):
@@ -80,7 +71,7 @@ class RolloutWorker:
             raise ValueError(f"parallel.gen.pp must be 1 (rollout engines run gen pp = 1 here), "
                              f"got {cfg.parallel.gen.pp}")
         self.rank, layout, gen_cfg = groups.rank, groups.train, cfg.parallel.gen
-        self.shape = shape_of(actor.spec)
+        self.shape = LlamaShape.from_model(actor.spec)  # q/k/v biases move too
         nested = layout.tp % gen_cfg.tp == 0 and layout.pp % gen_cfg.pp == 0
         grouping = gen_cfg.grouping if nested else "consecutive"
         self.gen = gen_placement(layout, self.shape, gen_cfg.tp, gen_cfg.pp, grouping,

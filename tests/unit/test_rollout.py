@@ -152,3 +152,34 @@ def test_sglang_missing_is_a_clear_import_error():
 
     with pytest.raises(ImportError, match="rollout.engine=builtin"):
         SGLangEngine("model/")
+
+
+def _worker_on_one_rank(engine: str, qkv_bias: bool):
+    """A RolloutWorker on a 1-rank layout (gen tp = 1: no process group is created)."""
+    from types import SimpleNamespace
+
+    from hybridrl.config.loader import load_config
+    from hybridrl.models.spec import LlamaSpec
+    from hybridrl.parallel.layout import TrainLayout
+    from hybridrl.rollout.worker import RolloutWorker
+
+    cfg = load_config(overrides=[f"rollout.engine={engine}", "model.path=/no/such/folder"])
+    arch = "Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"
+    spec = LlamaSpec(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=48, vocab_size=VOCAB, qkv_bias=qkv_bias, architecture=arch)
+    actor = SimpleNamespace(spec=spec, config=SimpleNamespace(params_dtype=torch.float32),
+                            uses_te=False, device="cpu")
+    groups = SimpleNamespace(rank=0, train=TrainLayout(1), gen=None, groups={}, members={})
+    return RolloutWorker(cfg, groups, actor, SimpleNamespace(pad_token_id=0, eos_token_id=2))
+
+
+def test_worker_moves_qkv_biases_and_leaves_refusal_to_the_engine():
+    worker = _worker_on_one_rank("builtin", qkv_bias=False)
+    assert not worker.shape.qkv_bias
+    assert not any("bias" in s.name for s in worker.plan.specs)
+    # Qwen2: the worker plans the biases; only the builtin engine refuses them ...
+    with pytest.raises(ValueError, match="builtin engine does not support q/k/v biases"):
+        _worker_on_one_rank("builtin", qkv_bias=True)
+    # ... while sglang gets past the worker's checks (this machine then lacks SGLang)
+    with pytest.raises(ImportError, match="rollout.engine=sglang needs SGLang"):
+        _worker_on_one_rank("sglang", qkv_bias=True)
