@@ -4,9 +4,10 @@ Contract:
 - ``RolloutWorker(cfg, groups, actor, tokenizer)`` (collective: every rank, same arguments)
   places the generation layout on the training ranks (``parallel.gen``: the HybridFlow grouping
   when the shards nest, else consecutive gen TP groups), plans the reshard once (strategy
-  ``reshard.strategy``; ``auto`` = zero_redundancy when nested, else p2p), creates one process
-  group per gen TP group and the engine (``rollout.engine``: builtin or sglang) on this rank's
-  gen shard, with SGLang's vocab padding (64). Every model the reshard moves is accepted here,
+  ``reshard.strategy``; ``auto`` = zero_redundancy when nested, else p2p), takes this rank's gen
+  TP group (``groups.groups["gen_tp"]`` when ``groups`` holds the same gen layout, else one new
+  group per gen TP group with a finite timeout) and builds the engine (``rollout.engine``:
+  builtin or sglang) on this rank's gen shard, with SGLang's vocab padding (64). Every model the reshard moves is accepted here,
   q/k/v biases (Qwen2) included; an engine that cannot run one refuses it itself (the builtin
   engine's ``EngineSpec.from_llama`` rejects biases, SGLang takes them).
 - ``sync_weights(actor)`` runs the plan: every rank sends what others lack and the engine
@@ -24,11 +25,13 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridrl.parallel.groups import DEFAULT_TIMEOUT_S
 from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.executor import run_plan, train_sources
 from hybridrl.reshard.formats import engine_format
@@ -40,14 +43,29 @@ from hybridrl.rollout.base import GenerationOutput, SamplingParams
 ENGINE_VOCAB_PAD = 64  # SGLang's vocab padding; the builtin engine uses the same
 
 
-def _gen_tp_groups(gen, rank: int):
-    """(this rank's gen TP group or None, its member ranks): one new_group per replica."""
-    mine, members = None, None
-    for rep in range(gen.world // (gen.tp * gen.pp)):
-        ranks = [gen.rank_at(b, 0, rep) for b in range(gen.tp)]
-        group = dist.new_group(ranks) if gen.tp > 1 else None  # same order on every rank
-        if rank in ranks:
-            mine, members = group, ranks
+def _gen_tp_groups(gen, rank: int, groups, grouping: str):
+    """(this rank's gen TP group or None, its member ranks in gen TP order).
+
+    When ``groups`` was built with this very gen layout (same tp, pp, grouping: the nested
+    HybridFlow/vanilla case), its ``gen_tp`` group is reused. Otherwise (consecutive grouping, or
+    no/another gen layout in ``groups``) these rank sets are not among ``groups``' families, so one
+    group per replica is created here, every rank in the same order, with the same finite timeout
+    as ``build_groups`` so that a missing peer raises instead of blocking forever.
+    """
+    per_replica = [[gen.rank_at(b, 0, rep) for b in range(gen.tp)]
+                   for rep in range(gen.world // (gen.tp * gen.pp))]
+    members = next(ranks for ranks in per_replica if rank in ranks)
+    if gen.tp == 1:
+        return None, members
+    g = groups.gen
+    if g is not None and (g.tp, g.pp, g.grouping) == (gen.tp, gen.pp, grouping):
+        assert set(groups.members["gen_tp"]) == set(members), (groups.members["gen_tp"], members)
+        return groups.groups["gen_tp"], members
+    timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    mine = None
+    for ranks in per_replica:  # same order on every rank
+        group = dist.new_group(ranks, timeout=timeout)
+        mine = group if rank in ranks else mine
     return mine, members
 
 
@@ -86,7 +104,7 @@ class RolloutWorker:
         self.strategy, self.dtype = strategy, actor.config.params_dtype
         tp_rank, _, self.replica = self.gen.coords[self.rank]
         self.n_replicas = self.gen.world // (self.gen.tp * self.gen.pp)
-        tp_group, members = _gen_tp_groups(self.gen, self.rank)
+        tp_group, members = _gen_tp_groups(self.gen, self.rank, groups, grouping)
         self.is_src = self.rank == members[0]
         self.engine = self._build_engine(cfg, actor, tp_group, tp_rank, members[0])
         self.pad_token_id = int(tokenizer.pad_token_id)

@@ -151,3 +151,42 @@ def test_sync_gathers_once_per_sync_on_every_rank():
     assert res[1]["gathered"] is None
     for src_rank, payload in enumerate(res[0]["gathered"]):
         assert mismatches(payload, res[src_rank]["want"]) == []
+
+
+def _gen_tp_rank(rank, world):
+    """The worker's gen TP group: reused from build_groups when the gen layout is the same,
+    else created once per gen TP group with a finite timeout."""
+    import torch.distributed as dist
+
+    from hybridrl.parallel.groups import build_groups
+    from hybridrl.parallel.layout import GenLayout, TrainLayout
+    from hybridrl.reshard.placement import gen_placement
+    from hybridrl.rollout.worker import _gen_tp_groups
+    from tests.unit.test_reshard_oracle import SMALL
+
+    created = []
+    real_new_group = dist.new_group
+
+    def recording_new_group(ranks=None, **kwargs):
+        created.append((list(ranks), kwargs.get("timeout")))
+        return real_new_group(ranks, **kwargs)
+
+    train = TrainLayout(world, tp=2)
+    nested = build_groups(train, GenLayout(train, tp=2))
+    plain = build_groups(train)
+    dist.new_group = recording_new_group
+    gen = gen_placement(train, SMALL, 2, 1, "hybridflow")
+    group, members = _gen_tp_groups(gen, rank, nested, "hybridflow")
+    reused = (group is nested.groups["gen_tp"], members, list(created))
+    group, members = _gen_tp_groups(gen, rank, plain, "hybridflow")
+    t = torch.ones(1) * (rank + 1)
+    dist.all_reduce(t, group=group)  # the new group works
+    return reused, (members, [(r, to.total_seconds() if to else None) for r, to in created],
+                    float(t))
+
+
+@pytest.mark.slow
+def test_gen_tp_group_reused_or_created_with_timeout():
+    for reused, fresh in run_on_ranks(_gen_tp_rank, 2, timeout=200):
+        assert reused == (True, [0, 1], [])
+        assert fresh == ([0, 1], [([0, 1], 600.0)], 3.0)
