@@ -6,7 +6,7 @@ subcommand handler (hybridrl's type for bad user input), print ONE line ``hybrid
 Subcommands:
 - ``layout``: the training layout p x t x d in megatron order and the generation layout
   pg x tg x dg x d (HybridFlow or vanilla grouping): groups and per-rank shards, or ``--json``.
-- ``plan``: the reshard dry run (registered by ``hybridrl.reshard.cli`` when present).
+- ``plan``: the reshard dry run (registered by ``hybridrl.reshard.cli``).
 """
 
 from __future__ import annotations
@@ -121,12 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--grouping", choices=["hybridflow", "vanilla"], default="hybridflow")
     lay.add_argument("--json", action="store_true", help="print one JSON object")
     lay.set_defaults(func=_cmd_layout)
-    try:
-        from hybridrl.reshard.cli import add_parser as add_plan_parser
-    except ImportError:  # the reshard package is optional at this stage
-        add_plan_parser = None
-    if add_plan_parser is not None:
-        add_plan_parser(sub)
+    from hybridrl.reshard.cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 

@@ -42,6 +42,18 @@ def build_layout(cfg, world: int):
     return train, gen
 
 
+def _check_kernels(use_compiled, on_cuda: bool) -> str | None:
+    """Apply ``kernels.use_compiled`` before any kernel runs; a problem message or None."""
+    from hybridrl.kernels import ops
+
+    if use_compiled is False:
+        os.environ[ops.FORCE_REFERENCE_ENV] = "reference"
+    elif use_compiled is True and not ops.compiled_available("gae", "cuda" if on_cuda else "cpu"):
+        return ("kernels.use_compiled=true but the csrc extension is not built for this device; "
+                "rebuild with `pip install --no-build-isolation -e .` or set kernels.use_compiled=auto")
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     for pattern in (".*Transformer Engine and Apex.*", ".*Apex is not installed.*",
@@ -63,6 +75,9 @@ def main(argv=None) -> int:
 
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         return _fail(rank, 2, "trainer.device is 'cuda' but no GPU is visible")
+    problem = _check_kernels(cfg.kernels.use_compiled, torch.cuda.is_available())
+    if problem:
+        return _fail(rank, 2, problem)
     if cfg.trainer.device == "cpu" and torch.cuda.is_available():  # models follow CUDA if visible
         return _fail(rank, 2, "trainer.device is 'cpu' but a GPU is visible; hide it with "
                               "CUDA_VISIBLE_DEVICES= or set trainer.device=auto")

@@ -108,8 +108,9 @@ class ReshardConfig:
 class KernelsConfig:
     """Choice between the compiled csrc ops and their pure-torch references."""
 
-    use_compiled: bool | str = knob("auto", "true (fail if the extension is not built) | false "
-                                    "(pure-torch references) | auto (compiled when built).")
+    use_compiled: bool | str = knob("auto", "true (fail at start-up if the extension is not "
+                                    "built) | false (pure-torch references, via "
+                                    "HYBRIDRL_KERNELS=reference) | auto (compiled when built).")
 
     def __post_init__(self) -> None:
         if not (isinstance(self.use_compiled, bool) or self.use_compiled == "auto"):

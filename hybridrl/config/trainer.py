@@ -18,7 +18,7 @@ from hybridrl.config._fields import (
 )
 
 RESUME_MODES = ("auto", "disable", "path")
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+LOGGERS = ("console", "jsonl")  # wandb / tensorboard / mlflow sinks are not implemented yet
 DEVICES = ("auto", "cpu", "cuda")
 
 

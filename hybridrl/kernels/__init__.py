@@ -63,11 +63,11 @@ def gae(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: 
         raise ValueError(f"values must be 2-D [B, T], got shape {tuple(values.shape)}")
     _check_same_shape("values", values, "token_level_rewards", token_level_rewards)
     _check_same_shape("values", values, "response_mask", response_mask)
-    if not _use_compiled("gae", values):
-        return reference.gae_ref(token_level_rewards, values, response_mask, gamma, lam)
     dtype = torch.promote_types(token_level_rewards.dtype, values.dtype)
     if not dtype.is_floating_point:
         raise ValueError(f"values must be floating point, got {dtype}")
+    if not _use_compiled("gae", values):  # the reference needs a float mask (1 - m) as well
+        return reference.gae_ref(token_level_rewards, values, response_mask.to(dtype), gamma, lam)
     with torch.no_grad():
         return torch.ops.hybridrl.gae(token_level_rewards.to(dtype), values.to(dtype),
                                       response_mask.to(dtype), float(gamma), float(lam))

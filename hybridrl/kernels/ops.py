@@ -8,7 +8,9 @@ Contract:
   (csrc/cpu/kl_autograd.cpp), so the op runs in a loss.
 - ``compiled_available(op, device_type)`` says whether a compiled kernel exists for that device;
   when it does not, ``warn_fallback`` emits one warning per device type and callers use the
-  pure-torch references of ``hybridrl.kernels.reference``.
+  pure-torch references of ``hybridrl.kernels.reference``. The environment variable
+  ``HYBRIDRL_KERNELS=reference`` (read at the first call) forces the references
+  (``kernels.use_compiled=false``).
 
 Op schemas (see csrc/ops.cpp):
   kl_forward(Tensor logprob, Tensor ref_logprob, int fwd_kind, int bwd_kind) -> Tensor
@@ -22,11 +24,14 @@ Op schemas (see csrc/ops.cpp):
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
 
 OP_NAMES = ("kl_forward", "kl_backward", "gae", "masked_whiten")
+# HYBRIDRL_KERNELS=reference (set before the first kernel call) forces the pure-torch references
+FORCE_REFERENCE_ENV = "HYBRIDRL_KERNELS"
 
 
 @functools.cache
@@ -52,6 +57,8 @@ def compiled_available(op: str, device_type: str) -> bool:
 
 @functools.cache
 def _compiled_available(op: str, device_type: str) -> bool:
+    if os.environ.get(FORCE_REFERENCE_ENV) == "reference":  # kernels.use_compiled=false
+        return False
     if not load():
         return False
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)

@@ -131,14 +131,16 @@ def run_microbatches(
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         extra["p2p_communicator"] = P2PCommunicator(pp_group=model.groups.pp, config=model.config)
-    with grad_mode:
-        results = schedule(
-            forward_step_func=step, data_iterator=iter(microbatches), model=[model.schedule_module],
-            num_microbatches=len(microbatches), seq_length=max(s[1] for s in shapes),
-            micro_batch_size=max(s[0] for s in shapes), forward_only=forward_only,
-            pg_collection=model.pg_collection, **extra,
-        )
-    model.module.train(was_training)
+    try:
+        with grad_mode:
+            results = schedule(
+                forward_step_func=step, data_iterator=iter(microbatches),
+                model=[model.schedule_module], num_microbatches=len(microbatches),
+                seq_length=max(s[1] for s in shapes), micro_batch_size=max(s[0] for s in shapes),
+                forward_only=forward_only, pg_collection=model.pg_collection, **extra,
+            )
+    finally:  # a failing schedule must not leave a training model in eval mode
+        model.module.train(was_training)
     return list(results) if model.groups.is_last_stage else []
 
 

@@ -134,7 +134,10 @@ def local_slice_from_hf(reader, name: str, model: ShardedModel) -> torch.Tensor 
     if name == "output_layer.weight" and model.role == "critic":
         return reader.full("score.weight") if reader.has("score.weight") else None
     if name == "output_layer.weight":
-        tied = model.spec.tie_word_embeddings or not reader.has("lm_head.weight")
+        tied = model.spec.tie_word_embeddings
+        if not tied and not reader.has("lm_head.weight"):
+            raise ValueError("config.json says tie_word_embeddings=false but the checkpoint has "
+                             "no lm_head.weight")
         return _vocab_rows(reader, "model.embed_tokens.weight" if tied else "lm_head.weight",
                            model)
     raise ValueError(f"no HF mapping for megatron parameter {name}")

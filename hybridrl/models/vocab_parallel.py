@@ -41,6 +41,7 @@ class _VocabParallelLogpEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_BTV, labels_BT, group, vocab_start, n_real, temperature):
+        ctx.set_materialize_grads(False)  # unused entropy -> None grad: skip its [B, T, V] pass
         z_BTV = logits_BTV[..., :n_real].float() / temperature  # fp32 copy, real ids only
         shape = labels_BT.shape
         if n_real > 0:

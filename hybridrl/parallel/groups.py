@@ -132,15 +132,21 @@ def _check_world(train: TrainLayout, gen: GenLayout | None) -> None:
     world = dist.get_world_size()
     if train.world != world:
         raise ValueError(f"layout world={train.world} but torch.distributed world size is {world}")
-    if gen is not None and gen.train != train:
-        raise ValueError("gen layout was derived from a different training layout")
 
 
 def _check_same_everywhere(train: TrainLayout, gen: GenLayout | None) -> None:
-    """One all_gather_object: every rank must have been given the same layouts."""
-    mine = (dataclasses.astuple(train), None if gen is None else (gen.tp, gen.pp, gen.grouping))
+    """One all_gather_object: every rank must have been given the same, consistent layouts
+    (a local inconsistency travels with the layout, so all ranks raise together)."""
+    problem = None
+    if gen is not None and gen.train != train:
+        problem = "gen layout was derived from a different training layout"
+    mine = (dataclasses.astuple(train), None if gen is None else (gen.tp, gen.pp, gen.grouping),
+            problem)
     seen: list = [None] * dist.get_world_size()
     dist.all_gather_object(seen, mine)
+    errors = [(r, s[2]) for r, s in enumerate(seen) if s[2]]
+    if errors:
+        raise ValueError(f"rank {errors[0][0]}: {errors[0][1]}")
     bad = [r for r, other in enumerate(seen) if other != seen[0]]
     if bad:
         raise ValueError(

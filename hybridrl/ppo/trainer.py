@@ -202,8 +202,10 @@ class PPOTrainer:
                     size = role_cfg.ppo_micro_batch_size_per_gpu
                     micro = [share[s:s + size] for s in range(0, len(share), size)]
                 mbs = [rb.microbatch(m, tensors) for m in micro]
-                norm = compute_agg_normalizers([mb["response_mask"] for mb in mbs],
-                                               self.groups.dp if dp > 1 else None)
+                norm = compute_agg_normalizers(  # on the model's device: NCCL takes no CPU tensors
+                    [mb["response_mask"].to(model.device) for mb in mbs],
+                    self.groups.dp if dp > 1 else None,
+                    loss_scale_factor=self.cfg.rollout.response_length)  # verl: a constant L
                 loss_fn = functools.partial(loss_method, norm=norm, k=len(mbs))
                 for key, value in train_step(model, opt, mbs, loss_fn,
                                              temperature=self.temperature).items():
@@ -243,7 +245,7 @@ class PPOTrainer:
         with _timer(timing, "reward"):
             scores, reward_metrics = self.scorer.score_tokens(
                 self.tokenizer, rb.response_ids, mask, rb.ground_truth, rb.data_source,
-                rb.extra_info)
+                rb.extra_info, max_response_length=cfg.rollout.response_length)
         metrics.update(reward_metrics)
         with _timer(timing, "adv"):
             rewards = place_on_last_token(scores, mask).float()
@@ -285,7 +287,8 @@ class PPOTrainer:
         guard = self.cfg.trainer.kl_guard
         if snapshot is None:
             return {}
-        kl = torch.tensor([metrics.get("actor/ppo_kl_max", 0.0)], dtype=torch.float64)
+        kl = torch.tensor([metrics.get("actor/ppo_kl_max", 0.0)], dtype=torch.float64,
+                          device=self.actor.device)  # NCCL takes no CPU tensors
         dist.all_reduce(kl, op=dist.ReduceOp.MAX)  # every rank takes the same decision
         if float(kl) <= guard.max_kl:
             self.rollbacks = 0

@@ -169,10 +169,12 @@ class RewardScorer:
         ground_truths: Sequence[Any],
         data_sources: Sequence[str],
         extra_infos: Sequence[dict | None] | None = None,
+        max_response_length: int | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """:meth:`score_batch` on generated tokens: ``response_ids``/``response_mask`` [B, R]
-        (right-padded); each row's masked ids are decoded with ``skip_special_tokens=True`` and
-        ``max_response_length`` for the length penalty is R."""
+        (right-padded); each row's masked ids are decoded with ``skip_special_tokens=True``.
+        ``max_response_length`` for the length penalty is the configured limit
+        (rollout.response_length); R when not given."""
         if response_ids.dim() != 2 or response_mask.shape != response_ids.shape:
             raise ValueError(
                 f"response_ids {tuple(response_ids.shape)} / response_mask "
@@ -181,7 +183,8 @@ class RewardScorer:
         ids = [row[mask.bool()].tolist() for row, mask in zip(response_ids, response_mask)]
         texts = [tokenizer.decode(row, skip_special_tokens=True) for row in ids]
         return self.score_batch(
-            texts, ground_truths, data_sources, extra_infos, ids, int(response_ids.shape[1])
+            texts, ground_truths, data_sources, extra_infos, ids,
+            int(response_ids.shape[1]) if max_response_length is None else max_response_length,
         )
 
 

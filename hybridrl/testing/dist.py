@@ -11,6 +11,8 @@ Contract:
   killed and ``RankFailure`` carries the first failing rank's traceback. If the ranks have not all
   finished within ``timeout`` seconds, all are killed and ``RankTimeout`` names the missing ranks.
 - ``fn`` must be importable by its module path (define it at module level, not in a closure).
+- ``preload`` takes effect only when the fork server starts (the first call in a process);
+  later calls fork from the same server.
 """
 
 from __future__ import annotations
@@ -125,10 +127,10 @@ def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
         try:
             rank, ok, value = results.get(timeout=min(left, 1.0))
         except queue.Empty:
-            dead = [
-                r for r, p in enumerate(procs) if r not in out and not p.is_alive() and p.exitcode
-            ]
-            if dead:  # died without reporting (segfault, OOM kill)
+            # a rank flushes its result before it exits, so an empty queue and a dead rank mean
+            # it died without reporting (segfault, OOM kill, os._exit)
+            dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+            if dead:
                 raise RankFailure(
                     f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result"
                 ) from None

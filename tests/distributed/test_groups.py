@@ -101,3 +101,21 @@ def _check_case(world, case, results):
     assert [v["tp_rank"] for _, v, _ in results] == [c["tp"] for c in coords]
     assert [v["pp_rank"] for _, v, _ in results] == [c["pp"] for c in coords]
     assert [v["dp_rank"] for _, v, _ in results] == [c["dp"] for c in coords]
+
+
+def _inconsistent_gen_on_rank1(rank, world):
+    from hybridrl.parallel.groups import build_groups
+
+    train = TrainLayout(world=world, tp=2)
+    other = TrainLayout(world=world, tp=1)
+    gen = GenLayout(other if rank == 1 else train, tp=1)
+    try:
+        build_groups(train, gen)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_bad_layout_on_one_rank_fails_every_rank():
+    errors = run_on_ranks(_inconsistent_gen_on_rank1, 2, timeout=120)
+    assert all(e and "rank 1: gen layout was derived" in e for e in errors), errors

@@ -50,3 +50,19 @@ def test_timeout_names_missing_ranks():
         run_on_ranks(_sleep, 2, 120, timeout=3)
     assert "[0, 1]" in str(err.value)
     assert time.monotonic() - start < 60
+
+
+def _rank0_exits_silently(rank, world):
+    import os
+
+    if rank == 0:
+        os._exit(0)  # no result, exit status 0
+    time.sleep(120)
+
+
+def test_silent_exit_is_reported_not_waited_for():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as err:
+        run_on_ranks(_rank0_exits_silently, 2, timeout=100)
+    assert "rank 0 exited with code 0" in str(err.value)
+    assert time.monotonic() - start < 60

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -45,6 +46,21 @@ def _save_tiny(folder, *, tie: bool, arch: str = "llama", seed: int = 0):
             p.add_(0.05 * torch.randn_like(p))
     model.save_pretrained(folder)
     return folder
+
+
+def _without_lm_head(folder, out):
+    """A copy of an untied checkpoint whose safetensors lack lm_head.weight."""
+    import glob
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    for path in glob.glob(os.path.join(out, "*.safetensors")):
+        tensors = load_file(path)
+        tensors.pop("lm_head.weight", None)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return out
 
 
 def _hf_model(folder):
@@ -138,6 +154,7 @@ def suite(tmp_path_factory):
         dict(kind="train", tp=1, pp=1, folder=untied, out=str(root / "step111_bf16"),
              batch=batch, n_micro=N_MICRO * 2, dtype="bf16"),
         dict(kind="builtin", tp=1, pp=1),
+        dict(kind="load_error", tp=1, pp=1, folder=_without_lm_head(untied, str(root / "no_head"))),
     ]
     res = {8: run_on_ranks(cases_mod.run_cases, 8, w8, timeout=400, preload=("megatron.core",)),
            4: run_on_ranks(cases_mod.run_cases, 4, w4, timeout=200, preload=("megatron.core",)),
@@ -257,3 +274,10 @@ def test_export_reload_roundtrip_exact(suite, index, which):
     cfg = AutoConfig.from_pretrained(out)
     assert cfg.tie_word_embeddings == (which == "tied") and cfg.num_key_value_heads == 2
     assert cfg.model_type == ("qwen2" if which == "qwen2" else "llama")
+
+
+@pytest.mark.slow
+def test_untied_checkpoint_without_lm_head_is_refused(suite):
+    (index,) = [i for i, c in enumerate(suite["cases"][1]) if c["kind"] == "load_error"]
+    (res,) = _case_results(suite, 1, index)
+    assert res["error"] and "lm_head.weight" in res["error"]

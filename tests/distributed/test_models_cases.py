@@ -151,7 +151,19 @@ def _builtin_case(groups, case: dict) -> dict:
     return out
 
 
+def _load_error_case(groups, case: dict) -> dict:
+    """Loading must fail with a ValueError (not load something else silently)."""
+    from hybridrl.models.hf_io import build_from_hf
+
+    try:
+        build_from_hf(case["folder"], groups, "actor")
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
 CASE_KINDS = {
+    "load_error": _load_error_case,
     "builtin": _builtin_case,
     "logprobs": _logprob_case,
     "train": _train_case,

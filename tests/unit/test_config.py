@@ -174,7 +174,7 @@ def test_malformed_inputs(tmp_path):
     ("data.truncation=right", ["data.truncation must be one of", "'error'", "'left'", "'drop'"]),
     ("data.synthetic.task=none", ["data.train_files is empty"]),
     ("data.synthetic.task=sudoku", ["data.synthetic.task must be one of", "'arithmetic'"]),
-    ("trainer.logger=[console,neptune]", ["trainer.logger[] must be one of", "'wandb'"]),
+    ("trainer.logger=[console,neptune]", ["trainer.logger[] must be one of", "'jsonl'"]),
     ("trainer.resume=path", ["trainer.resume_path must be set exactly when trainer.resume"]),
     ("trainer.save_freq=0", ["trainer.save_freq must be -1 (never) or >= 1"]),
     ("trainer.device=tpu", ["trainer.device must be one of"]),

@@ -243,3 +243,29 @@ def test_torch_compile_inductor_loss():
     want.backward()
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_force_reference_env_switches_off_the_compiled_ops(monkeypatch):
+    monkeypatch.setenv(ops.FORCE_REFERENCE_ENV, "reference")
+    ops._compiled_available.cache_clear()
+    try:
+        assert not ops.compiled_available("gae", "cpu")
+    finally:
+        monkeypatch.delenv(ops.FORCE_REFERENCE_ENV)
+        ops._compiled_available.cache_clear()
+    assert ops.compiled_available("gae", "cpu") == ops.load()
+
+
+def test_reference_path_accepts_bool_and_int_masks(monkeypatch):
+    import hybridrl.kernels as K
+    from hybridrl.kernels import reference
+
+    monkeypatch.setattr(ops, "compiled_available", lambda op, device_type: False)
+    monkeypatch.setattr(ops, "warn_fallback", lambda device_type: None)
+    gen = torch.Generator().manual_seed(3)
+    r, v = torch.randn(3, 7, generator=gen), torch.randn(3, 7, generator=gen)
+    m = torch.rand(3, 7, generator=gen) > 0.3
+    want = reference.gae_ref(r, v, m.float(), 0.9, 0.8)
+    for mask in (m, m.long()):
+        got = K.gae(r, v, mask, 0.9, 0.8)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -174,6 +174,11 @@ def test_score_tokens_decodes_masked_ids():
     # row 0: correct, 8 tokens (7 chars + eos) of R=10 -> 1 - 0.05 * 0.8 = 0.96
     # row 1: wrong, 7 tokens -> 0 - 0.05 * 0.7 = -0.035
     assert scores.tolist() == pytest.approx([0.96, -0.035])
+    # the configured limit (rollout.response_length = 40), not the batch width, is the divisor:
+    # row 0: 1 - 0.05 * 8/40 = 0.99; row 1: -0.05 * 7/40 = -0.00875
+    scores, _ = scorer.score_tokens(tok, ids, mask, ["12", "8"], ["hybridrl/arithmetic"] * 2,
+                                    max_response_length=40)
+    assert scores.tolist() == pytest.approx([0.99, -0.00875])
 
 
 def test_build_reward_scorer_from_config():
