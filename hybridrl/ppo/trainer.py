@@ -342,9 +342,19 @@ class PPOTrainer:
         if t.resume == "disable":
             return None
         path = Path(t.resume_path) if t.resume == "path" else latest_checkpoint(t.checkpoint_dir)
-        if path is None:
+        chosen = [None if path is None else str(path)]
+        dist.broadcast_object_list(chosen, src=0)  # rank 0's view of the folder decides for all
+        if chosen[0] is None:
             return None
-        rank_state, state = load_checkpoint(path, self.rank, self._meta())
+        path, error = Path(chosen[0]), None
+        try:
+            rank_state, state = load_checkpoint(path, self.rank, self._meta())
+        except (ValueError, OSError, RuntimeError) as err:  # missing/corrupt file on this rank
+            error = f"rank {self.rank}: {err}"
+        failed = torch.tensor([0.0 if error is None else 1.0], device=self.actor.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # all ranks fail together, none waits
+        if failed.item():
+            raise ValueError(error or f"resuming from {str(path)!r} failed on another rank")
         self._restore({**rank_state, "kl_ctrl": state["kl_ctrl"]})
         self.loader.load_state_dict(state["loader"])
         self.step, self.rollbacks = int(state["step"]), int(state["rollbacks"])
