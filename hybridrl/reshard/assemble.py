@@ -12,6 +12,10 @@ Contract:
   a gen model's parameters). Received rows then land directly in them (their canonical views),
   padding rows are zeroed, and the emitted tensors ARE those tensors: no allocation, no copy,
   ``fmt`` unused. Needs a plan whose destination is the gen shard (zero_redundancy, p2p).
+  Every target (name, shape, dtype) and the strategy are checked at construction; a problem is
+  not raised there but kept in ``into_error``, which ``run_plan`` reports through its plan check
+  so all ranks raise together before any transfer (a lazy check would raise mid-exchange on one
+  rank and leave its peers blocked).
 - Gen pieces with no real rows (vocab chunks past the vocabulary) are emitted at construction.
 - ``slot(key, lo, hi)`` gives the executor a contiguous view to receive into (no extra copy).
 - ``dtype`` / ``device``: of the buffers it allocates (must match the training tensors; NCCL:
@@ -38,9 +42,6 @@ class Assembler:
                  device: torch.device | str = "cpu"):
         self.plan, self.rank, self.fmt, self.sink, self.dtype = plan, rank, fmt, sink, dtype
         self.device = torch.device(device)
-        if into is not None and plan.strategy in ("allgather", "vanilla"):
-            raise ValueError(f"into= needs a gen-shard destination; strategy {plan.strategy!r} "
-                             "assembles full tensors")
         self.into = into
         self.dests = plan.dests[rank]
         self.gen_specs: dict[str, list[ParamSpec]] = {}
@@ -48,13 +49,14 @@ class Assembler:
         self.pending: list[tuple[str, torch.Tensor]] = []
         self.kept: dict[str, torch.Tensor] = {}
         self.open_bytes = self.kept_bytes = 0
+        self.into_error = None if into is None else self._into_problem()
         for spec in plan.specs:
             iv = plan.gen.interval(spec, rank)
             if iv is None:
                 continue
             if iv[1] > iv[0]:
                 self.gen_specs.setdefault(spec.key, []).append(spec)
-            else:  # nothing real to receive: all padding
+            elif self.into_error is None:  # nothing real to receive: all padding
                 self._emit(spec, torch.empty(spec.piece_shape(0), dtype=dtype, device=self.device))
         missing = set(self.gen_specs) - set(self.dests)
         if missing:
@@ -63,6 +65,26 @@ class Assembler:
     @property
     def live_bytes(self) -> int:
         return self.open_bytes + self.kept_bytes
+
+    def _into_problem(self) -> str | None:
+        """Why ``into`` cannot receive this rank's gen shard (first problem), or None."""
+        if self.plan.strategy in ("allgather", "vanilla"):
+            return (f"into= needs a gen-shard destination; strategy {self.plan.strategy!r} "
+                    "assembles full tensors")
+        gen = self.plan.gen
+        for spec in self.plan.specs:
+            if gen.interval(spec, self.rank) is None:
+                continue
+            name = spec.local_name(gen.pp, gen.num_layers)
+            want = storage_shape(spec, gen.tp, gen.vocab_chunk)
+            if name not in self.into:
+                return f"rank {self.rank}: into[{name!r}] is missing (expected shape {want})"
+            got = self.into[name]
+            if tuple(got.shape) != want:
+                return f"rank {self.rank}: into[{name!r}]: expected shape {want}, got {tuple(got.shape)}"
+            if got.dtype != self.dtype:
+                return f"rank {self.rank}: into[{name!r}]: expected dtype {self.dtype}, got {got.dtype}"
+        return None
 
     def _target(self, spec: ParamSpec) -> tuple[str, torch.Tensor]:
         """(name, existing tensor) of ``into`` for a gen spec, shape-checked."""

@@ -13,9 +13,9 @@ Contract:
   no uneven all_gather): a contiguous piece is sent as a view, a contiguous destination slot is
   received into directly; other pieces go through a temporary buffer.
 - ``verify=True`` (default) first checks with one small all_gather_object that every rank runs
-  the same plan (``plan_fingerprint``) and that no rank's inputs are wrong (dtype vs itemsize),
-  so a mismatch raises ValueError on all ranks instead of hanging. Verify once per plan; reruns
-  of a verified plan may pass ``verify=False``.
+  the same plan (``plan_fingerprint``) and that no rank's inputs are wrong (dtype vs itemsize,
+  every ``into=`` target's name/shape/dtype), so a mismatch raises ValueError on all ranks
+  instead of hanging. Verify once per plan; reruns of a verified plan may pass ``verify=False``.
 - ``run_plan_local(plan, sources_by_rank, assemblers)`` plays every rank in one process (tests).
 - Returns ``RunStats``: bytes actually sent / received by this rank (buffer sizes), number of
   buckets, and the peak live bytes (comm buffers + assembling regions + emitted canonical bytes).
@@ -125,6 +125,8 @@ def _local_error(plan: Plan, sources: dict, assembler: Assembler) -> tuple[str |
         return f"plan itemsize={plan.itemsize} but the training tensors are {dtype}", dtype
     if assembler.dtype != dtype:
         return f"assembler dtype={assembler.dtype} but the training tensors are {dtype}", dtype
+    if assembler.into_error:
+        return assembler.into_error, dtype
     return None, dtype
 
 
@@ -163,6 +165,9 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
 def run_plan_local(plan: Plan, sources: list[dict], assemblers: list[Assembler]) -> None:
     """Single-process reference execution of every rank's part (tests, docs): same buckets,
     same local copies, copies instead of messages."""
+    errors = [asm.into_error for asm in assemblers if asm.into_error]
+    if errors:
+        raise ValueError(errors[0])
     for rank, asm in enumerate(assemblers):
         for key, lo, hi in plan.locals[rank]:
             asm.accept(key, lo, hi, _piece(plan, sources[rank], Transfer(key, rank, rank, lo, hi, 0)))

@@ -6,7 +6,8 @@ torch.distributed, and checks: its gen shard is bit-identical to the oracle's sl
 weights (megatron format; the engine and HF formats on a subset), bytes it actually moved equal
 the plan's, its peak live bytes stay within the plan's peak (gen shard + two buckets), and, on a
 balanced model, zero_redundancy moves exactly (dg-1)/(t*p)*M per rank. Also: bf16, in-place
-receive (``into=``), and ranks given different plans all raise instead of hanging.
+receive (``into=``), and ranks given different plans, or one rank given a bad input or a
+wrongly shaped ``into=`` target, all raise instead of hanging.
 """
 
 import itertools
@@ -142,7 +143,31 @@ def _mismatch(rank, world):
             out.append(None)
         except ValueError as err:
             out.append(str(err))
+    out.append(_bad_into(rank, world))
     return out
+
+
+def _bad_into(rank, world):
+    """Rank 6's ``into=`` target has a wrong shape: every rank raises in run_plan, none hangs."""
+    from hybridrl.reshard.assemble import Assembler
+    from hybridrl.reshard.executor import run_plan, train_sources
+    from tests.unit.test_reshard_oracle import make_hf, megatron_shards
+
+    case = (4, 2, 2, 1, "zero_redundancy", "into", "untied", False, "fp32")
+    shape, _, train, gen, plan = _setup(world, case)
+    hf = make_hf(shape, seed=1)
+    b, a, _ = train.coords[rank]
+    gb, ga, _ = gen.coords[rank]
+    into = megatron_shards(shape, hf, 2, gb, 1, ga, gen.vocab_chunk)
+    if rank == 6:
+        name = next(iter(into))
+        into[name] = into[name][:1]
+    sources = train_sources(plan, rank, megatron_shards(shape, hf, 4, b, 2, a, train.vocab_chunk))
+    try:
+        run_plan(plan, rank, sources, Assembler(plan, rank, None, into=into))
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _reshard_rank(rank, world, cases):
@@ -156,6 +181,8 @@ def test_reshard_8_ranks_every_layout_and_strategy():
     per_rank = [r[0] for r in out]
     assert all(r[1][0] and "disagree on the reshard plan" in r[1][0] for r in out), out[0][1]
     assert all(r[1][1] == "group rank 5: bad input" for r in out), [r[1][1] for r in out]
+    assert all(r[1][2] and r[1][2].startswith("group rank 6: rank 6: into[") and "expected shape"
+               in r[1][2] for r in out), [r[1][2] for r in out]
     assert len(cases) > 150
     for i, case in enumerate(cases):
         t, p = case[0], case[1]
