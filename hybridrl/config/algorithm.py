@@ -19,7 +19,7 @@ from hybridrl.config._fields import (
 )
 from hybridrl.config.roles import KL_KINDS
 
-ADV_ESTIMATORS = ("gae", "grpo")
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")  # hybridrl.ppo's registered ones
 KL_CTRL_TYPES = ("fixed", "adaptive")
 GSM8K_METHODS = ("strict", "flexible")
 
@@ -46,7 +46,8 @@ class AlgorithmConfig:
     """Advantage estimation and the in-reward KL penalty."""
 
     adv_estimator: str = knob("gae", "Advantage estimator: gae (critic + GAE) | grpo "
-                              "(group-relative, no critic).")
+                              "(group-relative, no critic) | rloo (leave-one-out, no critic) | "
+                              "reinforce_plus_plus (discounted return, whitened, no critic).")
     gamma: float = knob(1.0, "GAE discount factor.")
     lam: float = knob(1.0, "GAE lambda.")
     norm_adv_by_std_in_grpo: bool = knob(True, "GRPO: divide by the group's std (false = "

@@ -100,8 +100,9 @@ class HybridRLConfig:
                                  f"data.train_batch_size ({total})")
 
     def _check_algorithm(self) -> None:
-        if self.algorithm.adv_estimator == "grpo" and self.rollout.n < 2:
-            raise ValueError("rollout.n must be >= 2 when algorithm.adv_estimator is 'grpo' "
+        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+            raise ValueError("rollout.n must be >= 2 when algorithm.adv_estimator is "
+                             f"'{self.algorithm.adv_estimator}' "
                              f"(advantages are relative to the prompt's group); got {self.rollout.n}")
         if self.reshard.strategy == "zero_redundancy":
             par = self.parallel

@@ -57,7 +57,7 @@ VERL_KEYS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("critic.cliprange_value", ("critic.cliprange_value",), ""),
     ("critic.ppo_micro_batch_size_per_gpu", ("critic.ppo_micro_batch_size_per_gpu",), ""),
     ("critic.ppo_mini_batch_size", ("critic.ppo_mini_batch_size",), ""),
-    ("algorithm.adv_estimator", ("algorithm.adv_estimator",), "ours: gae | grpo"),
+    ("algorithm.adv_estimator", ("algorithm.adv_estimator",), "ours: gae | grpo | rloo | reinforce_plus_plus"),
     ("algorithm.gamma", ("algorithm.gamma",), ""),
     ("algorithm.lam", ("algorithm.lam",), ""),
     ("algorithm.norm_adv_by_std_in_grpo", ("algorithm.norm_adv_by_std_in_grpo",), ""),
