@@ -38,7 +38,11 @@ def load_shape(model: str) -> LlamaShape:
         raise ValueError(f"--model must be one of {sorted(PRESETS)} or a config.json path, "
                          f"got {model!r}")
     with open(path) as f:
-        return LlamaShape.from_hf_config(json.load(f))
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err})") from None
+    return LlamaShape.from_hf_config(cfg, source=path)
 
 
 def plan_report(args: argparse.Namespace) -> dict:

@@ -3,7 +3,8 @@
 Contract:
 - ``LlamaShape`` is the frozen model description (hidden, ffn, heads, query groups, head_dim, vocab,
   layers, tied, megatron's ``make_vocab_size_divisible_by``); ``from_hf_config`` reads an HF
-  config.json dict, ``PRESETS`` holds llama-7b/13b/34b/70b.
+  config.json dict of the Llama/Qwen2 family (anything else, or a missing size, is a ValueError
+  naming the file), ``PRESETS`` holds llama-7b/13b/34b/70b.
 - ``build_specs(shape, naming)`` returns one ``ParamSpec`` per logical megatron parameter, named as
   megatron-core's GPTModel names it with GLOBAL layer indices (``naming="local"``: the local layer
   spec's ``input_layernorm``/``pre_mlp_layernorm``; ``"te"``: the TE-fused ``layer_norm_weight``).
@@ -39,6 +40,9 @@ NAMINGS = ("local", "te")
 EMBED = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
+
+
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}  # -> model_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,25 +88,44 @@ class LlamaShape:
         return sum(s.numel for s in build_specs(self) if not s.tied_copy)
 
     @staticmethod
-    def from_hf_config(cfg: dict) -> LlamaShape:
-        """From an HF llama/qwen2-style config.json dict."""
-        try:
-            heads = int(cfg["num_attention_heads"])
-            return LlamaShape(
-                hidden=int(cfg["hidden_size"]),
-                ffn=int(cfg["intermediate_size"]),
-                heads=heads,
-                num_query_groups=int(cfg.get("num_key_value_heads", heads)),
-                layers=int(cfg["num_hidden_layers"]),
-                vocab=int(cfg["vocab_size"]),
-                head_dim=cfg.get("head_dim"),
-                tied=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=cfg.get("model_type") == "qwen2"
-                or "Qwen2ForCausalLM" in (cfg.get("architectures") or [])
-                or bool(cfg.get("attention_bias", False)),
-            )
-        except KeyError as e:
-            raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
+    def from_hf_config(cfg: dict, source: str = "config.json") -> LlamaShape:
+        """From an HF llama/qwen2 config.json dict (``source``: its path, for messages).
+
+        ``architectures`` (or, without it, ``model_type``) must name the Llama/Qwen2 family
+        (``HF_ARCHITECTURES``); other models (e.g. Mixtral's experts) have other parameters. A
+        missing or non-integer size raises ValueError naming the key and ``source``.
+        """
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+        archs, model_type = cfg.get("architectures") or [], cfg.get("model_type")
+        known = [a for a in archs if a in HF_ARCHITECTURES]
+        if (archs and not known) or (not archs and model_type not in HF_ARCHITECTURES.values()):
+            raise ValueError(
+                f"{source}: architectures={archs!r} (model_type={model_type!r}) is not supported; "
+                f"supported: {', '.join(HF_ARCHITECTURES)} (model_type "
+                f"{' or '.join(HF_ARCHITECTURES.values())})")
+
+        def size(key: str, default=None) -> int:
+            value = cfg.get(key, default)
+            if value is None:
+                raise ValueError(f"{source} lacks the field {key!r}")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{source}: {key} must be an integer, got {value!r}")
+            return value
+
+        heads = size("num_attention_heads")
+        return LlamaShape(
+            hidden=size("hidden_size"),
+            ffn=size("intermediate_size"),
+            heads=heads,
+            num_query_groups=size("num_key_value_heads", heads),
+            layers=size("num_hidden_layers"),
+            vocab=size("vocab_size"),
+            head_dim=None if cfg.get("head_dim") is None else size("head_dim"),
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or "Qwen2ForCausalLM" in known
+            or bool(cfg.get("attention_bias", False)),
+        )
 
     @staticmethod
     def from_model(m) -> LlamaShape:

@@ -37,10 +37,13 @@ def test_plan_json_1024_ranks_in_seconds(capsys):
         max(zr["max_bytes_received_per_rank"], zr["max_bytes_sent_per_rank"]) * 8 / 400e9)
 
 
+LLAMA_CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+             "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "num_hidden_layers": 4, "vocab_size": 1000}
+
+
 def test_plan_text_and_reason(capsys, tmp_path):
-    cfg = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
-           "num_key_value_heads": 4, "num_hidden_layers": 4, "vocab_size": 1000,
-           "tie_word_embeddings": True}
+    cfg = {**LLAMA_CFG, "tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     rc, out, _ = _run(capsys, "--model", str(tmp_path / "config.json"), "--world", "8",
                       "--tp", "2", "--gen-tp", "4", "--dtype", "fp32", "--json")
@@ -64,6 +67,24 @@ def test_plan_bad_args_exit_2_one_line(capsys, argv, needle):
     rc, out, err = _run(capsys, *argv)
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"},
+     "architectures=['MixtralForCausalLM'] (model_type='mixtral') is not supported"),
+    ({"architectures": None, "model_type": "mixtral"}, "model_type='mixtral') is not supported"),
+    ({"vocab_size": None}, "config.json lacks the field 'vocab_size'"),
+    ({"num_hidden_layers": "4"}, "num_hidden_layers must be an integer, got '4'"),
+])
+def test_plan_bad_config_json_exit_2_one_line(capsys, tmp_path, change, needle):
+    cfg = {k: v for k, v in {**LLAMA_CFG, **change}.items() if v is not None}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, out, err = _run(capsys, "--model", str(path), "--world", "8", "--gen-tp", "1")
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and needle in err and str(path) in err, err
+    rc, out, _ = _run(capsys, "--model", str(tmp_path), "--world", "8", "--gen-tp", "1")  # folder
+    assert rc == 2 and out == ""
 
 
 def test_specs_presets_and_naming():
