@@ -4,7 +4,8 @@ Contract: pure specs (``specs``), placements (``placement``) and planning (``pla
 ``summary``) need no process group and no torch, and are re-exported here; the torch side,
 ``executor.run_plan`` moving the planned rows into an ``assemble.Assembler`` that delivers one of
 the ``formats`` (gen megatron shards, the SGLang-style engine format, full HF tensors), is imported
-from its module. See docs/reshard.md.
+from its module. Every strategy executes as point-to-point isend/irecv (the micro-DP "all-gather"
+and the allgather baseline included). See docs/reshard.md.
 """
 
 from hybridrl.reshard.placement import (

@@ -11,6 +11,10 @@ Contract:
 - Bad input raises ValueError (the top-level CLI prints one line and exits 2). ``main(argv)``
   runs the subcommand standalone with the same behaviour (tests call it in-process).
 - Costs come from ``summarize`` (no per-element enumeration): 1024 ranks answer in about a second.
+  Bytes are those of the point-to-point send / receive buffers every strategy posts. The gen
+  placement uses megatron's vocab padding (``vocab_pad=None``), while the trainer reshards into
+  the engine with the engine's padding (64), so embedding / output-layer rows, and bytes, of a
+  real sync can differ slightly from this estimate.
 """
 
 from __future__ import annotations

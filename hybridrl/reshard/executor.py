@@ -11,14 +11,17 @@ Contract:
   (unless the strategy's destination is the full model: the allgather/vanilla baselines).
 - One isend/irecv per transfer, of flat 1-D contiguous tensors (gloo: no 2-D all_gather outputs,
   no uneven all_gather): a contiguous piece is sent as a view, a contiguous destination slot is
-  received into directly; other pieces go through a temporary buffer.
+  received into directly; other pieces go through a temporary buffer. Every strategy runs this
+  way: zero_redundancy's micro-DP "all-gather" is p2p exchanges inside the micro-DP group and the
+  allgather baseline is a p2p emulation of an all_gather; no collective moves weights (the only
+  collective is the ``verify`` check below).
 - ``verify=True`` (default) first checks with one small all_gather_object that every rank runs
   the same plan (``plan_fingerprint``) and that no rank's inputs are wrong (dtype vs itemsize,
   every ``into=`` target's name/shape/dtype), so a mismatch raises ValueError on all ranks
   instead of hanging. Verify once per plan; reruns of a verified plan may pass ``verify=False``.
 - ``run_plan_local(plan, sources_by_rank, assemblers)`` plays every rank in one process (tests).
-- Returns ``RunStats``: bytes actually sent / received by this rank (buffer sizes), number of
-  buckets, and the peak live bytes (comm buffers + assembling regions + emitted canonical bytes).
+- Returns ``RunStats``: bytes of the send / receive buffers this rank posted to isend / irecv
+  (not wire traffic), number of buckets, and the peak live bytes (comm buffers + assembling regions + emitted canonical bytes).
 """
 
 from __future__ import annotations

@@ -3,11 +3,13 @@
 Contract (a format is ``fmt(spec, piece) -> [(name, tensor)]``, piece = canonical rows of the
 rank's gen shard, see hybridrl.reshard.specs):
 - ``megatron_format(gen, rank)``: megatron-core GPTModel tensors of the gen layout, stage-local
-  layer names, vocab chunks padded with zero rows to ``gen.vocab_chunk``.
+  layer names, vocab chunks padded with zero rows to ``gen.vocab_chunk``. With a megatron gen
+  placement (``vocab_pad=None``) that is the TRAINING model's padded vocab split tg ways, not the
+  padding of a GPTModel built at tp = tg (V=32000, t=8, tg=1: 32768 rows, not 32000).
 - ``engine_format(shape, gen, rank)``: the per-TP-rank format shared by SGLang and the builtin
   engine: HF-style names with global layer indices, ``self_attn.qkv_proj.weight`` = [q; k; v] of
-  the rank's heads (and ``qkv_proj.bias`` likewise for Qwen2), ``mlp.gate_up_proj.weight`` = [gate; up] of the rank's slice, ``o_proj``,
-  ``down_proj``, vocab-parallel ``embed_tokens`` / ``lm_head`` padded to ``gen.vocab_chunk`` (build
+  the rank's heads (and ``qkv_proj.bias`` likewise for Qwen2), ``mlp.gate_up_proj.weight`` =
+  [gate; up] of the rank's slice, ``o_proj``, ``down_proj``, vocab-parallel ``embed_tokens`` / ``lm_head`` padded to ``gen.vocab_chunk`` (build
   ``gen`` with the engine's ``vocab_pad``, SGLang: 64). Tied models send ``lm_head`` only as the
   last stage's copy (pp > 1). ValueError when gen TP cannot split the KV heads.
 - ``hf_format(shape)``: full HF tensors for export (q_proj, k_proj, v_proj, gate_proj, up_proj,

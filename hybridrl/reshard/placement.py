@@ -14,8 +14,8 @@ Contract:
   gen_tp = i % tg, gen_pp = (i // tg) % pg, replica = i // (tg * pg). When tg*pg | t*p every gen
   replica lies inside one training DP replica, so every replica does the same work and no rank
   serves more than its share (a plain rank-order placement made some ranks send 2-4x more).
-  ``vocab_pad=None`` keeps megatron's padded vocab of the TRAINING model split tg ways (the gen
-  shard of a megatron model); an int (SGLang: 64) pads the real vocab to that multiple first, as
+  ``vocab_pad=None`` keeps megatron's padded vocab of the TRAINING model split tg ways (not the
+  padding of a GPTModel built at tp = tg); an int (SGLang: 64) pads the real vocab to that multiple first, as
   the rollout engine does. Either way a chunk is ceil(padded / tg) rows.
 - Nothing here touches torch.distributed.
 """

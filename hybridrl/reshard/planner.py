@@ -16,6 +16,9 @@ Contract:
     padding does not nest) come from the nearest holder, as in p2p.
   * ``p2p``: any (tg, pg); a rank keeps what it holds and receives exactly the missing rows, each
     from a holder in its own DP replica when one exists: the minimum volume.
+- Every strategy is a list of point-to-point transfers (the executor posts one isend/irecv pair
+  each): zero_redundancy's micro-DP all-gather becomes p2p exchanges inside the micro-DP group,
+  and ``allgather`` is a p2p emulation of an all_gather.
 - Transfers are cut into chunks of at most ``bucket_mb`` MiB and grouped greedily, in parameter
   order, into buckets in which no rank receives or sends more than ``bucket_mb`` MiB.
 - ``Plan`` reports bytes received / sent, destination bytes and peak bytes per rank
