@@ -105,11 +105,23 @@ def load_checkpoint(path: str | Path, rank: int, meta: dict) -> tuple[dict, dict
     return rank_state, trainer_state
 
 
+def _cpu_copy(obj):
+    """A deep copy of ``obj`` with every tensor copied to host memory (restores copy_ back)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 def capture_state(models, kl_ctrl) -> dict:
-    """Copies of parameters, optimizer state and KL controller (see module docstring)."""
-    return {"params": [{n: p.detach().clone() for n, p in m.module.named_parameters()}
+    """Host-memory copies of parameters, optimizer state and KL controller (see module
+    docstring); on GPU a snapshot costs no device memory."""
+    return {"params": [{n: _cpu_copy(p) for n, p in m.module.named_parameters()}
                        for m, _ in models],
-            "optim": [copy.deepcopy(o.state_dict()) for _, o in models],
+            "optim": [_cpu_copy(o.state_dict()) for _, o in models],
             "kl_ctrl": dict(kl_ctrl.state_dict())}
 
 

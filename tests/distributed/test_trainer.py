@@ -165,6 +165,7 @@ def test_resume_gives_the_uninterrupted_step(world1, root):
 def test_kl_guard_rolls_back(world1):
     g = world1["guard"]
     assert g["rollback"] == 1.0 and g["same"] and g["logged"]
+    assert g["n_models"] == 2  # GAE: the critic and its optimizer are restored too
     assert g["optim_steps"] == (0, 0)
     assert "giving up" in world1["giveup"] and "2 consecutive" in world1["giveup"]
     assert "rollback disabled" in world1["no_rollback"]

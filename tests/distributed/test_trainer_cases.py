@@ -60,14 +60,33 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _equal_state(a, b) -> bool:
+    """Deep equality of nested dicts/lists of tensors and plain values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _equal_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def _guard(rank, world, overrides):
-    """One guarded step: the params after it equal those before; a plain step changes them."""
+    """One guarded step: actor and critic parameters, both optimizers' state and the KL
+    controller after it equal those before."""
+    from hybridrl.ppo.checkpoint import capture_state
+
     trainer, lines = _trainer(rank, world, overrides)
     before = _params(trainer)
+    state_before = capture_state(trainer._models(), trainer.kl_ctrl)
     optim_before = trainer.actor_opt.step_count
     m = trainer.train_step()
     after = _params(trainer)
-    return {"rollback": m["training/kl_guard_rollback"], "same": _same(before, after),
+    state_after = capture_state(trainer._models(), trainer.kl_ctrl)
+    return {"rollback": m["training/kl_guard_rollback"],
+            "same": _same(before, after) and _equal_state(state_before, state_after),
+            "n_models": len(state_before["params"]),
             "optim_steps": (optim_before, trainer.actor_opt.step_count),
             "logged": any("rolled back" in line for line in lines)}
 
