@@ -4,8 +4,8 @@ Two gloo ranks, one group, five cases: (tp, pp) = (1, 1) untied and tied, (1, 2)
 stage's output_layer copy, stage-local layer names), (2, 1) (TP shapes, padded vocab) and (2, 1)
 with Qwen2's linear_qkv.bias. Each
 rank compares the model's named_parameters {name: shape} with the specs' local names and
-``storage_shape``. The CUDA RNG tracker and
-``Tensor.cuda`` (tied output copy) are replaced here, in the test only, during construction.
+``storage_shape``. megatron's CUDA assumptions are handled by hybridrl's one compatibility
+module (hybridrl.models.cpu_compat), as for every model hybridrl builds.
 """
 
 import pytest
@@ -14,18 +14,6 @@ from hybridrl.testing.dist import run_on_ranks
 
 CASES = [(1, 1, False, False), (1, 1, True, False), (1, 2, True, False), (2, 1, False, False),
          (2, 1, False, True)]  # (tp, pp, tied, qkv_bias)
-
-
-class _CpuTracker:
-    """Just enough of megatron's CudaRNGStatesTracker for construction on CPU."""
-
-    def fork(self, name="model-parallel-rng"):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def is_initialized(self):
-        return True
 
 
 def _build(tp, pp, tied, shape, qkv_bias=False):
@@ -44,12 +32,11 @@ def _build(tp, pp, tied, shape, qkv_bias=False):
     )
     from megatron.core import parallel_state as ps
 
-    original = torch.Tensor.cuda  # tied + pp > 1: megatron moves the output copy to CUDA
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    try:
+    from hybridrl.models import cpu_compat
+
+    cpu_compat.seed_cpu_rng_tracker(1, ps.get_tensor_model_parallel_rank())
+    with cpu_compat.cpu_model_construction():  # tied + pp > 1: the output copy's .cuda()
         return _gpt(GPTModel, cfg, get_gpt_layer_local_spec, shape, tp, tied, ps)
-    finally:
-        torch.Tensor.cuda = original
 
 
 def _gpt(GPTModel, cfg, get_gpt_layer_local_spec, shape, tp, tied, ps):
@@ -62,16 +49,14 @@ def _gpt(GPTModel, cfg, get_gpt_layer_local_spec, shape, tp, tied, ps):
 
 
 def _specs_rank(rank, world, cases):
-    from megatron.core.tensor_parallel import random as mrandom
-
+    from hybridrl.models import cpu_compat
     from hybridrl.parallel.groups import build_groups
     from hybridrl.parallel.layout import TrainLayout
     from hybridrl.parallel.megatron import apply_megatron_groups, clear_megatron_groups
     from hybridrl.reshard.placement import train_placement
     from hybridrl.reshard.specs import LlamaShape, build_specs, storage_shape
 
-    mrandom._CUDA_RNG_STATE_TRACKER = _CpuTracker()
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    cpu_compat.install()
     out = []
     for tp, pp, tied, qkv_bias in cases:
         shape = LlamaShape(hidden=64, ffn=96, heads=8, num_query_groups=2, layers=4, vocab=100,
