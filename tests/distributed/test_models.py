@@ -1,7 +1,7 @@
 """megatron-core actor/critic on gloo ranks vs transformers' LlamaForCausalLM on the same weights.
 
-Three rank groups (world 8, 4 and 1) run every case of their world in ONE run_on_ranks call:
-(tp, pp, dp) = (2,2,2), (1,2,4), (2,1,4), tied (2,2,2); (2,2,1); (1,1,1). Checked here, in the
+Four rank groups (world 8, 4, 2 and 1) run every case of their world in ONE run_on_ranks call:
+(tp, pp, dp) = (2,2,2), (1,2,4), (2,1,4), tied (2,2,2); (2,2,1); (2,1,1), (1,2,1); (1,1,1). Checked here, in the
 parent process, against the single-process transformers model:
 - per-token log-probs (fp32, atol 1e-5) and entropy (a full-vocab softmax reference);
 - one optimizer step (PPO-shaped loss with an entropy bonus, clipping active) at (2,2,2) and at
@@ -147,6 +147,8 @@ def suite(tmp_path_factory):
     ]
     w4 = [dict(kind="logprobs", tp=2, pp=2, folder=untied, **common),
           dict(kind="logprobs", tp=2, pp=2, folder=untied, role="reference", **common)]
+    w2 = [dict(kind="logprobs", tp=2, pp=1, folder=untied, **common),  # (2, 1, 1)
+          dict(kind="logprobs", tp=1, pp=2, folder=untied, **common)]  # (1, 2, 1)
     w1 = [
         dict(kind="logprobs", tp=1, pp=1, folder=untied, **common),
         dict(kind="train", tp=1, pp=1, folder=untied, out=str(root / "step111"), batch=batch,
@@ -158,8 +160,9 @@ def suite(tmp_path_factory):
     ]
     res = {8: run_on_ranks(cases_mod.run_cases, 8, w8, timeout=400, preload=("megatron.core",)),
            4: run_on_ranks(cases_mod.run_cases, 4, w4, timeout=200, preload=("megatron.core",)),
+           2: run_on_ranks(cases_mod.run_cases, 2, w2, timeout=200, preload=("megatron.core",)),
            1: run_on_ranks(cases_mod.run_cases, 1, w1, timeout=200, preload=("megatron.core",))}
-    return dict(root=root, untied=untied, tied=tied, qwen2=qwen2, batch=batch, cases={8: w8, 4: w4, 1: w1},
+    return dict(root=root, untied=untied, tied=tied, qwen2=qwen2, batch=batch, cases={8: w8, 4: w4, 2: w2, 1: w1},
                 res=res)
 
 
@@ -169,7 +172,8 @@ def _case_results(suite, world, index):
 
 LOGPROB_CASES = [(8, 0, 2, "untied"), (8, 1, 4, "untied"), (8, 2, 4, "untied"),
                  (8, 3, 2, "tied"), (8, 10, 2, "qwen2"), (4, 0, 1, "untied"),
-                 (4, 1, 1, "untied"), (1, 0, 1, "untied")]  # (4, 1): the frozen reference
+                 (4, 1, 1, "untied"), (2, 0, 1, "untied"), (2, 1, 1, "untied"),
+                 (1, 0, 1, "untied")]  # (4, 1): the frozen reference
 
 
 @pytest.mark.slow
