@@ -266,6 +266,12 @@ class PPOTrainer:
         with _timer(timing, "update_actor"):
             metrics.update(self._update(self.actor, self.actor_opt, a, rb, tensors,
                                         self._actor_loss, "actor"))
+        if snapshot is not None:  # the guard judges the weights it would keep: one more forward
+            with _timer(timing, "kl_guard"):
+                new = self._forward(self.actor, rb, "logprobs", r.log_prob_micro_batch_size_per_gpu,
+                                    r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
+                m = mask.float()
+                metrics["actor/ppo_kl_final"] = float(((old - new) * m).sum() / m.sum().clamp(min=1))
         metrics.update(self._kl_guard(metrics, snapshot))
         timing["timing_s/step"] = time.perf_counter() - t0
         batch = batch_metrics(rb, tensors, self.cfg.rollout.response_length, timing["timing_s/step"],
@@ -287,7 +293,9 @@ class PPOTrainer:
         guard = self.cfg.trainer.kl_guard
         if snapshot is None:
             return {}
-        kl = torch.tensor([metrics.get("actor/ppo_kl_max", 0.0)], dtype=torch.float64,
+        # the largest |KL| seen during the PPO epochs or after the last update
+        worst = max(metrics.get("actor/ppo_kl_max", 0.0), abs(metrics["actor/ppo_kl_final"]))
+        kl = torch.tensor([worst], dtype=torch.float64,
                           device=self.actor.device)  # NCCL takes no CPU tensors
         dist.all_reduce(kl, op=dist.ReduceOp.MAX)  # every rank takes the same decision
         if float(kl) <= guard.max_kl:

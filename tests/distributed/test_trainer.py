@@ -166,6 +166,7 @@ def test_kl_guard_rolls_back(world1):
     g = world1["guard"]
     assert g["rollback"] == 1.0 and g["same"] and g["logged"]
     assert g["n_models"] == 2  # GAE: the critic and its optimizer are restored too
+    assert g["kl_final"] != 0.0  # the guard measured the updated weights, not only the epochs
     assert g["optim_steps"] == (0, 0)
     assert "giving up" in world1["giveup"] and "2 consecutive" in world1["giveup"]
     assert "rollback disabled" in world1["no_rollback"]
