@@ -193,16 +193,14 @@ def build_groups(
             pg = make(tuple(ranks), backend)
             if rank in ranks:
                 groups[name], members[name] = pg, tuple(ranks)
-    gloo_dp = gloo_dp_cp = None
-    if backend != "gloo":  # megatron keeps gloo twins of the DP groups for CPU-side collectives
-        for ranks in train.groups("dp"):
-            pg = make(tuple(ranks), "gloo")
-            gloo_dp = pg if rank in ranks else gloo_dp
-        for ranks in train.groups("cp-dp"):
-            pg = make(tuple(ranks), "gloo")
-            gloo_dp_cp = pg if rank in ranks else gloo_dp_cp
-    else:
-        gloo_dp, gloo_dp_cp = groups["dp"], groups["dp_cp"]
+    # megatron keeps gloo twins of the DP groups for CPU-side collectives (on gloo: themselves)
+    gloo = {name: groups[name] for name in ("dp", "dp_cp")}
+    if backend != "gloo":
+        for name in gloo:
+            for ranks in train.groups(TRAIN_AXES[name]):
+                pg = make(tuple(ranks), "gloo")
+                gloo[name] = pg if rank in ranks else gloo[name]
+    gloo_dp, gloo_dp_cp = gloo["dp"], gloo["dp_cp"]
     return ParallelGroups(
         train=train,
         gen=gen,

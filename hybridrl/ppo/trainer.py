@@ -162,6 +162,12 @@ class PPOTrainer:
         dist.all_gather(shards, local.contiguous(), group=self.groups.dp)
         return torch.cat(shards).cpu()
 
+    def _logprobs(self, model, rb: RolloutBatch) -> torch.Tensor:
+        """Per-token log-probs [N, R] of ``model`` with the ``ref`` section's batching."""
+        r = self.cfg.ref
+        return self._forward(model, rb, "logprobs", r.log_prob_micro_batch_size_per_gpu,
+                             r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
+
     # ------------------------------------------------------------------ losses
     def _actor_loss(self, outputs, batch, *, norm, k):
         a, dev = self.cfg.actor, outputs["logprobs"].device
@@ -225,16 +231,13 @@ class PPOTrainer:
         with _timer(timing, "gen"):
             rb = self._rollout(prompts)
         mask = rb.response_mask
-        r, a = cfg.ref, cfg.actor
+        a = cfg.actor
         with _timer(timing, "old_log_prob"):
-            old = self._forward(self.actor, rb, "logprobs", r.log_prob_micro_batch_size_per_gpu,
-                                r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
+            old = self._logprobs(self.actor, rb)
         tensors = {"old_log_probs": old}
         if self.ref is not None:
             with _timer(timing, "ref"):
-                tensors["ref_log_probs"] = self._forward(
-                    self.ref, rb, "logprobs", r.log_prob_micro_batch_size_per_gpu,
-                    r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
+                tensors["ref_log_probs"] = self._logprobs(self.ref, rb)
         if self.critic is not None:
             c = cfg.critic
             with _timer(timing, "values"):
@@ -268,8 +271,7 @@ class PPOTrainer:
                                         self._actor_loss, "actor"))
         if snapshot is not None:  # the guard judges the weights it would keep: one more forward
             with _timer(timing, "kl_guard"):
-                new = self._forward(self.actor, rb, "logprobs", r.log_prob_micro_batch_size_per_gpu,
-                                    r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
+                new = self._logprobs(self.actor, rb)
                 m = mask.float()
                 metrics["actor/ppo_kl_final"] = float(((old - new) * m).sum() / m.sum().clamp(min=1))
         metrics.update(self._kl_guard(metrics, snapshot))
