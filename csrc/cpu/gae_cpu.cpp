@@ -1,9 +1,10 @@
 // CPU kernel of hybridrl::gae: one reverse pass per row of verl's recurrence (common.h gae_step),
-// rows split over threads with at::parallel_for. Full groups of 8 rows go through a
-// row-vectorized loop: for fp32 on AVX2 machines the register-transposed loop of gae_avx2.h,
-// otherwise the tiled loop of gae_tiles.h (compiled for AVX-512, AVX2 and the baseline ISA,
-// picked at run time); leftover rows walk alone. fp32 math for fp32/bf16/fp16, double for fp64;
-// built with -ffp-contract=off, so fp32 results are bit-identical to the reference loop.
+// rows split over threads in chunks claimed from an atomic counter (claim_parallel). Full groups
+// of 8 rows go through a row-vectorized loop: for fp32 on AVX2 machines the register-transposed
+// loop of gae_avx2.h, otherwise the tiled loop of gae_tiles.h (compiled for AVX-512, AVX2 and
+// the baseline ISA, picked at run time); leftover rows walk alone. fp32 math for fp32/bf16/fp16,
+// double for fp64; built with -ffp-contract=off, so fp32 results are bit-identical to the
+// reference loop.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -11,6 +12,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include <atomic>
 
 #include "../common.h"
 #include "gae_avx2.h"
@@ -58,6 +61,26 @@ TileFn<scalar_t> pick_tile() {
   return &isa_base::gae_tile_rows<scalar_t, acc_t>;
 }
 
+// fn(i0, i1) over [0, n) in chunks of `chunk` items, each claimed from an atomic counter by
+// whichever thread is free. at::parallel_for's equal static split makes every call wait for its
+// slowest thread; on a shared machine the worker thread just woken from idle (or whose core
+// another tenant is using) is often slower, and claiming lets the other take more chunks.
+template <typename F>
+void claim_parallel(int64_t n, int64_t chunk, const F& fn) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (workers <= 1 || at::in_parallel_region()) {
+    fn(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(chunk, std::memory_order_relaxed)) < n;) {
+      fn(i, std::min(n, i + chunk));
+    }
+  });
+}
+
 // One row alone (rows left over after the tiles).
 template <typename scalar_t>
 void gae_one_row(const scalar_t* rew, const scalar_t* val, const scalar_t* msk, scalar_t* adv,
@@ -101,7 +124,7 @@ std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rew_in, const at::T
     constexpr int64_t L = isa_base::kLanes;
     const int64_t groups = (B + L - 1) / L;  // parallel over groups of L rows
     const int64_t grain = std::max<int64_t>(1, (1 << 15) / (L * std::max<int64_t>(T, 1)));
-    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    claim_parallel(groups, grain, [&](int64_t g0, int64_t g1) {
       for (int64_t grp = g0; grp < g1; ++grp) {
         const int64_t b0 = grp * L, off = b0 * T;
         if (b0 + L <= B) {

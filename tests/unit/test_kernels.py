@@ -109,7 +109,7 @@ def _gae_inputs(B, T, seed, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (5, 2), (13, 37), (9, 1000), (40, 257),
-                                 (16, 1024), (8, 1135), (9, 4096)])
+                                 (16, 1024), (8, 1135), (9, 4096), (200, 300)])
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95)])
 def test_gae_fp32_matches_reference(B, T, gamma, lam):
     r, v, m = _gae_inputs(B, T, seed=B * 1000 + T)
@@ -118,6 +118,22 @@ def test_gae_fp32_matches_reference(B, T, gamma, lam):
     # The CPU kernel does the reference's fp32 ops in the same order, unfused: identical bits.
     torch.testing.assert_close(adv, adv_ref, rtol=0, atol=0)
     torch.testing.assert_close(ret, ret_ref, rtol=0, atol=0)
+
+
+@needs_ext
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_gae_chunks_claimed_by_any_number_of_threads(threads):
+    # 1001 rows of 100 steps: 126 row groups in chunks of 40, the last one short
+    r, v, m = _gae_inputs(1001, 100, seed=11)
+    want = ref.gae_ref(r, v, m, 0.99, 0.95)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = K.gae(r, v, m, 0.99, 0.95)
+    finally:
+        torch.set_num_threads(before)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
