@@ -2,10 +2,11 @@
 
 Contract: prints, for each B x T, the compiled op's time, the reference's time (GAE: verl's
 Python time-step loop; KL: eager torch forward + backward; whitening: eager torch), their ratio
-and the compiled op's achieved bandwidth (minimal bytes moved / time). Times are the minimum over
---repeat alternating runs of both sides after one warm-up (a slow reference stops repeating after
-~2 s); the header prints the machine's load average, since a shared machine skews timings. The compiled ops
-must be built (``pip install --no-build-isolation -e .``); otherwise the script says so and exits.
+and the compiled op's achieved bandwidth (minimal bytes moved / time), on cuda also as a fraction
+of --peak-gbs (default 4800, the H200's HBM3e). Times are the minimum over --repeat alternating
+runs of both sides after one warm-up (a slow reference stops repeating after ~2 s); the header
+prints the machine's load average, since a shared machine skews timings. The compiled ops must be
+built (``pip install --no-build-isolation -e .``); otherwise the script says so and exits.
 
     python -m benchmarks.kernels --sizes 256x512,1024x1024 --device cpu
 """
@@ -53,9 +54,14 @@ def _time_pair(fast, slow, device: str, repeat: int) -> tuple[float, float]:
     return best[0], best[1]
 
 
+PEAK_GBS = 0.0  # --peak-gbs: the memory bandwidth to report a fraction of (0: none)
+
+
 def _row(name: str, B: int, T: int, fast: float, slow: float, nbytes: int) -> str:
+    gbs = nbytes / fast / 1e9
+    peak = f" = {100 * gbs / PEAK_GBS:3.0f}% of {PEAK_GBS:.0f}" if PEAK_GBS > 0 else ""
     return (f"{name:<10} {B:>5}x{T:<5} compiled {fast * 1e3:9.3f} ms   reference "
-            f"{slow * 1e3:10.3f} ms   ratio {slow / fast:8.1f}x   {nbytes / fast / 1e9:7.1f} GB/s")
+            f"{slow * 1e3:10.3f} ms   ratio {slow / fast:8.1f}x   {gbs:7.1f} GB/s{peak}")
 
 
 def bench_gae(B: int, T: int, device: str, dtype, repeat: int) -> str:
@@ -106,7 +112,13 @@ def main(argv=None) -> None:
     parser.add_argument("--kinds", default="low_var_kl", help="comma list of KL kinds")
     parser.add_argument("--only", default="gae,kl,whiten", help="comma list of gae,kl,whiten")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--peak-gbs", type=float, default=None,
+                        help="memory bandwidth (GB/s) to print each op's fraction of; default "
+                             "4800 (H200 HBM3e) on cuda, none on cpu")
     args = parser.parse_args(argv)
+    global PEAK_GBS
+    PEAK_GBS = args.peak_gbs if args.peak_gbs is not None else (
+        4800.0 if args.device == "cuda" else 0.0)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if not ops.compiled_available("gae", args.device):

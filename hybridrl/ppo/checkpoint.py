@@ -1,11 +1,15 @@
 """Atomic, resumable PPO checkpoints: ``<checkpoint_dir>/global_step_<N>/``.
 
 Contract:
-- ``save_checkpoint(root, step, rank_state, trainer_state, meta)`` is collective (every rank of
-  the default group calls it; ``root`` must be on storage every rank sees). Every rank writes
-  ``rank_<r>.pt`` (its model shards, optimizer state and RNG states) into
-  ``.tmp_global_step_<N>/``; rank 0 adds ``trainer_state.pt`` (step, KL controller, data loader
-  position, ...) and ``meta.json``; after a barrier rank 0 writes the ``COMPLETE`` marker and
+- ``save_checkpoint(root, step, rank_state, trainer_state, meta, shared=None)`` is collective
+  (every rank of the default group calls it; ``root`` must be on storage every rank sees). Every
+  rank writes ``rank_<r>.pt`` (``rank_state``: what only it holds, e.g. RNG states) into
+  ``.tmp_global_step_<N>/``; ``shared = (name, state)`` is written as ``<name>`` by the ranks
+  whose ``state`` is not None: the trainer names one file per (tp, pp) model shard and only DP
+  rank 0 passes it, since its DP replicas hold the same parameters and optimizer state (a dp = 32
+  run writes each shard once, not 32 times). Rank 0 adds ``trainer_state.pt`` (step, KL
+  controller, data loader position, ...) and ``meta.json``; after a barrier rank 0 writes the
+  ``COMPLETE`` marker and
   renames the folder to ``global_step_<N>`` (an existing one is replaced). Each file is written
   to a temporary name and ``os.replace``d, so a crash at any point leaves either no new
   checkpoint or a complete one, never a half-written ``global_step_<N>``.
@@ -15,9 +19,10 @@ Contract:
   trainable models' parameters (by module name), their optimizers' state and the KL controller,
   and putting it back (the KL guard's rollback and checkpoints use the same pair);
   ``models`` = [(ShardedModel, ModelOptimizer)].
-- ``load_checkpoint(path, rank, meta)`` returns ``(rank_state, trainer_state)``; a checkpoint
-  written by a different world size or layout (``meta`` differs) raises ``ValueError`` naming the
-  fields, as does a missing file.
+- ``load_checkpoint(path, rank, meta, shared_name=None)`` returns ``(state, trainer_state)``,
+  ``state`` = this rank's ``rank_state`` merged over the shared file ``shared_name`` (when given);
+  a checkpoint written by a different world size or layout (``meta`` differs) raises
+  ``ValueError`` naming the fields, as does a missing file.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ def _barrier() -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, rank_state: dict, trainer_state: dict,
-                    meta: dict) -> Path:
+                    meta: dict, shared: tuple[str, dict | None] | None = None) -> Path:
     """Write this rank's part of checkpoint ``step`` (collective; see module docstring)."""
     root = Path(root)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -59,6 +64,8 @@ def save_checkpoint(root: str | Path, step: int, rank_state: dict, trainer_state
         tmp.mkdir(parents=True)
     _barrier()
     _atomic_save(rank_state, tmp / f"rank_{rank:05d}.pt")
+    if shared is not None and shared[1] is not None:
+        _atomic_save(shared[1], tmp / shared[0])
     if rank == 0:
         _atomic_save(trainer_state, tmp / "trainer_state.pt")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -85,8 +92,9 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def load_checkpoint(path: str | Path, rank: int, meta: dict) -> tuple[dict, dict]:
-    """(this rank's state, the shared trainer state) of checkpoint ``path``."""
+def load_checkpoint(path: str | Path, rank: int, meta: dict,
+                    shared_name: str | None = None) -> tuple[dict, dict]:
+    """(this rank's state over its shared file's, the trainer state) of checkpoint ``path``."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise ValueError(f"checkpoint {str(path)!r} is not a complete checkpoint "
@@ -100,9 +108,14 @@ def load_checkpoint(path: str | Path, rank: int, meta: dict) -> tuple[dict, dict
     rank_file = path / f"rank_{rank:05d}.pt"
     if not rank_file.is_file():
         raise ValueError(f"checkpoint {str(path)!r} has no {rank_file.name}")
-    rank_state = torch.load(rank_file, map_location="cpu", weights_only=False)
+    state = {}
+    if shared_name is not None:
+        if not (path / shared_name).is_file():
+            raise ValueError(f"checkpoint {str(path)!r} has no {shared_name}")
+        state = torch.load(path / shared_name, map_location="cpu", weights_only=False)
+    state.update(torch.load(rank_file, map_location="cpu", weights_only=False))
     trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
-    return rank_state, trainer_state
+    return state, trainer_state
 
 
 def _cpu_copy(obj):

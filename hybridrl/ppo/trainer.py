@@ -338,14 +338,21 @@ class PPOTrainer:
         return {"world": self.world, "tp": t.tp, "pp": t.pp, "dp": t.dp,
                 "critic": self.critic is not None}
 
+    def _shard_file(self) -> str:
+        """The checkpoint file of this rank's model shard, shared by its DP replicas."""
+        return f"model_tp{self.groups.tp_rank:03d}_pp{self.groups.pp_rank:03d}.pt"
+
     def save(self) -> Path:
-        rank_state = {**capture_state(self._models(), self.kl_ctrl),
-                      "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+        shard = None
+        if self.groups.dp_rank == 0:  # DP replicas hold the same shards: one of them writes
+            shard = capture_state(self._models(), self.kl_ctrl)
+            del shard["kl_ctrl"]  # in trainer_state
+        rank_state = {"rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                               "python": random.getstate()}}
         trainer_state = {"step": self.step, "rollbacks": self.rollbacks,
                          "kl_ctrl": self.kl_ctrl.state_dict(), "loader": self.loader.state_dict()}
         return save_checkpoint(self.cfg.trainer.checkpoint_dir, self.step, rank_state,
-                               trainer_state, self._meta())
+                               trainer_state, self._meta(), shared=(self._shard_file(), shard))
 
     def resume(self) -> Path | None:
         t = self.cfg.trainer
@@ -358,7 +365,7 @@ class PPOTrainer:
             return None
         path, error = Path(chosen[0]), None
         try:
-            rank_state, state = load_checkpoint(path, self.rank, self._meta())
+            rank_state, state = load_checkpoint(path, self.rank, self._meta(), self._shard_file())
         except (ValueError, OSError, RuntimeError) as err:  # missing/corrupt file on this rank
             error = f"rank {self.rank}: {err}"
         failed = torch.tensor([0.0 if error is None else 1.0], device=self.actor.device)

@@ -99,6 +99,10 @@ def world2(root):
          "fit"),
         ("grpo_dp2", [*GRPO, f"trainer.checkpoint_dir={r}/grpo2",
                       "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=160"], "fit"),
+        # dp = 2: one model shard file written by DP rank 0, resumed by both ranks
+        ("dp2_full3", _hf(root, "dp2f3", ["trainer.total_steps=3"]), "fit"),
+        ("dp2_save2", _hf(root, "dp2r", ["trainer.save_freq=1"]), "fit"),
+        ("dp2_resume", _hf(root, "dp2r", ["trainer.total_steps=3"]), "fit"),
     ]
     return run_on_ranks(cases_mod.run_cases, 2, r, cases, timeout=400,
                         preload=("megatron.core",))
@@ -190,6 +194,18 @@ def test_two_ranks_match_one(world1, world2):
     assert world2[1]["tp2"]["lines"] == []  # only rank 0 prints
 
 
+def test_dp2_checkpoint_writes_each_shard_once_and_resumes(world2, root):
+    for rank in (0, 1):
+        full, resumed = world2[rank]["dp2_full3"]["metrics"], world2[rank]["dp2_resume"]["metrics"]
+        assert world2[rank]["dp2_save2"]["metrics"] == full[:2]
+        assert len(resumed) == 1 and resumed[0] == full[2]
+    files = sorted(os.listdir(f"{root[0]}/dp2r/global_step_2"))
+    assert files == ["COMPLETE", "meta.json", "model_tp000_pp000.pt", "rank_00000.pt",
+                     "rank_00001.pt", "trainer_state.pt"]
+    rank_file = torch.load(f"{root[0]}/dp2r/global_step_2/rank_00001.pt", weights_only=False)
+    assert set(rank_file) == {"rng"}  # parameters and optimizer state live in the shard file
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "configs", "demo_cpu.yaml")
 
@@ -240,6 +256,13 @@ def test_checkpoint_folder_is_atomic_and_checked(tmp_path):
     assert torch.equal(load_checkpoint(latest, 0, meta)[0]["x"], torch.zeros(2))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".tmp_global_step_6", "global_step_2", "global_step_5"]
+    # a shared file (one model shard, written by one of its DP replicas) under the rank's state
+    save_checkpoint(tmp_path, 3, {"rng": 7}, {"step": 3}, meta,
+                    shared=("model_tp000_pp000.pt", {"params": torch.ones(3), "rng": 0}))
+    merged, _ = load_checkpoint(tmp_path / "global_step_3", 0, meta, "model_tp000_pp000.pt")
+    assert torch.equal(merged["params"], torch.ones(3)) and merged["rng"] == 7
+    with pytest.raises(ValueError, match="has no model_tp001_pp000.pt"):
+        load_checkpoint(tmp_path / "global_step_3", 0, meta, "model_tp001_pp000.pt")
 
 
 @pytest.mark.slow
