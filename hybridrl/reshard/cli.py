@@ -12,9 +12,8 @@ Contract:
   runs the subcommand standalone with the same behaviour (tests call it in-process).
 - Costs come from ``summarize`` (no per-element enumeration): 1024 ranks answer in about a second.
   Bytes are those of the point-to-point send / receive buffers every strategy posts. The gen
-  placement uses megatron's vocab padding (``vocab_pad=None``), while the trainer reshards into
-  the engine with the engine's padding (64), so embedding / output-layer rows, and bytes, of a
-  real sync can differ slightly from this estimate.
+  placement pads the vocab to ``--vocab-pad`` (default 64, the rollout engine's padding, which
+  the trainer's reshard uses); ``--vocab-pad 0`` keeps megatron's padded training vocab instead.
 """
 
 from __future__ import annotations
@@ -25,7 +24,12 @@ import os
 import sys
 
 from hybridrl.parallel.layout import TrainLayout
-from hybridrl.reshard.placement import default_gen_placement, gen_placement, train_placement
+from hybridrl.reshard.placement import (
+    ENGINE_VOCAB_PAD,
+    default_gen_placement,
+    gen_placement,
+    train_placement,
+)
 from hybridrl.reshard.planner import STRATEGIES, zero_redundancy_reason
 from hybridrl.reshard.specs import PRESETS, LlamaShape, build_specs
 from hybridrl.reshard.summary import summarize, table2
@@ -59,7 +63,10 @@ def plan_report(args: argparse.Namespace) -> dict:
     model_bytes = shape.num_params() * itemsize
     if not args.gbps > 0 or not args.bucket_mb > 0:
         raise ValueError(f"--gbps and --bucket-mb must be > 0, got {args.gbps}, {args.bucket_mb}")
-    nested_gen = default_gen_placement(layout, shape, args.gen_tp, args.gen_pp)
+    if args.vocab_pad < 0:
+        raise ValueError(f"--vocab-pad must be >= 0, got {args.vocab_pad}")
+    vocab_pad = args.vocab_pad or None  # 0: megatron's padded training vocab
+    nested_gen = default_gen_placement(layout, shape, args.gen_tp, args.gen_pp, vocab_pad)
     dg = (args.tp * args.pp) // (args.gen_tp * args.gen_pp) if nested_gen.grouping == "hybridflow" else None
     out = {"model": args.model, "model_bytes": model_bytes, "dtype": args.dtype,
            "world": args.world, "train": {"tp": args.tp, "pp": args.pp, "dp": layout.dp},
@@ -71,7 +78,7 @@ def plan_report(args: argparse.Namespace) -> dict:
             out["strategies"][strategy] = {"reason": why}
             continue
         if strategy == "vanilla" and gen.grouping == "hybridflow":
-            gen = gen_placement(layout, shape, args.gen_tp, args.gen_pp, "vanilla")
+            gen = gen_placement(layout, shape, args.gen_tp, args.gen_pp, "vanilla", vocab_pad)
         s = summarize(train, gen, specs, strategy, itemsize, int(args.bucket_mb * (1 << 20)))
         entry = s.as_dict()
         entry["est_seconds"] = max(max(s.recv), max(s.sent)) * 8 / (args.gbps * 1e9)
@@ -119,6 +126,9 @@ def _fill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     p.add_argument("--gbps", type=float, default=400.0, help="per-rank link speed, Gbit/s")
     p.add_argument("--bucket-mb", type=float, default=512.0, help="reshard bucket size, MiB")
+    p.add_argument("--vocab-pad", type=int, default=ENGINE_VOCAB_PAD,
+                   help="gen vocab padded to this multiple, as the rollout engine does "
+                        f"(default {ENGINE_VOCAB_PAD}); 0: megatron's padded training vocab")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_plan)
 

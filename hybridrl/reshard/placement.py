@@ -16,7 +16,8 @@ Contract:
   serves more than its share (a plain rank-order placement made some ranks send 2-4x more).
   ``vocab_pad=None`` keeps megatron's padded vocab of the TRAINING model split tg ways (not the
   padding of a GPTModel built at tp = tg); an int (SGLang: 64) pads the real vocab to that multiple first, as
-  the rollout engine does. Either way a chunk is ceil(padded / tg) rows.
+  the rollout engine does (``ENGINE_VOCAB_PAD``, what the trainer uses). Either way a chunk is
+  ceil(padded / tg) rows.
 - Nothing here touches torch.distributed.
 """
 
@@ -28,6 +29,8 @@ from hybridrl.parallel.layout import GenLayout, TrainLayout
 from hybridrl.reshard.specs import LlamaShape, ParamSpec, check_split
 
 GROUPINGS = ("hybridflow", "vanilla", "consecutive")
+
+ENGINE_VOCAB_PAD = 64  # vocab padding of the rollout engines: SGLang's, and the builtin one's
 
 
 @dataclasses.dataclass(frozen=True)

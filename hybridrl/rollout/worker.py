@@ -35,12 +35,10 @@ from hybridrl.parallel.groups import DEFAULT_TIMEOUT_S
 from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.executor import run_plan, train_sources
 from hybridrl.reshard.formats import engine_format
-from hybridrl.reshard.placement import gen_placement, train_placement
+from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, gen_placement, train_placement
 from hybridrl.reshard.planner import plan_reshard
 from hybridrl.reshard.specs import LlamaShape, build_specs
 from hybridrl.rollout.base import GenerationOutput, SamplingParams
-
-ENGINE_VOCAB_PAD = 64  # SGLang's vocab padding; the builtin engine uses the same
 
 
 def _gen_tp_groups(gen, rank: int, groups, grouping: str):

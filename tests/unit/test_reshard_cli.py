@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from hybridrl.reshard.cli import main
+from hybridrl.reshard.cli import load_shape, main
 from hybridrl.reshard.specs import PRESETS, LlamaShape, build_specs
 
 
@@ -55,6 +55,32 @@ def test_plan_text_and_reason(capsys, tmp_path):
     assert rc == 0 and "zero_redundancy" in out and "GB" in out
 
 
+def test_plan_prices_the_engine_vocab_padding_the_trainer_uses(capsys, tmp_path):
+    from hybridrl.parallel.layout import TrainLayout
+    from hybridrl.reshard.placement import default_gen_placement, train_placement
+    from hybridrl.reshard.specs import build_specs
+    from hybridrl.reshard.summary import summarize
+
+    # vocab 1100: megatron pads to 1280 at tp 2 (multiple of 128 * tp), the engine to 1152; at
+    # gen tp 2 the engine's second chunk starts at row 576, inside training shard 0 (rows < 640)
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CFG, "vocab_size": 1100}))
+    shape = load_shape(str(tmp_path))
+    layout = TrainLayout(world=4, tp=2, pp=1)
+    got = {}
+    for pad in (None, 0):
+        extra = () if pad is None else ("--vocab-pad", str(pad))
+        rc, out, _ = _run(capsys, "--model", str(tmp_path), "--world", "4", "--tp", "2",
+                          "--gen-tp", "2", "--dtype", "fp32", "--json", *extra)
+        assert rc == 0
+        got[pad] = json.loads(out)["strategies"]["zero_redundancy"]
+    for pad, vocab_pad in ((None, 64), (0, None)):  # default: the trainer's ENGINE_VOCAB_PAD
+        gen = default_gen_placement(layout, shape, 2, 1, vocab_pad)
+        want = summarize(train_placement(layout, shape), gen, build_specs(shape),
+                         "zero_redundancy", 4, 512 << 20)
+        assert got[pad]["max_bytes_received_per_rank"] == max(want.recv)
+    assert got[None]["max_bytes_received_per_rank"] != got[0]["max_bytes_received_per_rank"]
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "llama-9b", "--world", "8", "--gen-tp", "1"], "--model"),
     (["--model", "llama-7b", "--world", "6", "--tp", "4", "--gen-tp", "1"], "world=6"),
@@ -62,6 +88,7 @@ def test_plan_text_and_reason(capsys, tmp_path):
     (["--model", "llama-7b", "--world", "8", "--gen-tp", "3"], "gen tp=3"),
     (["--model", "llama-7b", "--world", "8", "--gen-tp", "x"], "invalid int"),
     (["--model", "llama-7b", "--world", "8", "--gen-tp", "1", "--gbps", "0"], "--gbps"),
+    (["--model", "llama-7b", "--world", "8", "--gen-tp", "1", "--vocab-pad", "-1"], "--vocab-pad"),
 ])
 def test_plan_bad_args_exit_2_one_line(capsys, argv, needle):
     rc, out, err = _run(capsys, *argv)
