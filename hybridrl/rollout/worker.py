@@ -18,8 +18,9 @@ Contract:
 - ``generate(prompts, params, seed)`` (collective): the N prompts are cut into contiguous shares,
   one per gen replica (``numpy.array_split`` order); each replica samples its share with seed
   ``seed * 1_000_003 + replica`` (reproducible, resumable without saved generator state); the
-  shares are all-gathered so every rank returns the same ``GenerationOutput`` for all N, in
-  prompt order, R = the longest response.
+  shares are all-gathered as tensors on the engine's device (one packed float64 tensor per
+  rank, no pickling) so every rank returns the same ``GenerationOutput`` for all N, in prompt
+  order, R = the longest response.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class RolloutWorker:
         self.n_replicas = self.gen.world // (self.gen.tp * self.gen.pp)
         tp_group, members = _gen_tp_groups(self.gen, self.rank, groups, grouping)
         self.is_src = self.rank == members[0]
+        self.device = actor.device
         self.engine = self._build_engine(cfg, actor, tp_group, tp_rank, members[0])
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -139,19 +141,43 @@ class RolloutWorker:
         """Responses for every prompt, the same on every rank (collective)."""
         shares = np.array_split(np.arange(len(prompts)), self.n_replicas)
         mine = [int(i) for i in shares[self.replica]]
-        payload = None
+        out = None
         if mine:
             params = dataclasses.replace(params, seed=seed * 1_000_003 + self.replica)
             out = self.engine.generate([prompts[i] for i in mine], params)
-            payload = (mine, out.response_ids.cpu(), out.response_mask.cpu(), out.logprobs.cpu())
-        seen = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, payload if self.is_src else None)
-        parts = [p for p in seen if p is not None]
-        R = max(p[1].shape[1] for p in parts)
-        ids = torch.full((len(prompts), R), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(prompts), R, dtype=torch.long)
-        logp = torch.zeros(len(prompts), R, dtype=torch.float32)
-        for rows, r_ids, r_mask, r_logp in parts:
-            r = r_ids.shape[1]
-            ids[rows, :r], mask[rows, :r], logp[rows, :r] = r_ids, r_mask, r_logp
+        return self._gather(len(prompts), mine if self.is_src else [], out)
+
+    def _gather(self, n_prompts: int, rows: list[int], out) -> GenerationOutput:
+        """Every replica's share on every rank, in prompt order (two all_gathers over the world).
+
+        Each gen TP source packs its share as one float64 tensor [rows, 1 + 3R] = (prompt index,
+        ids, mask, log-probs), exact for token ids below 2^53; the other ranks send 0 rows. The
+        tensors live on the engine's device, so NCCL carries them; no pickling.
+        """
+        world, dev = dist.get_world_size(), self.device
+        r = out.response_ids.shape[1] if rows else 0
+        size = torch.tensor([[len(rows), r]], dtype=torch.long, device=dev)
+        sizes = [torch.empty_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size)
+        sizes = torch.cat(sizes).cpu()
+        n_max, r_max = (int(v) for v in sizes.max(dim=0).values)
+        packed = torch.zeros(n_max, 1 + 3 * r_max, dtype=torch.float64, device=dev)
+        if rows:
+            packed[:len(rows), 0] = torch.tensor(rows, dtype=torch.float64)
+            for k, t in enumerate((out.response_ids, out.response_mask, out.logprobs)):
+                packed[:len(rows), 1 + k * r_max:1 + k * r_max + r] = t.to(dev, torch.float64)
+        parts = [torch.empty_like(packed) for _ in range(world)]
+        dist.all_gather(parts, packed)
+        R = int(sizes[:, 1].max())
+        ids = torch.full((n_prompts, R), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(n_prompts, R, dtype=torch.long)
+        logp = torch.zeros(n_prompts, R, dtype=torch.float32)
+        for (n, r), part in zip(sizes.tolist(), parts):
+            if n == 0:
+                continue
+            part = part[:n].cpu()
+            idx = part[:, 0].long()
+            ids[idx, :r] = part[:, 1:1 + r].long()
+            mask[idx, :r] = part[:, 1 + r_max:1 + r_max + r].long()
+            logp[idx, :r] = part[:, 1 + 2 * r_max:1 + 2 * r_max + r].float()
         return GenerationOutput(ids, mask, logp)

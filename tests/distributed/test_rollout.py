@@ -5,7 +5,9 @@ Each rank loads its engine-format shard (cut from the HF tensors by the independ
 runs the TP all-reduces and the vocab all-gather. Checked in the parent against one process of
 transformers: last-position logits of every prompt (1e-5), greedy tokens and their log-probs,
 sampled tokens' log-probs at temperature 0.8 (top-k/top-p on) against the HF recompute, and that
-both TP ranks return the same responses. The engine-vs-megatron-actor log-prob check on 2 ranks
+both TP ranks return the same responses; ``RolloutWorker._gather`` assembles shares of different
+sizes and response lengths (and ranks that send nothing) in prompt order, the same on every rank.
+The engine-vs-megatron-actor log-prob check on 2 ranks
 (through the real reshard) lives in test_trainer.py (``training/rollout_logprob_diff``).
 """
 
@@ -181,12 +183,69 @@ def _gen_tp_rank(rank, world):
     group, members = _gen_tp_groups(gen, rank, plain, "hybridflow")
     t = torch.ones(1) * (rank + 1)
     dist.all_reduce(t, group=group)  # the new group works
-    return reused, (members, [(r, to.total_seconds() if to else None) for r, to in created],
-                    float(t))
+    dist.new_group = real_new_group
+    fresh = (members, [(r, to.total_seconds() if to else None) for r, to in created], float(t))
+    return {"reused": reused, "fresh": fresh, "gathered": _gather_case(rank)}
+
+
+def _share(rows, R):
+    """A replica's GenerationOutput for prompt rows ``rows``: distinct ids, masks, log-probs."""
+    from hybridrl.rollout.base import GenerationOutput
+
+    n = len(rows)
+    ids = torch.arange(n * R, dtype=torch.long).reshape(n, R) + 1000 * torch.tensor(rows)[:, None]
+    mask = (torch.arange(R)[None, :] < (torch.arange(n)[:, None] % R) + 1).long()
+    return GenerationOutput(ids, mask, -(ids % 7).float() / 7)
+
+
+SHARES = {0: ([0, 2, 4], 3), 1: ([1, 3], 2)}  # rank -> (prompt rows, response length)
+
+
+def _gather_case(rank):
+    """RolloutWorker._gather on 2 ranks: shares of 3 and 2 prompts with responses of different
+    lengths, then the same with rank 1 not a gen TP source (it sends 0 rows)."""
+    import types
+
+    from hybridrl.rollout.worker import RolloutWorker
+
+    fake = types.SimpleNamespace(device=torch.device("cpu"), pad_token_id=-1)
+    rows, R = SHARES[rank]
+    out = _share(rows, R)
+    both = RolloutWorker._gather(fake, 5, rows, out)
+    only0 = RolloutWorker._gather(fake, 5, rows if rank == 0 else [], out)
+    return {"both": both, "only0": only0}
+
+
+def _expected(ranks):
+    ids = torch.full((5, 3), -1, dtype=torch.long)
+    mask = torch.zeros(5, 3, dtype=torch.long)
+    logp = torch.zeros(5, 3)
+    for rank in ranks:
+        rows, R = SHARES[rank]
+        out = _share(rows, R)
+        ids[rows, :R], mask[rows, :R], logp[rows, :R] = (out.response_ids, out.response_mask,
+                                                         out.logprobs)
+    return ids, mask, logp
+
+
+@pytest.fixture(scope="module")
+def gen_tp_results():
+    return run_on_ranks(_gen_tp_rank, 2, timeout=200)
 
 
 @pytest.mark.slow
-def test_gen_tp_group_reused_or_created_with_timeout():
-    for reused, fresh in run_on_ranks(_gen_tp_rank, 2, timeout=200):
-        assert reused == (True, [0, 1], [])
-        assert fresh == ([0, 1], [([0, 1], 600.0)], 3.0)
+def test_gen_tp_group_reused_or_created_with_timeout(gen_tp_results):
+    for res in gen_tp_results:
+        assert res["reused"] == (True, [0, 1], [])
+        assert res["fresh"] == ([0, 1], [([0, 1], 600.0)], 3.0)
+
+
+@pytest.mark.slow
+def test_generate_gathers_every_share_in_prompt_order(gen_tp_results):
+    for key, ranks in (("both", (0, 1)), ("only0", (0,))):
+        want = _expected(ranks)
+        for res in gen_tp_results:
+            got = res["gathered"][key]
+            assert got.logprobs.dtype == torch.float32, key
+            for g, w in zip((got.response_ids, got.response_mask, got.logprobs), want):
+                assert torch.equal(g, w), key
