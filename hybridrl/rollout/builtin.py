@@ -3,10 +3,12 @@
 Contract:
 - ``BuiltinEngine(spec, tp_group=None, tp_rank=0, tp_size=1, tp_src=None, device, dtype, pp_size)``
   holds gen TP rank ``tp_rank`` of ``tp_size`` of a llama decoder described by ``EngineSpec``
-  (RMSNorm, RoPE as HF llama / megatron non-interleaved, SwiGLU, GQA, no biases). Weights arrive
+  (RMSNorm, RoPE as HF llama / megatron non-interleaved, SwiGLU, GQA; q/k/v biases when
+  ``qkv_bias``, as Qwen2 has them, and no other biases). Weights arrive
   by ``update_weights`` in the engine format (``hybridrl.reshard.formats.engine_format``):
   ``model.layers.L.self_attn.qkv_proj.weight`` [(hq + 2 hk)·hd, H] = [q; k; v] of the rank's
-  hq = heads/tp query and hk = kv_heads/tp KV heads, ``o_proj`` [H, hq·hd],
+  hq = heads/tp query and hk = kv_heads/tp KV heads (``qkv_proj.bias`` [(hq + 2 hk)·hd] likewise),
+  ``o_proj`` [H, hq·hd],
   ``mlp.gate_up_proj.weight`` [2F/tp, H] = [gate; up], ``down_proj`` [H, F/tp], norms [H], and
   vocab-parallel ``model.embed_tokens.weight`` / ``lm_head.weight`` [vocab_chunk, H] holding ids
   [tp_rank·chunk, (tp_rank+1)·chunk) (rows past the vocabulary are padding). A tied model may
@@ -51,17 +53,16 @@ class EngineSpec:
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     max_seq_len: int = 2048
+    qkv_bias: bool = False  # Qwen2: biases on the q/k/v projections
 
     @classmethod
     def from_llama(cls, spec, vocab_chunk: int, max_seq_len: int | None = None) -> EngineSpec:
         """From ``hybridrl.models.spec.LlamaSpec``; ``vocab_chunk`` from the gen placement."""
-        if getattr(spec, "qkv_bias", False):
-            raise ValueError("the builtin engine does not support q/k/v biases (Qwen2); "
-                             "use rollout.engine=sglang for such models")
         return cls(spec.hidden_size, spec.ffn_hidden_size, spec.num_attention_heads,
                    spec.num_query_groups, spec.head_dim, spec.num_layers, spec.vocab_size,
                    vocab_chunk, spec.rope_theta, spec.norm_eps, spec.tie_word_embeddings,
-                   max_seq_len or spec.max_position_embeddings)
+                   max_seq_len or spec.max_position_embeddings,
+                   bool(getattr(spec, "qkv_bias", False)))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,6 +118,8 @@ class BuiltinEngine:
                         p + "self_attn.o_proj.weight": (H, self.hq * hd),
                         p + "mlp.gate_up_proj.weight": (2 * f, H),
                         p + "mlp.down_proj.weight": (H, f)})
+            if s.qkv_bias:
+                out[p + "self_attn.qkv_proj.bias"] = ((self.hq + 2 * self.hk) * hd,)
         return out
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -168,6 +171,8 @@ class BuiltinEngine:
         p = f"model.layers.{L}."
         B, S, _ = h_BSH.shape
         qkv = h_BSH @ self._w(p + "self_attn.qkv_proj.weight").T
+        if self.spec.qkv_bias:
+            qkv = qkv + self._w(p + "self_attn.qkv_proj.bias")
         q, k, v = qkv.split([self.hq * hd, self.hk * hd, self.hk * hd], dim=-1)
         q_BNSD = self._rope(q.view(B, S, self.hq, hd).transpose(1, 2), pos_BS)
         k_BNSD = self._rope(k.view(B, S, self.hk, hd).transpose(1, 2), pos_BS)

@@ -7,9 +7,9 @@ Contract:
   ``reshard.strategy``; ``auto`` = zero_redundancy when nested, else p2p), takes this rank's gen
   TP group (``groups.groups["gen_tp"]`` when ``groups`` holds the same gen layout, else one new
   group per gen TP group with a finite timeout) and builds the engine (``rollout.engine``:
-  builtin or sglang) on this rank's gen shard, with SGLang's vocab padding (64). Every model the reshard moves is accepted here,
-  q/k/v biases (Qwen2) included; an engine that cannot run one refuses it itself (the builtin
-  engine's ``EngineSpec.from_llama`` rejects biases, SGLang takes them).
+  builtin or sglang) on this rank's gen shard, with the engines' vocab padding
+  (``ENGINE_VOCAB_PAD`` = 64). Every model the reshard moves is accepted here, q/k/v biases
+  (Qwen2) included, and both engines run them.
 - ``sync_weights(actor)`` runs the plan: every rank sends what others lack and the engine
   receives its engine-format shard bucket by bucket (``update_weights`` is the sink, called a
   rank-dependent number of times, never communicating), then ``finish_update()`` exactly once on

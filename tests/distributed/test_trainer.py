@@ -9,11 +9,13 @@ Checked here, in the parent:
   3, gives the step-3 metrics of an uninterrupted 3-step run;
 - KL guard: with a tiny max_kl the step is rolled back (actor parameters and optimizer step count
   equal those before it); too many rollbacks, or rollback disabled, stop with a clear error;
+- a Qwen2 checkpoint (q/k/v biases) trains, and the builtin engine's log-probs equal megatron's;
 - layouts: from the same HF checkpoint with greedy rollouts (layout-invariant), dp = 2,
   tp = 2 (gen tp 2: engine TP all-reduces), tp = 2 with gen tp 1 (two micro-DP replicas; also
   with the HybridFlow-V grouping, which the p2p reshard serves) and,
   on 4 ranks, tp = 2 x pp = 2 with gen tp 2 (dynamic micro-batches) give the single-process
-  metrics of both steps within float tolerance.
+  metrics of both steps within float tolerance; dp = 2 kill-and-resume writes each model shard
+  once and resumes exactly.
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ GUARD = ["trainer.kl_guard.max_kl=1e-12"]
 NOT_COMPARED = ("actor/lr", "critic/lr")
 
 
-def _save_hf(folder):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _save_hf(folder, qwen2=False):
+    import transformers
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
+    config_cls, model_cls = ((transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if qwen2
+                             else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
+    model = model_cls(config_cls(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=100, max_position_embeddings=96,
         tie_word_embeddings=False, rms_norm_eps=1e-5))
@@ -52,6 +56,7 @@ def _save_hf(folder):
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     path = tmp_path_factory.mktemp("trainer")
+    _save_hf(path / "qwen2", qwen2=True)  # q/k/v biases: megatron add_qkv_bias, engine bias
     return str(path), _save_hf(path / "hf")
 
 
@@ -83,6 +88,7 @@ def world1(root):
         ("giveup", [*GAE, *GUARD, f"{ck}/giveup", "trainer.kl_guard.max_rollbacks=1"], "error"),
         ("no_rollback", [*GAE, *GUARD, f"{ck}/norb", "trainer.kl_guard.rollback=false"], "error"),
         ("hf", _hf(root, "hf1"), "fit"),
+        ("qwen2", [*_hf(root, "qwen2"), f"model.path={root[0]}/qwen2"], "fit"),
     ]
     return run_on_ranks(cases_mod.run_cases, 1, r, cases, timeout=400,
                         preload=("megatron.core",))[0]
@@ -149,6 +155,15 @@ def test_one_rank_runs_and_logs(world1, root):
 
 
 @pytest.mark.slow
+def test_qwen2_biases_reach_the_engine(world1):
+    """A Qwen2 checkpoint: megatron trains with q/k/v biases and the builtin engine, fed by the
+    reshard (biases included), samples with the same log-probs as megatron recomputes."""
+    got = world1["qwen2"]
+    assert got["finite"] and got["changed"] and len(got["metrics"]) == 2
+    assert all(m["training/rollout_logprob_diff_max"] < 1e-5 for m in got["metrics"])
+    assert got["metrics"] != world1["hf"]["metrics"]  # not silently the llama folder
+
+
 def test_same_seed_same_metrics(world1):
     assert world1["a"]["metrics"] == world1["b"]["metrics"]
 

@@ -1,5 +1,6 @@
-"""Builtin engine on one process (gen tp = 1) against transformers' LlamaForCausalLM, sampling
-filters, parameter validation and the SGLang adapter's missing-import error.
+"""Builtin engine on one process (gen tp = 1) against transformers' LlamaForCausalLM and
+Qwen2ForCausalLM (q/k/v biases), sampling filters, parameter validation and the SGLang adapter's
+missing-import error.
 
 The engine's tensors come from the independent oracle ``engine_shards`` (HF -> SGLang packing),
 so the engine is checked against HF without going through the library's reshard.
@@ -19,15 +20,17 @@ from tests.unit.test_reshard_oracle import engine_shards
 VOCAB, CHUNK = 100, 128  # SGLang pads the vocab to a multiple of 64: 128 rows per rank at tp=1
 
 
-def tiny_hf(tied: bool = False, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_hf(tied: bool = False, seed: int = 0, qwen2: bool = False):
+    import transformers
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                      max_position_embeddings=64, tie_word_embeddings=tied, rms_norm_eps=1e-5,
-                      attn_implementation="eager")
-    model = LlamaForCausalLM(cfg).eval()
+    config_cls, model_cls = ((transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if qwen2
+                             else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
+    cfg = config_cls(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                     max_position_embeddings=64, tie_word_embeddings=tied, rms_norm_eps=1e-5,
+                     attn_implementation="eager")
+    model = model_cls(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -36,15 +39,16 @@ def tiny_hf(tied: bool = False, seed: int = 0):
 
 def engine_from_hf(model, tp: int = 1, tp_rank: int = 0, **kwargs) -> BuiltinEngine:
     c = model.config
+    bias = c.model_type == "qwen2"
     shape = LlamaShape(hidden=c.hidden_size, ffn=c.intermediate_size, heads=c.num_attention_heads,
                        num_query_groups=c.num_key_value_heads, layers=c.num_hidden_layers,
-                       vocab=c.vocab_size, tied=c.tie_word_embeddings)
+                       vocab=c.vocab_size, tied=c.tie_word_embeddings, qkv_bias=bias)
     chunk = -(-(-(-c.vocab_size // 64) * 64) // tp)
+    theta = getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]
     spec = EngineSpec(c.hidden_size, c.intermediate_size, c.num_attention_heads,
                       c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
-                      c.num_hidden_layers, c.vocab_size, chunk, c.rope_theta if hasattr(
-                          c, "rope_theta") else 10000.0, c.rms_norm_eps, c.tie_word_embeddings,
-                      c.max_position_embeddings)
+                      c.num_hidden_layers, c.vocab_size, chunk, theta, c.rms_norm_eps,
+                      c.tie_word_embeddings, c.max_position_embeddings, qkv_bias=bias)
     hf = {k: v.detach().clone() for k, v in model.state_dict().items()}
     engine = BuiltinEngine(spec, tp_rank=tp_rank, tp_size=tp, **kwargs)
     engine.update_weights(engine_shards(shape, hf, tp, tp_rank, 1, 0, chunk).items())
@@ -67,9 +71,14 @@ def hf_greedy(model, prompt: list[int], n: int):
 PROMPTS = [[5, 17, 42, 8, 9, 33], [7, 1], [99, 0, 3, 61]]
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_greedy_matches_transformers(tied):
-    model = tiny_hf(tied)
+@pytest.mark.parametrize("tied, qwen2", [(False, False), (True, False), (False, True)])
+def test_greedy_matches_transformers(tied, qwen2):
+    model = tiny_hf(tied, qwen2=qwen2)
+    if qwen2:  # biases well away from 0, so that dropping or misplacing one shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_proj.bias"):
+                    p.copy_(torch.randn_like(p))
     engine = engine_from_hf(model)
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0))
     for b, prompt in enumerate(PROMPTS):
@@ -173,13 +182,15 @@ def _worker_on_one_rank(engine: str, qkv_bias: bool):
     return RolloutWorker(cfg, groups, actor, SimpleNamespace(pad_token_id=0, eos_token_id=2))
 
 
-def test_worker_moves_qkv_biases_and_leaves_refusal_to_the_engine():
+def test_worker_moves_qkv_biases_into_either_engine():
     worker = _worker_on_one_rank("builtin", qkv_bias=False)
     assert not worker.shape.qkv_bias
     assert not any("bias" in s.name for s in worker.plan.specs)
-    # Qwen2: the worker plans the biases; only the builtin engine refuses them ...
-    with pytest.raises(ValueError, match="builtin engine does not support q/k/v biases"):
-        _worker_on_one_rank("builtin", qkv_bias=True)
-    # ... while sglang gets past the worker's checks (this machine then lacks SGLang)
+    # Qwen2: the worker plans the biases and the builtin engine expects them ...
+    worker = _worker_on_one_rank("builtin", qkv_bias=True)
+    assert any(s.name.endswith("linear_qkv.bias") for s in worker.plan.specs)
+    assert worker.engine.spec.qkv_bias
+    assert "model.layers.0.self_attn.qkv_proj.bias" in worker.engine.missing_weights()
+    # ... and sglang gets past the worker's checks too (this machine then lacks SGLang)
     with pytest.raises(ImportError, match="rollout.engine=sglang needs SGLang"):
         _worker_on_one_rank("sglang", qkv_bias=True)
