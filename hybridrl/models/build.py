@@ -1,4 +1,4 @@
-"""Build the actor, critic and reference as megatron-core GPTModel stages on this rank.
+"""Build the actor, critic, reference and reward model as megatron-core GPTModel stages here.
 
 Contract:
 - ``build_model(spec, groups, role, dtype=..., seed=...)`` returns a ``ShardedModel``: this rank's
@@ -7,7 +7,8 @@ Contract:
   the same arguments (construction of a tied model with pp > 1 does one collective).
 - roles: ``"actor"`` (logits head, trainable), ``"critic"`` (same trunk; the last stage's output
   layer is a replicated scalar ``ValueHead``, embeddings never tied), ``"reference"`` (actor
-  architecture, frozen: ``requires_grad`` False, eval mode, no optimizer). Trainable roles are
+  architecture, frozen: ``requires_grad`` False, eval mode, no optimizer), ``"reward"`` (critic
+  architecture, frozen like the reference: a reward model). Trainable roles are
   wrapped in megatron-core's DistributedDataParallel (``ShardedModel.ddp``: fp32 ``main_grad``
   buffers, gradients averaged over ``groups.dp`` by ``finalize_model_grads``).
 - Layer spec: transformer-engine when CUDA is available and ``transformer_engine`` imports, else
@@ -29,7 +30,9 @@ import torch
 from hybridrl.models import cpu_compat
 from hybridrl.models.spec import LlamaSpec, check_layout, padded_vocab_size, to_transformer_config
 
-ROLES = ("actor", "critic", "reference")
+ROLES = ("actor", "critic", "reference", "reward")
+VALUE_ROLES = ("critic", "reward")  # scalar value head instead of the logits
+FROZEN_ROLES = ("reference", "reward")  # no gradients, no optimizer
 
 
 @dataclasses.dataclass
@@ -153,18 +156,19 @@ def build_model(
             config, layer_spec(use_te), vocab_size=vocab,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
-            share_embeddings_and_output_weights=spec.tie_word_embeddings and role != "critic",
+            share_embeddings_and_output_weights=(spec.tie_word_embeddings
+                                                 and role not in VALUE_ROLES),
             position_embedding_type="rope", rotary_base=int(spec.rope_theta)
             if float(spec.rope_theta).is_integer() else spec.rope_theta,
             pg_collection=pgc,
         )
-    if role == "critic" and groups.is_last_stage:
+    if role in VALUE_ROLES and groups.is_last_stage:
         module.output_layer = ValueHead(spec.hidden_size, config.params_dtype,
                                         config.init_method_std, seed)
     if torch.cuda.is_available():
         module.cuda(torch.cuda.current_device())
     ddp = None
-    if role == "reference":
+    if role in FROZEN_ROLES:
         module.requires_grad_(False)
         module.eval()
     else:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from hybridrl.models.build import ShardedModel, ensure_megatron_state
+from hybridrl.models.build import VALUE_ROLES, ShardedModel, ensure_megatron_state
 from hybridrl.models.vocab_parallel import vocab_parallel_logprobs_entropy
 
 LossFn = Callable[[dict, dict], tuple[torch.Tensor, dict]]
@@ -63,7 +63,7 @@ def model_outputs(
     temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """Per-token outputs from the last stage's GPTModel output ([B, T, V/tp] or [B, T, 1])."""
-    if model.role == "critic":
+    if model.role in VALUE_ROLES:
         return {"values": output[..., 0].float()}  # [B, T]
     labels_BT = batch.get("labels")
     if labels_BT is None:

@@ -10,6 +10,7 @@ Contract:
   safetensors' ``safe_open(...).get_slice`` (never a whole tensor it does not own). Vocab rows past
   ``spec.vocab_size`` (megatron's padding) are zero. A critic loads the trunk and, when the folder
   has one, ``score.weight`` (HF's token-classification head); otherwise its head keeps its init.
+  A reward model must have ``score.weight`` (ValueError otherwise).
 - ``export_hf(model, folder)``: TP pieces are gathered on the dp_rank 0 replica; the tp_rank 0 rank
   of each stage writes ``model-000{s+1}-of-000{pp}.safetensors``; global rank 0 writes config.json
   and ``model.safetensors.index.json``. Vocab padding never reaches the files; tied models write no
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridrl.models.build import ShardedModel, build_model
+from hybridrl.models.build import VALUE_ROLES, ShardedModel, build_model
 from hybridrl.models.naming import named_local_parameters, tp_partition_dim
 from hybridrl.models.spec import DTYPES, check_layout, read_hf_spec
 
@@ -131,8 +132,13 @@ def local_slice_from_hf(reader, name: str, model: ShardedModel) -> torch.Tensor 
         return _vocab_rows(reader, "model.embed_tokens.weight", model)
     if name == "decoder.final_layernorm.weight":
         return reader.full("model.norm.weight")
-    if name == "output_layer.weight" and model.role == "critic":
-        return reader.full("score.weight") if reader.has("score.weight") else None
+    if name == "output_layer.weight" and model.role in VALUE_ROLES:
+        if reader.has("score.weight"):
+            return reader.full("score.weight")
+        if model.role == "reward":
+            raise ValueError("a reward model folder needs score.weight (an HF "
+                             "*ForTokenClassification head with num_labels=1); this one has none")
+        return None
     if name == "output_layer.weight":
         tied = model.spec.tie_word_embeddings
         if not tied and not reader.has("lm_head.weight"):
@@ -192,7 +198,7 @@ def hf_tensors_from_full(name: str, pieces: list[torch.Tensor], spec, role: str 
             return {"model.embed_tokens.weight": torch.cat(pieces)[: spec.vocab_size]}
         if name == "decoder.final_layernorm.weight":
             return {"model.norm.weight": pieces[0]}
-        if name == "output_layer.weight" and role == "critic":
+        if name == "output_layer.weight" and role in VALUE_ROLES:
             return {"score.weight": pieces[0]}
         if name == "output_layer.weight":
             return {} if spec.tie_word_embeddings else {
@@ -255,7 +261,7 @@ def export_hf(model: ShardedModel, folder: str | Path) -> None:
                  "weight_map": dict(sorted(weight_map.items()))}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         hf_config = model.spec.to_hf_config(model.dtype)
-        if model.role == "critic":
+        if model.role in VALUE_ROLES:
             hf_config.update(architectures=[hf_config["architectures"][0].replace(
                 "ForCausalLM", "ForTokenClassification")], num_labels=1)
         (folder / "config.json").write_text(json.dumps(hf_config, indent=2))

@@ -12,7 +12,9 @@ Contract:
      prompt), gathered back so every rank holds all N sequences;
   3. old log-probs (actor), reference log-probs (when a KL term is used), values (critic, GAE
      only): megatron forwards on this rank's DP share, all-gathered over DP;
-  4. reward (``RewardScorer.score_tokens``), placed on each sequence's last token; the in-reward
+  4. reward (``RewardScorer.score_tokens``, or the frozen reward model's output at the last
+     response token when ``reward.reward_model_path`` is set), placed on each sequence's last
+     token; the in-reward
      KL (``algorithm.use_kl_in_reward``) updates the KL controller; advantages from the registry
      (``algorithm.adv_estimator``) on the whole batch, identical on every rank;
   5. ``actor.ppo_epochs`` (``critic.ppo_epochs``) passes over mini-batches of
@@ -65,7 +67,7 @@ from hybridrl.ppo.checkpoint import (
 )
 from hybridrl.ppo.kl_control import apply_kl_in_reward, build_kl_controller
 from hybridrl.ppo.losses import actor_loss, value_loss
-from hybridrl.rewards.reward_model import place_on_last_token
+from hybridrl.rewards.reward_model import last_token_index, place_on_last_token
 from hybridrl.rewards.scoring import build_reward_scorer
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
 from hybridrl.rollout.worker import RolloutWorker
@@ -106,9 +108,15 @@ class PPOTrainer:
         self.critic_opt = self._optimizer(self.critic, cfg.critic) if self.critic else None
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
-        if cfg.reward.reward_model_path:
-            raise ValueError("reward.reward_model_path is not wired into the trainer yet; "
-                             "use rule rewards or reward.reward_fn")
+        self.reward_model = None
+        if cfg.reward.reward_model_path:  # critic architecture, frozen, on the train layout
+            self.reward_model = build_from_config(cfg.model, groups, "reward",
+                                                  path=cfg.reward.reward_model_path, seed=seed)
+            if self.reward_model.spec.vocab_size != self.actor.spec.vocab_size:
+                raise ValueError(
+                    f"reward model vocab_size {self.reward_model.spec.vocab_size} != the actor's "
+                    f"{self.actor.spec.vocab_size}: the reward model reads the actor's token "
+                    "ids, so both must use the same tokenizer")
         self.scorer = build_reward_scorer(cfg.reward)
         self.worker = RolloutWorker(cfg, groups, self.actor, self.tokenizer)
         self.temperature = cfg.rollout.temperature or 1.0
@@ -138,8 +146,11 @@ class PPOTrainer:
 
     @torch.no_grad()
     def _forward(self, model, rb: RolloutBatch, key: str, micro: int, dynamic: bool,
-                 max_tokens: int) -> torch.Tensor:
-        """Per-token ``key`` output [N, R] of ``model`` on the whole batch (DP share + gather)."""
+                 max_tokens: int, shift: int = 0) -> torch.Tensor:
+        """Per-token ``key`` output [N, R] of ``model`` on the whole batch (DP share + gather).
+
+        Column j is the output at the position that predicts response token j (``shift=0``), or
+        at response token j itself (``shift=1``: a reward model reads the whole sequence)."""
         mine = self._dp_share(len(rb))
         if dynamic:
             parts = plan_micro_batches([rb.seq_lengths[i] for i in mine], max_tokens).micro_batches
@@ -150,8 +161,8 @@ class PPOTrainer:
         outs = run_microbatches(model, mbs, with_entropy=False, temperature=self.temperature)
         local = None
         if self.groups.is_last_stage:
-            cols = [gather_response(o[key], mb["resp_index"]).float().cpu()
-                    for o, mb in zip(outs, mbs)]
+            cols = [gather_response(o[key], (mb["resp_index"] + shift).clamp(
+                max=o[key].shape[1] - 1)).float().cpu() for o, mb in zip(outs, mbs)]
             position = {row: j for j, row in enumerate(mine)}
             order = inverse_order([[position[i] for i in p] for p in parts])
             local = torch.cat(cols)[order]  # [N/dp, R] in row order
@@ -161,6 +172,19 @@ class PPOTrainer:
         shards = [torch.empty_like(local) for _ in range(self.groups.dp_size)]
         dist.all_gather(shards, local.contiguous(), group=self.groups.dp)
         return torch.cat(shards).cpu()
+
+    def _reward_model_scores(self, rb: RolloutBatch, mask: torch.Tensor):
+        """(scores [N], metrics): the reward model's value at each row's last response token
+        (0 for an empty response), with the ``ref`` section's forward batching."""
+        r = self.cfg.ref
+        values = self._forward(self.reward_model, rb, "values",
+                               r.log_prob_micro_batch_size_per_gpu, r.log_prob_use_dynamic_bsz,
+                               r.log_prob_max_token_len_per_gpu, shift=1)
+        last = last_token_index(mask)
+        scores = values.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1) * (last >= 0)
+        metrics = {"critic/score/mean": float(scores.mean()), "critic/score/max": float(scores.max()),
+                   "critic/score/min": float(scores.min())}
+        return scores, metrics
 
     def _logprobs(self, model, rb: RolloutBatch) -> torch.Tensor:
         """Per-token log-probs [N, R] of ``model`` with the ``ref`` section's batching."""
@@ -246,9 +270,12 @@ class PPOTrainer:
                                                   c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu)
         metrics = {}
         with _timer(timing, "reward"):
-            scores, reward_metrics = self.scorer.score_tokens(
-                self.tokenizer, rb.response_ids, mask, rb.ground_truth, rb.data_source,
-                rb.extra_info, max_response_length=cfg.rollout.response_length)
+            if self.reward_model is not None:
+                scores, reward_metrics = self._reward_model_scores(rb, mask)
+            else:
+                scores, reward_metrics = self.scorer.score_tokens(
+                    self.tokenizer, rb.response_ids, mask, rb.ground_truth, rb.data_source,
+                    rb.extra_info, max_response_length=cfg.rollout.response_length)
         metrics.update(reward_metrics)
         with _timer(timing, "adv"):
             rewards = place_on_last_token(scores, mask).float()

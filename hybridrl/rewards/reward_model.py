@@ -1,7 +1,7 @@
 """Reward-model scoring: a critic-architecture model's value at the last response token.
 
-Contract. ``RewardModelScorer(model)`` wraps any callable (a plain ``torch.nn.Module`` in tests, the
-megatron critic later) with ``model(input_ids [B, T], attention_mask [B, T]) -> values [B, T]``
+Contract. ``RewardModelScorer(model)`` wraps any callable (a plain ``torch.nn.Module``; the trainer
+scores with its sharded ``reward`` model instead, the same rule) with ``model(input_ids [B, T], attention_mask [B, T]) -> values [B, T]``
 (a trailing dim of size 1 is squeezed). ``scorer(input_ids, attention_mask, response_mask)`` runs
 it without gradients and returns ``scores [B]`` = the value at the last position where
 ``response_mask`` is 1. ``response_mask`` is either [B, T] (aligned with input_ids) or [B, R], the

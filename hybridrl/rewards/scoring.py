@@ -192,8 +192,8 @@ def build_reward_scorer(cfg) -> RewardScorer:
     """A :class:`RewardScorer` from the ``reward`` config section (hybridrl.config.RewardConfig).
 
     ``gsm8k_method`` applies to the gsm8k data sources, ``format_score`` to the arithmetic task;
-    ``reward_model_path`` is not handled here (the trainer builds the model and a
-    :class:`~hybridrl.rewards.reward_model.RewardModelScorer`).
+    ``reward_model_path`` is not handled here (the trainer builds the reward model and scores
+    with it instead of this scorer).
     """
     gsm8k_kwargs = {"method": cfg.gsm8k_method}
     return RewardScorer(

@@ -53,11 +53,31 @@ def _save_hf(folder, qwen2=False):
     return str(folder)
 
 
+def _save_reward_model(folder):
+    """A tiny HF reward model: LlamaForTokenClassification with one label (verl's RM format)."""
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    torch.manual_seed(1)
+    model = LlamaForTokenClassification(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=96, num_labels=1,
+        rms_norm_eps=1e-5))
+    with torch.no_grad():
+        model.score.weight.mul_(20.0)  # scores of order 1, so a wrong position shows
+    model.save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     path = tmp_path_factory.mktemp("trainer")
     _save_hf(path / "qwen2", qwen2=True)  # q/k/v biases: megatron add_qkv_bias, engine bias
+    _save_reward_model(path / "rm")
     return str(path), _save_hf(path / "hf")
+
+
+def _rm(root, name, extra=()):
+    return [*_hf(root, name, extra), f"reward.reward_model_path={root[0]}/rm"]
 
 
 def _hf(root, name, extra=()):
@@ -89,6 +109,8 @@ def world1(root):
         ("no_rollback", [*GAE, *GUARD, f"{ck}/norb", "trainer.kl_guard.rollback=false"], "error"),
         ("hf", _hf(root, "hf1"), "fit"),
         ("qwen2", [*_hf(root, "qwen2"), f"model.path={root[0]}/qwen2"], "fit"),
+        ("rm_scores", _rm(root, "rm1"), "rm"),
+        ("rm_fit", _rm(root, "rmfit", ["rollout.temperature=1.0"]), "fit"),
     ]
     return run_on_ranks(cases_mod.run_cases, 1, r, cases, timeout=400,
                         preload=("megatron.core",))[0]
@@ -100,6 +122,7 @@ def world2(root):
     cases = [
         ("dp2", _hf(root, "dp2"), "fit"),
         ("tp2", _hf(root, "tp2", ["parallel.tp=2", "parallel.gen.tp=2"]), "fit"),
+        ("tp2_rm_scores", _rm(root, "tp2rm", ["parallel.tp=2", "parallel.gen.tp=2"]), "rm"),
         ("tp2_gen1", _hf(root, "tp2g1", ["parallel.tp=2", "parallel.gen.tp=1"]), "fit"),
         ("tp2_vanilla_p2p", _hf(root, "tp2v", ["parallel.tp=2", "parallel.gen.grouping=vanilla"]),
          "fit"),
@@ -162,6 +185,36 @@ def test_qwen2_biases_reach_the_engine(world1):
     assert got["finite"] and got["changed"] and len(got["metrics"]) == 2
     assert all(m["training/rollout_logprob_diff_max"] < 1e-5 for m in got["metrics"])
     assert got["metrics"] != world1["hf"]["metrics"]  # not silently the llama folder
+
+
+def _hf_reward(folder, seqs):
+    """transformers' reward: the token-classification logit at each sequence's last token."""
+    from transformers import LlamaForTokenClassification
+
+    model = LlamaForTokenClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return torch.tensor([float(model(torch.tensor([s])).logits[0, -1, 0]) for s in seqs])
+
+
+def test_reward_model_scores_the_last_response_token(world1, world2, root):
+    def check(res):
+        # empty responses score 0; the others end at different positions
+        empty = [n == 0 for n in res["lengths"]]
+        assert any(empty) and len({len(s) for s in res["seqs"]}) > 2
+        assert all(float(s) == 0 for s, e in zip(res["scores"], empty) if e)
+        rows = [i for i, e in enumerate(empty) if not e]
+        want = _hf_reward(f"{root[0]}/rm", [res["seqs"][i] for i in rows])
+        assert want.abs().max() > 0.1  # not trivially zero
+        torch.testing.assert_close(res["scores"][rows], want, atol=2e-5, rtol=2e-5)
+        mean = float(res["scores"].mean())
+        assert res["metrics"]["critic/score/mean"] == pytest.approx(mean, abs=1e-6)
+
+    check(world1["rm_scores"])
+    for rank in (0, 1):  # tp = 2: the sharded trunk scores the same sequences alike
+        check(world2[rank]["tp2_rm_scores"])
+    fit = world1["rm_fit"]
+    assert fit["finite"] and fit["changed"] and len(fit["metrics"]) == 2
+    assert "reward/raw_score/mean" not in fit["metrics"][0]  # the rule scorer did not run
 
 
 def test_same_seed_same_metrics(world1):

@@ -110,7 +110,23 @@ def _fit(rank, world, overrides):
             "lines": lines, "finite": all(math.isfinite(v) for m in history for v in m.values())}
 
 
-ACTIONS = {"fit": _fit, "guard": _guard, "error": _error}
+def _reward_model(rank, world, overrides):
+    """One rollout scored by the reward model: the scores and the sequences they score. Row i's
+    response is cut to i % (R + 1) tokens (row 0 empty), so every row ends somewhere else."""
+    trainer, _ = _trainer(rank, world, overrides)
+    trainer.worker.sync_weights(trainer.actor)
+    rb = trainer._rollout(trainer.loader.next_batch())
+    R = rb.response_mask.shape[1]
+    for i in range(len(rb)):
+        rb.response_mask[i, i % (R + 1):] = 0
+    scores, metrics = trainer._reward_model_scores(rb, rb.response_mask)
+    seqs = [p + r[m.bool()].tolist()
+            for p, r, m in zip(rb.prompt_ids, rb.response_ids, rb.response_mask)]
+    return {"scores": scores, "seqs": seqs, "metrics": metrics,
+            "lengths": rb.response_mask.sum(1).tolist()}
+
+
+ACTIONS = {"fit": _fit, "guard": _guard, "error": _error, "rm": _reward_model}
 
 
 def run_cases(rank: int, world: int, root: str, cases: list) -> dict:

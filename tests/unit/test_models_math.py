@@ -145,6 +145,24 @@ def test_hf_slicing_and_reassembly_are_inverse(tp):
         assert torch.equal(rebuilt[k], t), k
 
 
+def test_value_heads_load_score_weight_and_a_reward_model_needs_one():
+    spec = LlamaSpec(hidden_size=32, num_layers=1, num_attention_heads=8, num_query_groups=4,
+                     ffn_hidden_size=24, vocab_size=300)
+    hf = _hf_tensors(spec)
+    head = {**hf, "score.weight": torch.randn(1, 32)}
+
+    def model(role):
+        return SimpleNamespace(spec=spec, role=role, padded_vocab_size=512, vocab_start=0,
+                               groups=SimpleNamespace(tp_size=1, tp_rank=0))
+
+    for role in ("critic", "reward"):
+        got = local_slice_from_hf(_DictReader(head), "output_layer.weight", model(role))
+        assert torch.equal(got, head["score.weight"]), role
+    assert local_slice_from_hf(_DictReader(hf), "output_layer.weight", model("critic")) is None
+    with pytest.raises(ValueError, match="reward model folder needs score.weight"):
+        local_slice_from_hf(_DictReader(hf), "output_layer.weight", model("reward"))
+
+
 def test_qkv_rows_are_grouped_q_k_v():
     """TP rank 1 of 2 holds query groups 2, 3: rows [q(g2) k(g2) v(g2) q(g3) k(g3) v(g3)]."""
     spec = LlamaSpec(hidden_size=32, num_layers=1, num_attention_heads=8, num_query_groups=4,
