@@ -25,7 +25,7 @@ Contract:
      before the step (the batch is skipped, ``training/kl_guard_rollback`` = 1); more than
      ``max_rollbacks`` consecutive rollbacks, or ``rollback: false``, raise ``RuntimeError``;
   7. metrics (DESIGN.md key names) on rank 0: one line per step to stdout, one JSON line to
-     ``<checkpoint_dir>/metrics.jsonl`` when ``jsonl`` is a logger; checkpoints every
+     ``<checkpoint_dir>/metrics.jsonl`` when ``jsonl`` is a logger (``MetricsLog``); checkpoints every
      ``trainer.save_freq`` steps and after the last (``hybridrl.ppo.checkpoint``).
 - Log-probs are those of ``log_softmax(logits / T)`` with T = ``rollout.temperature`` (1 when
   greedy), as the engine reports them.
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import random
 import time
 from collections import defaultdict
@@ -67,6 +66,7 @@ from hybridrl.ppo.checkpoint import (
 )
 from hybridrl.ppo.kl_control import apply_kl_in_reward, build_kl_controller
 from hybridrl.ppo.losses import actor_loss, value_loss
+from hybridrl.ppo.metrics_log import MetricsLog
 from hybridrl.rewards.reward_model import last_token_index, place_on_last_token
 from hybridrl.rewards.scoring import build_reward_scorer
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
@@ -86,7 +86,7 @@ class PPOTrainer:
     """The loop (see module docstring); ``groups`` come from ``hybridrl.parallel.build_groups``."""
 
     def __init__(self, cfg, groups, *, print_fn=print):
-        self.cfg, self.groups, self.print = cfg, groups, print_fn
+        self.cfg, self.groups = cfg, groups
         self.rank, self.world = groups.rank, dist.get_world_size()
         self.tokenizer = build_tokenizer(cfg.model)
         self.loader, self.val_loader = build_loaders(cfg.data, self.tokenizer)
@@ -121,7 +121,7 @@ class PPOTrainer:
         self.worker = RolloutWorker(cfg, groups, self.actor, self.tokenizer)
         self.temperature = cfg.rollout.temperature or 1.0
         self.step, self.rollbacks = 0, 0
-        self.metrics_path = Path(cfg.trainer.checkpoint_dir) / "metrics.jsonl"
+        self.log = MetricsLog(self.rank, cfg.trainer.checkpoint_dir, cfg.trainer.logger, print_fn)
 
     def _optimizer(self, model, role_cfg) -> ModelOptimizer:
         per_step = role_cfg.ppo_epochs * (self.cfg.data.train_batch_size // role_cfg.ppo_mini_batch_size)
@@ -339,7 +339,7 @@ class PPOTrainer:
                                f"rollbacks (KL {float(kl):.4g} > max_kl={guard.max_kl}); "
                                "giving up: lower actor.lr or raise trainer.kl_guard.max_kl")
         self._restore(snapshot)
-        self._log_line(f"step {self.step + 1}: KL {float(kl):.4g} > max_kl {guard.max_kl}: "
+        self.log.line(f"step {self.step + 1}: KL {float(kl):.4g} > max_kl {guard.max_kl}: "
                        f"rolled back (rollback {self.rollbacks}/{guard.max_rollbacks})")
         return {"training/kl_guard_rollback": 1.0}
 
@@ -409,60 +409,29 @@ class PPOTrainer:
         return path
 
     # ------------------------------------------------------------------ driver
-    def _log_line(self, text: str) -> None:
-        if self.rank == 0:
-            self.print(text, flush=True)
-
-    def _log(self, metrics: dict) -> None:
-        if self.rank != 0:
-            return
-        keys = (("score", "critic/score/mean"), ("pg_loss", "actor/pg_loss"),
-                ("ppo_kl", "actor/ppo_kl"), ("kl_loss", "actor/kl_loss"),
-                ("vf_loss", "critic/vf_loss"), ("entropy", "actor/entropy"),
-                ("len", "response_length/mean"), ("val", "val/score/mean"),
-                ("gen_s", "timing_s/gen"), ("reshard_s", "timing_s/reshard"),
-                ("step_s", "timing_s/step"))
-        parts = [f"{short} {metrics[k]:.4g}" for short, k in keys if k in metrics]
-        self.print(f"step {self.step}/{self.total_steps} | " + " | ".join(parts), flush=True)
-        if "jsonl" in self.cfg.trainer.logger:
-            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps({"step": self.step, **metrics}) + "\n")
-
-    def _trim_metrics_file(self) -> None:
-        """metrics.jsonl holds exactly the steps up to the resumed one (none when fresh)."""
-        if self.rank != 0 or "jsonl" not in self.cfg.trainer.logger:
-            return
-        path = self.metrics_path
-        kept = [] if self.step == 0 or not path.exists() else [
-            line for line in path.read_text().splitlines()
-            if line and json.loads(line).get("step", 0) <= self.step]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(line + "\n" for line in kept))
-
     def fit(self) -> list[dict]:
         """Resume if configured, then train to ``total_steps``; per-step metrics."""
         t = self.cfg.trainer
         resumed = self.resume()
-        self._trim_metrics_file()
+        self.log.resume_at(self.step)
         g = self.groups.train
-        self._log_line(f"hybridrl: world {self.world}, train tp {g.tp} pp {g.pp} dp {g.dp}, "
+        self.log.line(f"hybridrl: world {self.world}, train tp {g.tp} pp {g.pp} dp {g.dp}, "
                        f"gen tp {self.worker.gen.tp} x {self.worker.n_replicas} replicas, "
                        f"reshard {self.worker.strategy}, steps {self.step + 1}..{self.total_steps}"
                        + (f" (resumed from {resumed})" if resumed else ""))
         if self.step >= self.total_steps:
-            self._log_line(f"nothing to do: the checkpoint is at step {self.step} >= "
+            self.log.line(f"nothing to do: the checkpoint is at step {self.step} >= "
                            f"trainer.total_steps={self.total_steps} (raise total_steps, or set "
                            "trainer.resume=disable to start over)")
         if t.val_before_train and self.step == 0:
-            self._log_line(f"step 0 | val {self.validate().get('val/score/mean', float('nan')):.4g}")
+            self.log.line(f"step 0 | val {self.validate().get('val/score/mean', float('nan')):.4g}")
         history = []
         while self.step < self.total_steps:
             metrics = self.train_step()
             self.step += 1
             if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == self.total_steps):
                 metrics.update(self.validate())
-            self._log(metrics)
+            self.log.step(self.step, self.total_steps, metrics)
             history.append(metrics)
             if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
                 self.save()
