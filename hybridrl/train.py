@@ -3,7 +3,8 @@
 Contract: every rank parses ``--config`` files (in order) and ``key=value`` overrides, loads and
 validates the config and checks it against the world size (``cfg.check_world``) BEFORE any
 collective, so a bad config makes every rank exit with status 2 together (rank 0 prints one line
-naming the problem; no traceback, no hang). Then it initializes torch.distributed (gloo on CPU,
+naming the problem; no traceback, no hang; another rank prints its own error, with its rank,
+only if it is still running 3 s later: one that rank 0 did not hit). Then it initializes torch.distributed (gloo on CPU,
 NCCL on CUDA), builds the training and generation groups, builds the ``PPOTrainer`` and runs it.
 Exit status: 0 done, 1 training failed (e.g. the KL guard gave up; rank 0 prints one line),
 2 bad config or layout, 130 interrupted.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import warnings
 
 
@@ -26,9 +28,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+RANK_ERROR_DELAY_S = 3.0
+
+
 def _fail(rank: int, status: int, message: str) -> int:
+    """Report ``message`` once and return ``status``. Rank 0 writes it at once (one write call,
+    so concurrent output cannot split the line). The other ranks usually fail the same way (same
+    config), and torchrun stops them as soon as rank 0 exits; so they wait RANK_ERROR_DELAY_S
+    first and only then write theirs, with their rank: an error that only they hit is still shown,
+    a shared one is shown once."""
     if rank == 0:
-        print(f"hybridrl.train: error: {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"hybridrl.train: error: {message}\n")
+    else:
+        time.sleep(RANK_ERROR_DELAY_S)
+        sys.stderr.write(f"hybridrl.train: error (rank {rank}): {message}\n")
+    sys.stderr.flush()
     return status
 
 

@@ -10,6 +10,8 @@ Checked here, in the parent:
 - KL guard: with a tiny max_kl the step is rolled back (actor parameters and optimizer step count
   equal those before it); too many rollbacks, or rollback disabled, stop with a clear error;
 - a Qwen2 checkpoint (q/k/v biases) trains, and the builtin engine's log-probs equal megatron's;
+- a reward model (HF LlamaForTokenClassification) scores each row at its last response token as
+  transformers does, at tp 1 and 2, and drives a 2-step run;
 - layouts: from the same HF checkpoint with greedy rollouts (layout-invariant), dp = 2,
   tp = 2 (gen tp 2: engine TP all-reduces), tp = 2 with gen tp 1 (two micro-DP replicas; also
   with the HybridFlow-V grouping, which the p2p reshard serves) and,

@@ -82,3 +82,16 @@ def test_module_entry_point_has_no_traceback():
                            "--tp", "4"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "world=10" in proc.stderr
+
+
+def test_train_failure_lines_rank0_at_once_others_late_with_rank(capsys, monkeypatch):
+    from hybridrl import train
+
+    monkeypatch.setattr(train, "RANK_ERROR_DELAY_S", 0.0)
+    assert train._fail(0, 2, "actor.lr must be > 0") == 2
+    assert capsys.readouterr().err == "hybridrl.train: error: actor.lr must be > 0\n"
+    slept = []
+    monkeypatch.setattr(train.time, "sleep", slept.append)
+    assert train._fail(3, 1, "no such file") == 1
+    assert capsys.readouterr().err == "hybridrl.train: error (rank 3): no such file\n"
+    assert slept == [0.0]  # waited (RANK_ERROR_DELAY_S) before writing
