@@ -88,8 +88,9 @@ def main(argv=None) -> None:
     for s in strategies:
         m = sums[s]
         step = m["timing_s/step"]
+        reshard = m["timing_s/reshard"]
         print(f"{s:<16} step {step * 1e3:8.1f} ms   {m['tokens_per_s']:8.1f} tokens/s   "
-              f"reshard {m['timing_s/reshard'] * 1e3:7.2f} ms = {100 * m['timing_s/reshard'] / step:5.2f}% of the step")
+              f"reshard {reshard * 1e3:7.2f} ms = {100 * reshard / step:5.2f}% of the step")
         print("    " + "  ".join(f"{k[9:]} {m[k] * 1e3:.1f} ms ({100 * m[k] / step:.0f}%)"
                                  for k in phases))
     first = sums[strategies[0]]

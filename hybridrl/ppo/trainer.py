@@ -14,9 +14,9 @@ Contract:
      only): megatron forwards on this rank's DP share, all-gathered over DP;
   4. reward (``RewardScorer.score_tokens``, or the frozen reward model's output at the last
      response token when ``reward.reward_model_path`` is set), placed on each sequence's last
-     token; the in-reward
-     KL (``algorithm.use_kl_in_reward``) updates the KL controller; advantages from the registry
-     (``algorithm.adv_estimator``) on the whole batch, identical on every rank;
+     token; the in-reward KL (``algorithm.use_kl_in_reward``) updates the KL controller;
+     advantages from the registry (``algorithm.adv_estimator``) on the whole batch, identical on
+     every rank;
   5. ``actor.ppo_epochs`` (``critic.ppo_epochs``) passes over mini-batches of
      ``ppo_mini_batch_size * rollout.n`` sequences; each DP rank takes its share as fixed-size or
      token-budget micro-batches; the loss uses global normalizers (``compute_agg_normalizers``);
@@ -24,9 +24,9 @@ Contract:
      mini-batches exceeds it, actor, critic, optimizers and KL controller go back to their state
      before the step (the batch is skipped, ``training/kl_guard_rollback`` = 1); more than
      ``max_rollbacks`` consecutive rollbacks, or ``rollback: false``, raise ``RuntimeError``;
-  7. metrics (DESIGN.md key names) on rank 0: one line per step to stdout, one JSON line to
-     ``<checkpoint_dir>/metrics.jsonl`` when ``jsonl`` is a logger (``MetricsLog``); checkpoints every
-     ``trainer.save_freq`` steps and after the last (``hybridrl.ppo.checkpoint``).
+  7. metrics (DESIGN.md key names) on rank 0 (``MetricsLog``): one line per step to stdout, one
+     JSON line to ``<checkpoint_dir>/metrics.jsonl`` when ``jsonl`` is a logger; checkpoints
+     every ``trainer.save_freq`` steps and after the last (``hybridrl.ppo.checkpoint``).
 - Log-probs are those of ``log_softmax(logits / T)`` with T = ``rollout.temperature`` (1 when
   greedy), as the engine reports them.
 """
@@ -67,7 +67,7 @@ from hybridrl.ppo.checkpoint import (
 from hybridrl.ppo.kl_control import apply_kl_in_reward, build_kl_controller
 from hybridrl.ppo.losses import actor_loss, value_loss
 from hybridrl.ppo.metrics_log import MetricsLog
-from hybridrl.rewards.reward_model import last_token_index, place_on_last_token
+from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
 from hybridrl.rewards.scoring import build_reward_scorer
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
 from hybridrl.rollout.worker import RolloutWorker
@@ -180,10 +180,9 @@ class PPOTrainer:
         values = self._forward(self.reward_model, rb, "values",
                                r.log_prob_micro_batch_size_per_gpu, r.log_prob_use_dynamic_bsz,
                                r.log_prob_max_token_len_per_gpu, shift=1)
-        last = last_token_index(mask)
-        scores = values.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1) * (last >= 0)
-        metrics = {"critic/score/mean": float(scores.mean()), "critic/score/max": float(scores.max()),
-                   "critic/score/min": float(scores.min())}
+        scores = value_at_last_token(values, mask)
+        metrics = {"critic/score/mean": float(scores.mean()),
+                   "critic/score/max": float(scores.max()), "critic/score/min": float(scores.min())}
         return scores, metrics
 
     def _logprobs(self, model, rb: RolloutBatch) -> torch.Tensor:
@@ -340,7 +339,7 @@ class PPOTrainer:
                                "giving up: lower actor.lr or raise trainer.kl_guard.max_kl")
         self._restore(snapshot)
         self.log.line(f"step {self.step + 1}: KL {float(kl):.4g} > max_kl {guard.max_kl}: "
-                       f"rolled back (rollback {self.rollbacks}/{guard.max_rollbacks})")
+                      f"rolled back (rollback {self.rollbacks}/{guard.max_rollbacks})")
         return {"training/kl_guard_rollback": 1.0}
 
     # ------------------------------------------------------------------ validation
@@ -416,13 +415,13 @@ class PPOTrainer:
         self.log.resume_at(self.step)
         g = self.groups.train
         self.log.line(f"hybridrl: world {self.world}, train tp {g.tp} pp {g.pp} dp {g.dp}, "
-                       f"gen tp {self.worker.gen.tp} x {self.worker.n_replicas} replicas, "
-                       f"reshard {self.worker.strategy}, steps {self.step + 1}..{self.total_steps}"
-                       + (f" (resumed from {resumed})" if resumed else ""))
+                      f"gen tp {self.worker.gen.tp} x {self.worker.n_replicas} replicas, "
+                      f"reshard {self.worker.strategy}, steps {self.step + 1}..{self.total_steps}"
+                      + (f" (resumed from {resumed})" if resumed else ""))
         if self.step >= self.total_steps:
             self.log.line(f"nothing to do: the checkpoint is at step {self.step} >= "
-                           f"trainer.total_steps={self.total_steps} (raise total_steps, or set "
-                           "trainer.resume=disable to start over)")
+                          f"trainer.total_steps={self.total_steps} (raise total_steps, or set "
+                          "trainer.resume=disable to start over)")
         if t.val_before_train and self.step == 0:
             self.log.line(f"step 0 | val {self.validate().get('val/score/mean', float('nan')):.4g}")
         history = []

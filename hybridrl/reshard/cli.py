@@ -78,7 +78,8 @@ def plan_report(args: argparse.Namespace) -> dict:
             out["strategies"][strategy] = {"reason": why}
             continue
         if strategy == "vanilla" and gen.grouping == "hybridflow":
-            gen = gen_placement(layout, shape, args.gen_tp, args.gen_pp, "vanilla", vocab_pad)
+            gen = gen_placement(layout, shape, args.gen_tp, args.gen_pp, "vanilla",
+                                vocab_pad)
         s = summarize(train, gen, specs, strategy, itemsize, int(args.bucket_mb * (1 << 20)))
         entry = s.as_dict()
         entry["est_seconds"] = max(max(s.recv), max(s.sent)) * 8 / (args.gbps * 1e9)

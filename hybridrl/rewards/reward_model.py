@@ -32,6 +32,14 @@ def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     return out
 
 
+def value_at_last_token(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values[b]`` at the last position where ``mask[b]`` is 1, as fp32 [B]; 0 for an all-zero
+    row. ``values`` and ``mask`` are [B, L] on the same positions."""
+    last = last_token_index(mask)
+    picked = values.float().gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(last >= 0, picked, torch.zeros_like(picked))
+
+
 class RewardModelScorer:
     """Score = the model's value at the last response token (see module docstring)."""
 
@@ -69,6 +77,4 @@ class RewardModelScorer:
                 f"reward model returned values {tuple(values.shape)}; allowed: [B, T] = "
                 f"{tuple(input_ids.shape)} (or [B, T, 1])"
             )
-        last = last_token_index(full_mask)  # [B]
-        picked = values.float().gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1)
-        return torch.where(last >= 0, picked, torch.zeros_like(picked))
+        return value_at_last_token(values, full_mask)
