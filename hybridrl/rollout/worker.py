@@ -168,10 +168,9 @@ class RolloutWorker:
                 packed[:len(rows), 1 + k * r_max:1 + k * r_max + r] = t.to(dev, torch.float64)
         parts = [torch.empty_like(packed) for _ in range(world)]
         dist.all_gather(parts, packed)
-        R = int(sizes[:, 1].max())
-        ids = torch.full((n_prompts, R), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(n_prompts, R, dtype=torch.long)
-        logp = torch.zeros(n_prompts, R, dtype=torch.float32)
+        ids = torch.full((n_prompts, r_max), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(n_prompts, r_max, dtype=torch.long)
+        logp = torch.zeros(n_prompts, r_max, dtype=torch.float32)
         for (n, r), part in zip(sizes.tolist(), parts):
             if n == 0:
                 continue
