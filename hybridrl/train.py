@@ -4,8 +4,9 @@ Contract: every rank parses ``--config`` files (in order) and ``key=value`` over
 validates the config and checks it against the world size (``cfg.check_world``) BEFORE any
 collective, so a bad config makes every rank exit with status 2 together (rank 0 prints one line
 naming the problem; no traceback, no hang; another rank prints its own error, with its rank,
-only if it is still running 3 s later: one that rank 0 did not hit). Then it initializes torch.distributed (gloo on CPU,
-NCCL on CUDA), builds the training and generation groups, builds the ``PPOTrainer`` and runs it.
+only if it is still running 3 s later: one that rank 0 did not hit). Then it initializes
+torch.distributed (gloo on CPU, NCCL on CUDA), builds the training and generation groups, builds
+the ``PPOTrainer`` and runs it.
 Exit status: 0 done, 1 training failed (e.g. the KL guard gave up; rank 0 prints one line),
 2 bad config or layout, 130 interrupted.
 """
