@@ -1,9 +1,11 @@
 """The torchrun entrypoint: ``torchrun --nproc-per-node N -m hybridrl.train --config a.yaml k=v``.
 
-Contract: every rank parses ``--config`` files (in order) and ``key=value`` overrides, loads and
-validates the config and checks it against the world size (``cfg.check_world``) BEFORE any
-collective, so a bad config makes every rank exit with status 2 together (rank 0 prints one line
-naming the problem; no traceback, no hang; another rank prints its own error, with its rank,
+Contract: every rank parses ``--config-name`` (Hydra style, in ``--config-path``), ``--config``
+files (in order) and ``key=value`` overrides (verl's keys translated: one notice line on rank 0),
+loads and validates the config and checks it against the world size (``cfg.check_world``, and
+verl's ``trainer.n_gpus_per_node * trainer.nnodes`` when given) BEFORE any collective, so a bad
+config makes every rank exit with status 2 together (rank 0 prints the problem, or every bad
+override one per line; no traceback, no hang; another rank prints its own error, with its rank,
 only if it is still running 3 s later: one that rank 0 did not hit). Then it initializes
 torch.distributed (gloo on CPU, NCCL on CUDA), builds the training and generation groups, builds
 the ``PPOTrainer`` and runs it.
@@ -24,6 +26,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hybridrl.train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", action="append", default=[], metavar="YAML",
                         help="config file (repeatable; later files override earlier ones)")
+    parser.add_argument("--config-name", "-cn", default=None, metavar="NAME",
+                        help="Hydra style: <config-path>/NAME.yaml, read before --config files; "
+                             "verl's ppo_megatron_trainer / ppo_trainer mean hybridrl's defaults")
+    parser.add_argument("--config-path", "-cp", default="configs", metavar="DIR",
+                        help="folder of --config-name (default: configs)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. actor.lr=1e-4 parallel.tp=2")
     return parser.parse_args(argv)
@@ -76,9 +83,14 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", message=pattern)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        from hybridrl.config import load_config
+        from hybridrl.config.loader import load_config, resolve_config_name
 
-        cfg = load_config(args.config, args.overrides)
+        named = args.config_name and resolve_config_name(args.config_name, args.config_path)
+        notices: list[str] = []
+        cfg = load_config(([named] if named else []) + args.config, args.overrides,
+                          world_size=world, notices=notices)
+        if rank == 0 and notices:
+            sys.stderr.write(f"hybridrl.train: {notices[0]}\n")
         cfg.check_world(world)
         train, gen = build_layout(cfg, world)
     except ValueError as err:

@@ -1,15 +1,23 @@
 """Loading a ``HybridRLConfig`` from YAML files and ``key=value`` overrides.
 
-Contract: ``load_config(yaml_paths, overrides)`` starts from the dataclass defaults, merges each
-YAML file in order, then each dotlist override in order (later wins), and returns a validated,
-frozen ``HybridRLConfig`` (``OmegaConf.to_object`` builds real dataclass instances, so every
-``__post_init__`` runs). Every problem is a ``ValueError`` that names the full key and the source:
-an unknown key (with the closest valid key, or the hybridrl key for a verl key), a value of the
-wrong type, or a value a section rejects. Keys under a pass-through dict (``engine_kwargs``) are
-free. ``dump_config`` writes a config back as YAML that ``load_config`` reads to an equal config.
+Contract: ``load_config(yaml_paths, overrides, *, world_size=None, notices=None)`` starts from the
+dataclass defaults, merges each YAML file in order, then each override in order (later wins), and
+returns a validated, frozen ``HybridRLConfig`` (``OmegaConf.to_object`` builds real dataclass
+instances, so every ``__post_init__`` runs). Overrides may be verl's: they go through
+``hybridrl.config.verl_translate`` first (``+key=`` accepted, verl keys translated, keys with no
+meaning here refused with what to use instead); the one-line notice of what was translated is
+appended to ``notices`` when given. A string (or number) where a list is expected becomes a
+one-item list, null an empty list. Every bad override is reported in ONE ``ValueError`` (one line
+each, in order): an unknown key (with the closest hybridrl or verl key), a refused verl key, a
+value of the wrong type. Then values a section rejects raise ``ValueError`` naming the full key;
+with ``world_size``, ``trainer.n_gpus_per_node * trainer.nnodes`` must equal it. Keys under a
+pass-through dict (``engine_kwargs``) are free. ``resolve_config_name(name, path)`` turns Hydra's
+``--config-name``/``--config-path`` into a YAML path. ``dump_config`` writes a config back as
+YAML that ``load_config`` reads to an equal config.
 """
 
 import difflib
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,11 +27,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hybridrl.config.root import HybridRLConfig
 from hybridrl.config.schema import key_kinds
-from hybridrl.config.verl_keys import hybridrl_keys_for
+from hybridrl.config.verl_keys import VERL_BASE_CONFIGS, VERL_RULES, rule_for
+from hybridrl.config.verl_translate import translate_overrides
 
 
-def load_config(yaml_paths: Sequence[str] = (), overrides: Sequence[str] = ()) -> HybridRLConfig:
-    """Defaults <- YAML files (in order) <- ``key=value`` overrides (in order); validated."""
+def load_config(yaml_paths: Sequence[str] = (), overrides: Sequence[str] = (), *,
+                world_size: int | None = None, notices: list[str] | None = None) -> HybridRLConfig:
+    """Defaults <- YAML files (in order) <- overrides (in order, verl keys translated); validated."""
     if isinstance(yaml_paths, str) or isinstance(overrides, str):
         raise TypeError("load_config takes lists: yaml_paths=[...], overrides=[...]")
     kinds = key_kinds(HybridRLConfig)
@@ -31,21 +41,56 @@ def load_config(yaml_paths: Sequence[str] = (), overrides: Sequence[str] = ()) -
     for path in yaml_paths:
         layer = _read_yaml(str(path))
         merged = _merge(merged, layer, kinds, source=str(path))
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must look like key=value "
-                             "(e.g. actor.lr=1e-6)")
-        if item.endswith("="):
-            item += "''"  # `key=` sets the empty string (OmegaConf would read null)
+    translation = translate_overrides(overrides)
+    problems = []
+    for source, item, problem in translation.steps:
+        if problem:
+            problems.append(problem)
+            continue
         try:
-            layer = OmegaConf.from_dotlist([item])
-        except OmegaConfBaseException as err:
-            raise ValueError(f"override {item!r} cannot be parsed: {_first_line(err)}") from None
-        merged = _merge(merged, layer, kinds, source=f"override {item!r}")
+            merged = _merge(merged, _parse_item(item, source), kinds, source=f"override {source!r}")
+        except ValueError as err:
+            problems.append(str(err))
+    _raise_all(problems, "bad overrides")
     try:
-        return OmegaConf.to_object(merged)
+        cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ValueError(f"{err.full_key}: {_first_line(err)}") from None
+    _raise_all(translation.check(cfg, world_size), "problems")
+    if notices is not None and translation.notice:
+        notices.append(translation.notice)
+    return cfg
+
+
+def resolve_config_name(name: str, path: str = "configs") -> str | None:
+    """The YAML file of Hydra's ``--config-name NAME --config-path PATH`` (``.yaml`` optional);
+    None for verl's base configs (hybridrl's defaults replace them); ValueError when missing."""
+    base = name[:-5] if name.endswith(".yaml") else name
+    candidate = os.path.join(path, base + ".yaml")
+    if os.path.isfile(candidate):
+        return candidate
+    if base in VERL_BASE_CONFIGS:
+        return None
+    raise ValueError(f"--config-name {name!r}: no file {candidate!r} (--config-path "
+                     f"{path!r}); verl's base configs {' | '.join(VERL_BASE_CONFIGS)} are "
+                     "accepted and mean hybridrl's defaults")
+
+
+def _parse_item(item: str, source: str) -> DictConfig:
+    if item.endswith("="):
+        item += "''"  # `key=` sets the empty string (OmegaConf would read null)
+    try:
+        return OmegaConf.from_dotlist([item])
+    except OmegaConfBaseException as err:
+        raise ValueError(f"override {source!r} cannot be parsed: {_first_line(err)}") from None
+
+
+def _raise_all(problems: list[str], what: str) -> None:
+    """One ValueError: the problem itself, or a count line and one line per problem."""
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        raise ValueError(f"{len(problems)} {what}:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def dump_config(cfg: HybridRLConfig) -> str:
@@ -73,6 +118,7 @@ def _read_yaml(path: str) -> DictConfig:
 
 def _merge(base: DictConfig, layer: DictConfig, kinds: Mapping[str, str], source: str) -> DictConfig:
     raw = _drop_empty_sections(OmegaConf.to_container(layer, resolve=False), kinds, prefix="")
+    raw = _one_item_lists(raw, kinds, prefix="")
     problems = list(_shape_problems(raw, kinds, prefix=""))
     if problems:
         raise ValueError(f"in {source}: " + "; ".join(problems))
@@ -92,6 +138,22 @@ def _drop_empty_sections(raw: dict, kinds: Mapping[str, str], prefix: str) -> di
                 continue
             if isinstance(value, dict):
                 value = _drop_empty_sections(value, kinds, key + ".")
+        out[name] = value
+    return out
+
+
+def _one_item_lists(raw: dict, kinds: Mapping[str, str], prefix: str) -> dict:
+    """``raw`` with a scalar under a list key turned into ``[scalar]`` and null into ``[]``."""
+    out = {}
+    for name, value in raw.items():
+        key = f"{prefix}{name}"
+        kind = kinds.get(key)
+        if kind == "section" and isinstance(value, dict):
+            value = _one_item_lists(value, kinds, key + ".")
+        elif kind == "list" and value is None:
+            value = []
+        elif kind == "list" and isinstance(value, (str, int, float)):
+            value = value if _is_interpolation(value) else [value]
         out[name] = value
     return out
 
@@ -124,17 +186,21 @@ def _is_interpolation(value: Any) -> bool:
 
 
 def _explain_unknown(key: str, kinds: Mapping[str, str]) -> str:
-    ours = hybridrl_keys_for(key)
-    if ours:
-        return (f"unknown key {key!r} (a verl key); in hybridrl use "
-                + " and ".join(repr(k) for k in ours))
-    if ours == ():
-        return f"unknown key {key!r} (a verl key with no hybridrl counterpart; see docs/config.md)"
+    rule = rule_for(key)
+    if rule is not None:  # reached only for keys the translator passed on (none today)
+        return f"unknown key {key!r} (a verl key: {rule.note or ', '.join(rule.ours)})"
     leaves = [k for k, kind in kinds.items() if kind != "section"]
-    close = difflib.get_close_matches(key, leaves, n=1, cutoff=0.6)
+    verl = [r.verl for r in VERL_RULES if r.kind != "refuse"]
+    close = difflib.get_close_matches(key, leaves + verl, n=1, cutoff=0.6)
     if not close:  # a misspelt section name: compare against sections too
         close = difflib.get_close_matches(key, list(kinds), n=1, cutoff=0.6)
+    if close and close[0] in verl and close[0] not in kinds:
+        ours = rule_for(close[0]).ours
+        where = f"; hybridrl: {', '.join(repr(k) for k in ours)}" if ours else ""
+        return f"unknown key {key!r}; did you mean verl's {close[0]!r}{where}?"
     hint = f"; did you mean {close[0]!r}?" if close else "; see docs/config.md for every key"
+    if not close and key.startswith(("actor_rollout_ref.", "critic.", "reward_model.")):
+        hint = "; a verl key hybridrl does not translate (docs/from_verl.md lists those it does)"
     return f"unknown key {key!r}{hint}"
 
 

@@ -33,9 +33,10 @@ cfg = load_config(["configs/demo_cpu.yaml"], ["actor.lr=1e-4", "parallel.gen.tp=
 ```
 
 An unknown key fails with the closest valid key (`unknown key 'actor.clip_ratoi_low'; did you mean
-'actor.clip_ratio_low'?`), a verl key with the hybridrl key to use, and a bad value with the full
-key and the allowed values. Lists are written `key=[a,b]`; keys under `rollout.engine_kwargs` are
-passed to the engine unchecked. Batch sizes use verl's units: `data.train_batch_size` and
+'actor.clip_ratio_low'?`), every bad override of one command line at once, and a bad value with the
+full key and the allowed values. verl's keys are translated (table at the end; docs/from_verl.md).
+Lists are written `key=[a,b]` (a single value becomes a one-item list); keys under
+`rollout.engine_kwargs` are passed to the engine unchecked. Batch sizes use verl's units: `data.train_batch_size` and
 `*.ppo_mini_batch_size` count prompts (each yields `rollout.n` responses); `*_per_gpu` sizes are
 per DP rank. The example files are in `configs/`.
 """
@@ -79,8 +80,9 @@ def _section_doc(cls: type, key: str, help_text: str, depth: int) -> list[str]:
 
 def _verl_table() -> list[str]:
     lines = ["## verl key names", "",
-             "For users coming from verl: its key (Hydra path) and the hybridrl key(s) that hold the "
-             "same knob. The loader answers a verl key with the hybridrl one.", "",
+             "For users coming from verl: its key (Hydra path) and the hybridrl key(s) that receive "
+             "its value; `(none)` = accepted with no effect or refused, as the note says "
+             "(hybridrl/config/verl_keys.py, docs/from_verl.md).", "",
              "| verl key | hybridrl key | note |", "|---|---|---|"]
     for verl, ours, note in VERL_KEYS:
         target = ", ".join(f"`{k}`" for k in ours) if ours else "(none)"

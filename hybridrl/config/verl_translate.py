@@ -1,0 +1,220 @@
+"""Translate a verl/Hydra-style override list into hybridrl ``key=value`` overrides.
+
+Contract: ``translate_overrides(items)`` is pure (no file system, no process group). It accepts
+Hydra's ``+key=value`` / ``++key=value`` (the prefix is dropped: every hybridrl key exists), looks
+each key up in ``hybridrl.config.verl_keys.VERL_RULES`` and returns a ``Translation``:
+
+- ``steps``: one ``(source, item, problem)`` per output, in input order; ``item`` is a hybridrl
+  override (None when ``problem`` says why the source was refused). Keys the table does not list
+  pass through unchanged (the loader judges them: unknown keys get a did-you-mean there).
+- verl's defaults that follow another key are kept: when verl's keys set the actor's
+  ``ppo_mini_batch_size`` / ``ppo_epochs`` / ``loss_agg_mode`` and nothing sets the critic's,
+  the critic gets the actor's value (verl's ``${oc.select:actor_rollout_ref.actor...}``).
+- ``notice``: one line listing what was translated or ignored (None when nothing was).
+- ``check(cfg, world_size)``: the rules that need the loaded config or the world size
+  (``same`` keys equal to ours, ``n_gpus_per_node * nnodes`` equal to the world); a list of
+  problem lines.
+Values are parsed as OmegaConf parses a dotlist value (YAML); translated values are written back
+as JSON (valid YAML), untouched values keep their original text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hybridrl.config.trainer import LOGGERS
+from hybridrl.config.verl_keys import VERL_WORLD_DEFAULTS, VerlRule, rule_for
+
+CRITIC_FOLLOWS_ACTOR = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode")
+VERL_SINKS = ("wandb", "tensorboard", "mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio",
+              "file")  # verl's trainer.logger names; those hybridrl lacks become jsonl
+
+
+def parse_value(text: str) -> Any:
+    """The value OmegaConf gives ``key=<text>`` (``key=`` is the empty string)."""
+    if text == "":
+        return ""
+    return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
+
+
+def split_override(item: str) -> tuple[str, str]:
+    """``(key, value_text)`` of ``[+|++]key=value``; ValueError with the allowed form otherwise."""
+    if not isinstance(item, str):
+        raise TypeError(f"override {item!r} must be a string key=value")
+    if item.startswith("~"):
+        raise ValueError(f"override {item!r}: deleting a key (~key) has no meaning here, every "
+                         "key has a default; set key=value instead")
+    body = item[2:] if item.startswith("++") else item[1:] if item.startswith("+") else item
+    key, sep, text = body.partition("=")
+    if not sep or not key:
+        raise ValueError(f"override {item!r} must look like key=value (e.g. actor.lr=1e-6)")
+    return key.strip(), text
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = cfg.get(part) if isinstance(cfg, dict) else getattr(cfg, part)
+    return cfg
+
+
+@dataclass
+class Translation:
+    """The result of ``translate_overrides`` (see the module docstring)."""
+
+    steps: list[tuple[str, str | None, str | None]] = field(default_factory=list)
+    translated: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    same: list[tuple[str, VerlRule, Any]] = field(default_factory=list)
+    world: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def items(self) -> list[str]:
+        """The hybridrl overrides, in order."""
+        return [item for _, item, _ in self.steps if item is not None]
+
+    @property
+    def problems(self) -> list[str]:
+        return [problem for _, _, problem in self.steps if problem]
+
+    @property
+    def notice(self) -> str | None:
+        parts = []
+        if self.translated:
+            parts.append("verl keys translated: " + ", ".join(self.translated))
+        if self.ignored:
+            parts.append("accepted with no effect here: " + ", ".join(self.ignored))
+        return "; ".join(parts) + " (docs/from_verl.md)" if parts else None
+
+    def check(self, cfg: Any, world_size: int | None) -> list[str]:
+        """Problems that need the loaded config or the world size."""
+        out = []
+        for source, rule, value in self.same:
+            ours = _get(cfg, rule.ours[0])
+            if value != ours:
+                out.append(f"override {source!r}: {rule.note}; got {rule.ours[0]}={ours!r}")
+        if self.world and world_size is not None:
+            given = {**VERL_WORLD_DEFAULTS, **self.world}
+            n, nodes = given["trainer.n_gpus_per_node"], given["trainer.nnodes"]
+            if not all(isinstance(v, int) and v > 0 for v in (n, nodes)):
+                out.append(f"trainer.n_gpus_per_node ({n!r}) and trainer.nnodes ({nodes!r}) must "
+                           "be positive integers")
+            elif n * nodes != world_size:
+                out.append(f"trainer.n_gpus_per_node*trainer.nnodes = {n}*{nodes} = {n * nodes} "
+                           f"but the launcher started {world_size} ranks; hybridrl takes the "
+                           "world from torchrun (--nnodes, --nproc-per-node): fix one or drop "
+                           "both keys")
+        return out
+
+
+class _Translator:
+    def __init__(self) -> None:
+        self.out = Translation()
+        self.emitted: dict[str, Any] = {}  # hybridrl key -> last value set (parsed)
+        self.by_verl: set[str] = set()  # hybridrl keys set through a differently named verl key
+        self.warmup = 0
+        self.drop_overlong = False
+
+    def emit(self, source: str, key: str, value: Any, text: str | None = None) -> None:
+        self.emitted[key] = value
+        shown = text if text is not None else json.dumps(value)
+        self.out.steps.append((source, f"{key}={shown}", None))
+
+    def refuse(self, source: str, message: str) -> None:
+        self.out.steps.append((source, None, f"override {source!r}: {message}"))
+
+    def item(self, source: str) -> None:
+        try:
+            key, text = split_override(source)
+            value = parse_value(text)
+        except ValueError as err:
+            return self.refuse(source, str(err).split(": ", 1)[-1])
+        except OmegaConfBaseException as err:
+            return self.refuse(source, f"cannot be parsed: {str(err).splitlines()[0]}")
+        rule = rule_for(key)
+        if rule is None:
+            return self.emit(source, key, value, text)
+        getattr(self, f"_{rule.kind}")(source, key, text, value, rule)
+
+    def _set(self, source, key, text, value, rule):
+        mapped = dict(rule.values).get(value, value) if _hashable(value) else value
+        for ours in rule.ours:
+            same = ours == key and mapped == value
+            self.emit(source, ours, mapped, text if mapped == value else None)
+            if ours != key:
+                self.by_verl.add(ours)
+            if not same:
+                self.out.translated.append(f"{key} -> {ours}" + (
+                    f" ({value!r} -> {mapped!r})" if mapped != value else ""))
+
+    def _ignore(self, source, key, text, value, rule):
+        if rule.accept and not (_hashable(value) and value in rule.accept):
+            allowed = " | ".join(repr(v) for v in rule.accept)
+            return self.refuse(source, f"{key}={value!r} has no hybridrl counterpart (accepted: "
+                                       f"{allowed}): {rule.note}")
+        self.out.ignored.append(key)
+
+    def _refuse(self, source, key, text, value, rule):
+        self.refuse(source, f"verl key {key} has no hybridrl meaning: {rule.note}")
+
+    def _same(self, source, key, text, value, rule):
+        self.out.same.append((source, rule, value))
+        self.out.ignored.append(f"{key} (= {rule.ours[0]})")
+
+    def _world(self, source, key, text, value, rule):
+        self.out.world[key] = value
+        self.out.ignored.append(f"{key} (checked against the world size)")
+
+    def _special(self, source, key, text, value, rule):
+        if key.endswith("lr_warmup_steps"):
+            if not isinstance(value, int) or value < -1:
+                return self.refuse(source, f"{key} must be -1, 0 or a number of steps; "
+                                           f"got {value!r}")
+            self.warmup = max(value, 0)
+            if self.warmup:
+                self.emit(source, "actor.warmup_steps", value, text)
+                self.out.translated.append(f"{key} -> actor.warmup_steps")
+            else:
+                self.out.ignored.append(f"{key}={value} (no warmup)")
+        elif key == "data.filter_overlong_prompts":
+            self.drop_overlong = bool(value)
+        elif key == "trainer.logger":
+            names = [value] if isinstance(value, str) else list(value or [])
+            kept = list(dict.fromkeys(
+                "jsonl" if n in VERL_SINKS and n not in LOGGERS else n for n in names))
+            self.emit(source, "trainer.logger", kept, text if kept == names else None)
+            if kept != names:
+                self.out.translated.append(f"trainer.logger {names} -> {kept}")
+
+    def finish(self) -> Translation:
+        tail = "(verl's default follows the actor)"
+        if self.warmup and self.emitted.get("actor.lr_schedule", "constant") == "constant":
+            self.emit("actor_rollout_ref.actor.optim.lr_warmup_steps", "actor.lr_schedule",
+                      "warmup")
+            self.out.translated.append("lr_warmup_steps > 0 -> actor.lr_schedule=warmup")
+        for name in CRITIC_FOLLOWS_ACTOR:
+            if f"actor.{name}" in self.by_verl and f"critic.{name}" not in self.emitted:
+                self.emit(f"critic.{name} {tail}", f"critic.{name}", self.emitted[f"actor.{name}"])
+                self.out.translated.append(f"critic.{name} = actor.{name} {tail}")
+        if self.drop_overlong:
+            self.emit("data.filter_overlong_prompts=True", "data.truncation", "drop")
+            self.out.translated.append("data.filter_overlong_prompts=True -> data.truncation=drop")
+        return self.out
+
+
+def _hashable(value: Any) -> bool:
+    return not isinstance(value, (list, dict))
+
+
+def translate_overrides(items) -> Translation:
+    """Translate ``items`` (see the module docstring)."""
+    if isinstance(items, str):
+        raise TypeError("overrides must be a list of 'key=value' strings, not one string")
+    translator = _Translator()
+    for item in items:
+        translator.item(item)
+    return translator.finish()
