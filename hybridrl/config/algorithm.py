@@ -47,7 +47,9 @@ class AlgorithmConfig:
 
     adv_estimator: str = knob("gae", "Advantage estimator: gae (critic + GAE) | grpo "
                               "(group-relative, no critic) | rloo (leave-one-out, no critic) | "
-                              "reinforce_plus_plus (discounted return, whitened, no critic).")
+                              "reinforce_plus_plus (discounted return, whitened, no critic) | "
+                              "a name registered with hybridrl.ppo.register_advantage_estimator "
+                              "(no critic; looked up when advantages are computed).")
     gamma: float = knob(1.0, "GAE discount factor.")
     lam: float = knob(1.0, "GAE lambda.")
     norm_adv_by_std_in_grpo: bool = knob(True, "GRPO: divide by the group's std (false = "
@@ -58,7 +60,9 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = section(KLCtrlConfig, "In-reward KL coefficient controller.")
 
     def __post_init__(self) -> None:
-        check_choice("algorithm.adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        if not self.adv_estimator:  # other names: user estimators, checked by the registry
+            raise ValueError("algorithm.adv_estimator must name an estimator: "
+                             f"{' | '.join(ADV_ESTIMATORS)} or a registered one; got ''")
         check_range("algorithm.gamma", self.gamma, 0.0, 1.0)
         check_range("algorithm.lam", self.lam, 0.0, 1.0)
         check_choice("algorithm.kl_penalty", self.kl_penalty, KL_KINDS)
