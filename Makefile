@@ -18,6 +18,7 @@ $(STAMP): $(BUILD_INPUTS)
 	# torch first, pinned: the CPU wheel on local disk, so no dependency can pull a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	$(PY) -m pip install -q --no-deps sglang==0.5.21  # source for the SGLang contract tests (TEST_PIN)
 	touch $@
 
 lint: .venv

@@ -82,9 +82,13 @@ setup(
     ],
     extras_require={
         # GPU-only extras; apex is never listed (see shared DESIGN.md: PyPI's `apex` is unrelated).
-        "gpu": ["sglang", "transformer-engine[pytorch]"],
+        # SGLang pins torch exactly: 0.5.18-0.5.21 pin torch==2.13.0, the Makefile's torch (move
+        # both together: docs/rollout.md, hybridrl/rollout/sglang_compat.py).
+        "gpu": ["sglang>=0.5.18,<0.5.22", "transformer-engine[pytorch]"],
         # HF tokenizer folders and HF model classes (imported lazily where used)
         "hf": ["transformers>=4.40"],
+        # (+ the Makefile installs sglang==TEST_PIN with --no-deps: its source for the contract
+        # tests, without its CUDA dependencies or its torch)
         "test": ["pytest>=7", "ruff>=0.5", "transformers>=4.40", "einops", "ninja"],
     },
     entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},

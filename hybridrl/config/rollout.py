@@ -33,11 +33,18 @@ class RolloutConfig:
     val_temperature: float = knob(0.0, "Sampling temperature for validation (0 = greedy).")
     engine_kwargs: dict[str, Any] = knob({}, "Passed unchanged to the engine's constructor "
                                          "(e.g. sglang's mem_fraction_static).")
+    engine_start_timeout_s: float = knob(1800.0, "sglang: seconds every rank waits for all "
+                                         "engines to start (model load, CUDA graphs) before "
+                                         "failing; separate from the 600 s collective timeout.")
+    engine_port_base: int = knob(30000, "sglang: each engine on a node uses ports from "
+                                 "engine_port_base + 16 * its first GPU.")
 
     def __post_init__(self) -> None:
         check_choice("rollout.engine", self.engine, ENGINES)
         check_positive("rollout.n", self.n)
         check_positive("rollout.response_length", self.response_length)
+        check_positive("rollout.engine_start_timeout_s", self.engine_start_timeout_s)
+        check_range("rollout.engine_port_base", self.engine_port_base, 1024, 65535 - 16 * 64)
         check_non_negative("rollout.temperature", self.temperature)
         check_non_negative("rollout.val_temperature", self.val_temperature)
         check_range("rollout.top_p", self.top_p, 0.0, 1.0, low_open=True)

@@ -7,7 +7,9 @@ Contract:
   local permutation returning ``[(name, tensor)]``, see hybridrl.reshard.formats) and frees the
   buffer. ``flush()`` (called by the executor after every bucket) passes the newly converted
   tensors to ``sink`` (e.g. an engine's weight loader); without a sink they are kept and
-  returned by ``result()``.
+  returned by ``result()``. ``sink_every_flush=True`` calls the sink at every flush, with an
+  empty list when nothing completed (a sink that runs one collective round per reshard phase
+  needs every call; the SGLang push does).
 - ``into`` (optional): this rank's existing gen-layout megatron tensors by stage-local name (e.g.
   a gen model's parameters). Received rows then land directly in them (their canonical views),
   padding rows are zeroed, and the emitted tensors ARE those tensors: no allocation, no copy,
@@ -19,7 +21,8 @@ Contract:
 - Gen pieces with no real rows (vocab chunks past the vocabulary) are emitted at construction.
 - ``slot(key, lo, hi)`` gives the executor a contiguous view to receive into (no extra copy).
 - ``dtype`` / ``device``: of the buffers it allocates (must match the training tensors; NCCL:
-  the CUDA device).
+  the CUDA device, which is also where an engine reading the emitted tensors through CUDA IPC
+  needs them). The default stays the CPU.
 - ``live_bytes``: canonical bytes of open buffers plus converted tensors kept (for peak checks).
 """
 
@@ -39,8 +42,9 @@ Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 class Assembler:
     def __init__(self, plan: Plan, rank: int, fmt: Format | None, sink: Sink | None = None,
                  dtype: torch.dtype = torch.float32, into: dict[str, torch.Tensor] | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", sink_every_flush: bool = False):
         self.plan, self.rank, self.fmt, self.sink, self.dtype = plan, rank, fmt, sink, dtype
+        self.sink_every_flush = sink_every_flush
         self.device = torch.device(device)
         self.into = into
         self.dests = plan.dests[rank]
@@ -151,7 +155,7 @@ class Assembler:
             self._emit(spec, piece)
 
     def flush(self) -> None:
-        if not self.pending:
+        if not self.pending and not (self.sink_every_flush and self.sink is not None):
             return
         if self.sink is not None:
             self.sink(self.pending)

@@ -1,115 +1,267 @@
-"""Adapter around ``sglang.Engine`` for GPU rollouts (imported lazily; needs the ``gpu`` extra).
+"""``SGLangEngine``: one ``sglang.Engine`` per gen-TP group, fed by the reshard (GPU; lazy import).
 
-Contract (tested here only up to the missing-import error: this machine cannot install SGLang):
-- ``SGLangEngine(model_path, tp_group, tp_src, **engine_kwargs)``: every rank of one gen TP
-  group constructs it; only the group's first rank (``tp_src``) starts ``sglang.Engine(
-  model_path=..., tp_size=<group size>, **engine_kwargs)`` (``rollout.engine_kwargs`` pass
-  through, e.g. ``mem_fraction_static``). Without sglang: ``ImportError`` saying how to install.
-- ``update_weights(named_tensors)``: the tensors are this rank's engine-format shard
-  (``hybridrl.reshard.formats.engine_format``, the same per-rank packing SGLang's models use).
-  It only buffers them locally (no collective): the reshard calls it once per non-empty bucket,
-  and ranks of one gen TP group see different numbers of buckets (e.g. 15 vs 14), so a
-  collective per call would be unmatched and hang.
-- ``finish_update()`` (every rank of the gen TP group, exactly once per sync): each rank
-  serializes its buffered list (``MultiprocessingSerializer``: CUDA IPC handles, no copy), the
-  source rank gathers the per-rank payloads with ONE ``gather_object`` and calls
-  ``update_weights_from_tensor`` with ``load_format=DIRECT_LOADER``, SGLang's loader that copies
-  tensors by name into the rank's parameters without re-splitting them (they are already the
-  rank's shard). Cost: the rank's whole engine-format gen shard stays alive until this call.
-- ``generate(prompt_ids, params)``: the source rank calls ``Engine.generate(input_ids=...,
-  sampling_params=..., return_logprob=True)`` and broadcasts the ``GenerationOutput`` to the
-  group. Per-token log-probs are SGLang's ``output_token_logprobs``.
+Contract (docs/rollout.md has the diagram and the memory budget):
+- ``build_sglang_engine(...)`` is collective over the world (every rank, same arguments; the
+  gen-TP groups ``all_members`` in the same order everywhere). It checks the SGLang/torch pair
+  (``sglang_compat``), refuses ``engine_kwargs`` that set what the layout decides
+  (``RESERVED``), creates gloo side groups (one per gen-TP group, one over the world whose
+  timeout is ``rollout.engine_start_timeout_s``), exchanges (host, local GPU) of every rank and
+  places each engine with ``gpu_placement``: ``base_gpu_id`` = its source rank's local GPU,
+  ``gpu_id_step`` = the stride of its members' GPUs, ``port`` = ``engine_port_base`` + 16 x
+  base_gpu_id (distinct on a node), ``nccl_port`` = port + 1. The source rank starts the
+  engine with ``load_format="dummy"`` (the first sync writes every weight),
+  ``enable_memory_saver=True``, ``skip_tokenizer_init=True``,
+  ``enable_deterministic_inference=True`` (SGLang honours per-request ``sampling_seed`` only
+  then), the training dtype, then any ``engine_kwargs`` (which may override these), and
+  releases its memory. Every rank then learns over the world side group whether all engines
+  started: a failure (or no answer within the start timeout) raises RuntimeError with the
+  same one line on every rank.
+- Lifecycle (the source rank calls the engine; the others wait on the side group):
+  ``start_update(plan)`` resumes the weights' memory (after a release) and opens the weight-
+  update session where the release has one; ``update_weights(named)`` is the reshard's sink at
+  every flush (``WeightPusher`` rounds, load_format "direct", tensors serialized after
+  SGLang's ``monkey_patch_torch_reductions``); ``finish_update()`` closes the session, resumes
+  the KV cache and CUDA graphs and flushes the cache; ``generate``; ``release()`` gives all
+  the engine's GPU memory back before the training phases. Order per step: resume -> update
+  -> flush -> generate -> release.
+- ``generate(prompt_ids, params)``: one sampling-params dict per request: max_new_tokens,
+  temperature, top_p, top_k, ``stop_token_ids`` = [eos] when known and ``sampling_seed`` =
+  ``request_seed(params.seed, i)`` (distinct for the n samples of a prompt, reproducible); the
+  source's result (or its error) is broadcast over the gloo side group, never NCCL.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+import datetime
+import os
+import socket
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from hybridrl.parallel.groups import DEFAULT_TIMEOUT_S
 from hybridrl.rollout.base import GenerationOutput, SamplingParams, as_prompt_lists
+from hybridrl.rollout.sglang_compat import LOAD_FORMAT, has_weight_update_session, import_sglang
+from hybridrl.rollout.sglang_layout import engine_param_shapes
+from hybridrl.rollout.sglang_push import WeightPusher
 
-DIRECT_LOADER = "sglang.srt.model_executor.model_runner._model_load_weights_direct"
+RESERVED = ("model_path", "tp_size", "base_gpu_id", "gpu_id_step")  # the layout decides these
+PORT_STRIDE = 16
+REST = ["kv_cache", "cuda_graph"]  # memory tags resumed after the weights (SGLang's constants)
 
 
-def import_sglang():
-    """``sglang`` or an ImportError with the fix."""
+def gpu_placement(gpus: list[tuple[str, int]]) -> tuple[int, int]:
+    """(base_gpu_id, gpu_id_step) of an engine whose TP ranks sit on ``gpus`` [(host, gpu)]
+    in gen-TP order; ValueError unless they share one host at a constant GPU stride."""
+    hosts = {h for h, _ in gpus}
+    if len(hosts) != 1:
+        raise ValueError(f"a gen-TP group must sit on one node (SGLang's Engine spans one "
+                         f"host here); its ranks are on {sorted(hosts)}")
+    ids = [g for _, g in gpus]
+    step = ids[1] - ids[0] if len(ids) > 1 else 1
+    if step < 1 or any(b - a != step for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"the GPUs of a gen-TP group must be evenly spaced and ascending "
+                         f"(base_gpu_id + i * gpu_id_step); got {ids}")
+    return ids[0], step
+
+
+def request_seed(seed: int, index: int) -> int:
+    """Seed of request ``index`` of a generate call with base ``seed`` (fits SGLang's int64)."""
+    return (seed * 1_000_003 + index) % (2**63 - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SGLangBackend:
+    """What the adapter takes from SGLang: tests pass fakes with the pinned signatures."""
+
+    engine_cls: type  # sglang.Engine
+    request_cls: type  # sglang.srt.managers.io_struct.UpdateWeightsFromTensorReqInput
+    serialize: Callable  # [(name, tensor)] -> bytes (MultiprocessingSerializer)
+    version: str
+
+
+def sglang_backend() -> SGLangBackend:
+    """The installed SGLang (version-checked); ImportError with the install command."""
+    from importlib import metadata
+
+    sglang = import_sglang()
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()  # CUDA tensors pickle by device UUID, as the schedulers expect
+    return SGLangBackend(sglang.Engine, UpdateWeightsFromTensorReqInput,
+                         lambda named: MultiprocessingSerializer.serialize(list(named)),
+                         metadata.version("sglang"))
+
+
+def _gloo_groups(all_members: list[list[int]], rank: int, start_timeout_s: float):
+    """(this rank's gen-TP gloo group or None, world gloo group); same calls on every rank."""
+    mine = None
+    for ranks in all_members:
+        if len(ranks) > 1:
+            g = dist.new_group(ranks, backend="gloo",
+                               timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+            mine = g if rank in ranks else mine
+    world = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=start_timeout_s))
+    return mine, world
+
+
+def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]], rank: int,
+                        device, dtype: torch.dtype, rollout, backend: SGLangBackend | None = None):
+    """Collective: start one engine per gen-TP group (see the module docstring)."""
+    bad = sorted(set(rollout.engine_kwargs) & set(RESERVED))
+    if bad:
+        raise ValueError(f"rollout.engine_kwargs must not set {bad}: the gen layout decides "
+                         f"{list(RESERVED)}")
+    backend = backend or sglang_backend()
+    members = next(m for m in all_members if rank in m)
+    table = engine_param_shapes(shape, len(members))
+    tp_group, world_group = _gloo_groups(all_members, rank, rollout.engine_start_timeout_s)
+    device = torch.device(device)
+    local = device.index if device.type == "cuda" else int(os.environ.get("LOCAL_RANK", rank))
+    gpus: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gpus, (socket.gethostname(), local), group=world_group)
+    placements = [gpu_placement([gpus[r] for r in m]) for m in all_members]  # all fail alike
+    base, step = placements[all_members.index(members)]
+    port = rollout.engine_port_base + PORT_STRIDE * base
+    engine, error = None, None
+    if rank == members[0]:
+        kwargs = dict(model_path=model_path, tp_size=len(members), base_gpu_id=base,
+                      gpu_id_step=step, port=port, nccl_port=port + 1, load_format="dummy",
+                      enable_memory_saver=True, skip_tokenizer_init=True,
+                      enable_deterministic_inference=True,
+                      dtype=str(dtype).removeprefix("torch."))
+        kwargs.update(rollout.engine_kwargs)
+        try:
+            engine = backend.engine_cls(**kwargs)
+            engine.release_memory_occupation()  # training runs first; sync resumes it
+        except Exception as err:  # any start failure is reported on every rank below
+            line = (str(err).splitlines() or [repr(err)])[0]
+            error = f"rank {rank}: the SGLang engine failed to start: {type(err).__name__}: {line}"
+    errors: list = [None] * dist.get_world_size()
     try:
-        import sglang
-    except ImportError as err:
-        raise ImportError(
-            "rollout.engine=sglang needs SGLang, which is not installed here "
-            f"({err.__class__.__name__}: {err}); install the GPU extra on a CUDA machine "
-            "(pip install -e '.[gpu]') or use rollout.engine=builtin") from None
-    return sglang
-
-
-class GatheredUpdates:
-    """Per-sync weight buffer of one gen TP rank: ``add`` is local, ``gather`` is the one
-    collective (``gather_object`` to ``tp_src``); no SGLang needed (tested on gloo)."""
-
-    def __init__(self, tp_group=None, tp_src: int = 0, tp_size: int = 1):
-        self.tp_group, self.tp_src, self.tp_size = tp_group, tp_src, tp_size
-        self.pending: list[tuple[str, torch.Tensor]] = []
-
-    def add(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.pending.extend(named_tensors)  # keeps the tensors alive until ``gather``
-
-    def gather(self, serialize) -> list | None:
-        """Every rank: its payload ``serialize(pending)`` -> list of payloads on ``tp_src``
-        (in group-rank order), None elsewhere; empties the buffer."""
-        payload, self.pending = serialize(self.pending), []
-        if self.tp_size == 1:
-            return [payload]
-        is_src = dist.get_rank() == self.tp_src
-        gathered = [None] * self.tp_size if is_src else None
-        dist.gather_object(payload, gathered, dst=self.tp_src, group=self.tp_group)
-        return gathered
+        dist.all_gather_object(errors, error, group=world_group)
+    except RuntimeError:
+        raise RuntimeError(f"rank {rank}: not every SGLang engine started within "
+                           f"rollout.engine_start_timeout_s={rollout.engine_start_timeout_s}") from None
+    first = next((e for e in errors if e), None)
+    if first:
+        raise RuntimeError(first)
+    return SGLangEngine(engine, backend, rank=rank, members=members, tp_group=tp_group,
+                        table=table, dtype=dtype)
 
 
 class SGLangEngine:
-    """One gen TP group's SGLang engine; see the module docstring."""
+    """One gen-TP rank's handle on its group's engine (the source holds ``engine``)."""
 
-    def __init__(self, model_path: str, *, tp_group=None, tp_src: int = 0, **engine_kwargs):
-        sglang = import_sglang()
-        self.tp_group, self.tp_src = tp_group, tp_src
-        self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-        self.is_src = tp_group is None or dist.get_rank() == tp_src
-        self.engine = (sglang.Engine(model_path=model_path, tp_size=self.tp_size, **engine_kwargs)
-                       if self.is_src else None)
-        self.updates = GatheredUpdates(tp_group, tp_src, self.tp_size)
+    def __init__(self, engine, backend: SGLangBackend, *, rank: int, members: list[int],
+                 tp_group, table: dict, dtype: torch.dtype):
+        self.engine, self.backend, self.rank, self.members = engine, backend, rank, members
+        self.tp_group, self.is_src = tp_group, rank == members[0]
+        self.sessions = has_weight_update_session(backend.version)
+        self.released = True
+        self.pusher = WeightPusher(rank, members, tp_group, table, dtype, backend.serialize,
+                                   self._load)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Buffer locally; no collective (see the module docstring)."""
-        self.updates.add(named_tensors)
+    def _load(self, payloads: list) -> tuple[bool, str]:
+        req = self.backend.request_cls(serialized_named_tensors=payloads,
+                                       load_format=LOAD_FORMAT, flush_cache=False)
+        ok, message = self.engine.loop.run_until_complete(
+            self.engine.tokenizer_manager.update_weights_from_tensor(req, None))
+        return bool(ok), str(message)
+
+    def start_update(self, plan) -> None:
+        """Before the reshard: weights' memory back, session open (source); schedule rounds."""
+        self.pusher.start(plan)
+        if self.is_src:
+            try:
+                if self.released:
+                    self.engine.resume_memory_occupation(tags=["weights"])
+                if self.sessions:
+                    ok, message = _pair(self.engine.begin_weight_update())
+                    if not ok:
+                        raise RuntimeError(f"begin_weight_update failed: {message}")
+            except Exception as err:  # reported in the first round, on every rank
+                self.pusher.src_error = f"{type(err).__name__}: {err}"
+
+    def update_weights(self, named_tensors) -> None:
+        """The reshard's sink, called at every flush (one push round each)."""
+        self.pusher.sink(named_tensors)
 
     def finish_update(self) -> None:
-        """The sync's one collective: gather every rank's buffer and load it (see module doc)."""
-        from sglang.srt.utils import MultiprocessingSerializer
+        """After the reshard: last rounds, session closed, KV cache resumed, cache flushed."""
+        self.pusher.finish(self._close if self.is_src else None)
+        self.released = False
 
-        gathered = self.updates.gather(
-            lambda named: MultiprocessingSerializer.serialize(named, output_str=True))
-        if self.is_src:
-            from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    def _close(self) -> tuple[bool, str]:
+        try:
+            if self.sessions:
+                ok, message = _pair(self.engine.end_weight_update())
+                if not ok:
+                    return False, f"end_weight_update failed: {message}"
+            if self.released:
+                self.engine.resume_memory_occupation(tags=REST)
+            self.engine.flush_cache()
+        except Exception as err:
+            return False, f"{type(err).__name__}: {err}"
+        return True, ""
 
-            req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=gathered,
-                                                  load_format=DIRECT_LOADER, flush_cache=True)
-            self.engine.loop.run_until_complete(
-                self.engine.tokenizer_manager.update_weights_from_tensor(req, None))
+    def release(self) -> None:
+        """Give the engine's GPU memory back (weights, KV cache, CUDA graphs) before training."""
+        result = (True, "")
+        if self.is_src and not self.released:
+            try:
+                self.engine.release_memory_occupation()
+            except Exception as err:
+                result = (False, f"release_memory_occupation failed: {type(err).__name__}: {err}")
+        ok, message = self._share(result)
+        self.released = True
+        if not ok:
+            raise RuntimeError(message)
+
+    def _share(self, obj):
+        if self.tp_group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.members[0], group=self.tp_group)
+        return box[0]
 
     def generate(self, prompt_ids, params: SamplingParams) -> GenerationOutput:
         prompts = as_prompt_lists(prompt_ids)
-        box = [None]
+        result = None
         if self.is_src:
-            sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
-                        "top_p": params.top_p, "top_k": params.top_k, "sampling_seed": params.seed}
-            outs = self.engine.generate(input_ids=prompts, sampling_params=sampling,
-                                        return_logprob=True)
-            box[0] = _to_output(outs, params)
-        if self.tp_size > 1:
-            dist.broadcast_object_list(box, src=self.tp_src, group=self.tp_group)
-        return box[0]
+            try:
+                outs = self.engine.generate(input_ids=prompts,
+                                            sampling_params=sampling_dicts(params, len(prompts)),
+                                            return_logprob=True)
+                result = _to_output(outs, params)
+            except Exception as err:  # every rank raises the source's error
+                result = f"rank {self.rank}: SGLang generate failed: {type(err).__name__}: {err}"
+        result = self._share(result)
+        if isinstance(result, str):
+            raise RuntimeError(result.splitlines()[0])
+        return result
+
+
+def _pair(result) -> tuple[bool, str]:
+    """SGLang's (success, message) answers; a bare None counts as success."""
+    if result is None:
+        return True, ""
+    if isinstance(result, tuple):
+        return bool(result[0]), str(result[1]) if len(result) > 1 else ""
+    return bool(getattr(result, "success", True)), str(getattr(result, "message", ""))
+
+
+def sampling_dicts(params: SamplingParams, n: int) -> list[dict]:
+    """One SGLang sampling-params dict per request, each with its own seed."""
+    base = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "top_k": params.top_k}
+    if params.eos_token_id is not None:
+        base["stop_token_ids"] = [int(params.eos_token_id)]
+    return [{**base, "sampling_seed": request_seed(params.seed, i)} for i in range(n)]
 
 
 def _to_output(outs: list[dict], params: SamplingParams) -> GenerationOutput:

@@ -14,7 +14,11 @@ Contract:
   receives its engine-format shard bucket by bucket (``update_weights`` is the sink, called a
   rank-dependent number of times, never communicating), then ``finish_update()`` exactly once on
   every rank (the one place an engine may run a gen-TP collective). Returns the executor's
-  ``RunStats``.
+  ``RunStats``. The reshard's buffers are on the actor's device. SGLang instead takes one push
+  round per reshard phase on a gloo side group (``start_update`` first, ``update_weights`` at
+  every flush; hybridrl/rollout/sglang_push.py).
+- ``release()`` (collective over the gen-TP group): call it after the rollouts, before the
+  training phases; SGLang then gives its GPU memory back (no-op for the builtin engine).
 - ``generate(prompts, params, seed)`` (collective): the N prompts are cut into contiguous shares,
   one per gen replica (``numpy.array_split`` order); each replica samples its share with seed
   ``seed * 1_000_003 + replica`` (reproducible, resumable without saved generator state); the
@@ -69,11 +73,16 @@ def _gen_tp_groups(gen, rank: int, groups, grouping: str):
 
 
 @torch.no_grad()
-def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype):
+def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, device="cpu"):
     """Run ``plan`` from this rank's training tensors ``named`` into ``engine`` (collective):
-    ``update_weights`` per flushed bucket, then ``finish_update`` exactly once."""
+    ``update_weights`` per flushed bucket, then ``finish_update`` exactly once. The reshard's
+    buffers live on ``device`` (the engine's). An engine with ``start_update(plan)`` (SGLang)
+    is told the plan first and gets ``update_weights`` at every flush, empty ones included."""
+    start = getattr(engine, "start_update", None)
+    if start is not None:
+        start(plan)
     asm = Assembler(plan, rank, engine_format(shape, plan.gen, rank), sink=engine.update_weights,
-                    dtype=dtype)
+                    dtype=dtype, device=device, sink_every_flush=start is not None)
     stats = run_plan(plan, rank, train_sources(plan, rank, named), asm)
     asm.result()
     engine.finish_update()
@@ -112,12 +121,7 @@ class RolloutWorker:
 
     def _build_engine(self, cfg, actor, tp_group, tp_rank, tp_src):
         if cfg.rollout.engine == "sglang":
-            from hybridrl.rollout.sglang import SGLangEngine
-
-            if not cfg.model.path:
-                raise ValueError("rollout.engine=sglang needs model.path (an HF folder)")
-            return SGLangEngine(cfg.model.path, tp_group=tp_group, tp_src=tp_src,
-                                **dict(cfg.rollout.engine_kwargs))
+            return self._build_sglang(cfg, actor)
         from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
 
         spec = EngineSpec.from_llama(actor.spec, self.gen.vocab_chunk)
@@ -129,7 +133,30 @@ class RolloutWorker:
     def sync_weights(self, actor):
         """Reshard the actor's training shards into the engine (collective)."""
         named = {n: p.detach() for n, p in actor.module.named_parameters()}
-        return sync_engine(self.plan, self.rank, self.shape, named, self.engine, self.dtype)
+        return sync_engine(self.plan, self.rank, self.shape, named, self.engine, self.dtype,
+                           self.device)
+
+    # ------------------------------------------------------------------ SGLang only
+    def _build_sglang(self, cfg, actor, backend=None):
+        """One SGLang engine per gen-TP group (collective; see hybridrl/rollout/sglang.py)."""
+        from hybridrl.rollout.sglang import build_sglang_engine, sglang_backend
+
+        if not cfg.model.path:
+            raise ValueError("rollout.engine=sglang needs model.path (an HF folder)")
+        backend = backend or sglang_backend()  # version/import check before any collective
+        gen = self.gen
+        all_members = [[gen.rank_at(b, 0, rep) for b in range(gen.tp)]
+                       for rep in range(self.n_replicas)]
+        return build_sglang_engine(cfg.model.path, shape=self.shape, all_members=all_members,
+                                   rank=self.rank, device=actor.device, dtype=self.dtype,
+                                   rollout=cfg.rollout, backend=backend)
+
+    def release(self) -> None:
+        """Training phases come next: an engine that can give its GPU memory back does
+        (SGLang: ``release_memory_occupation``; the next ``sync_weights`` resumes it)."""
+        release = getattr(self.engine, "release", None)
+        if release is not None:
+            release()
 
     def sampling_params(self, max_new_tokens: int, temperature: float, top_k: int = -1,
                         top_p: float = 1.0) -> SamplingParams:

@@ -75,13 +75,13 @@ def test_two_gen_tp_ranks_match_transformers(tied):
 
 
 class _BufferingEngine:
-    """The SGLang adapter's weight path without SGLang: ``update_weights`` buffers in a
-    ``GatheredUpdates``, ``finish_update`` gathers once (payload = the tensors themselves)."""
+    """An engine without ``start_update`` that buffers in ``update_weights`` and gathers the
+    buffers once in ``finish_update`` (payload = the tensors themselves): the sink protocol
+    every such engine relies on (the SGLang push, with rounds, is tests/distributed/
+    test_sglang.py)."""
 
     def __init__(self, tp_group, tp_src, tp_size):
-        from hybridrl.rollout.sglang import GatheredUpdates
-
-        self.updates = GatheredUpdates(tp_group, tp_src, tp_size)
+        self.group, self.src, self.tp_size, self.pending = tp_group, tp_src, tp_size, []
         self.n_update = self.n_finish = 0
         self.comm_in_update = 0
         self.mine, self.gathered = {}, None
@@ -90,13 +90,18 @@ class _BufferingEngine:
         before = _COLLECTIVES[0]
         named = list(named_tensors)
         self.mine.update((n, t.clone()) for n, t in named)
-        self.updates.add(named)
+        self.pending.extend(named)
         self.n_update += 1
         self.comm_in_update += _COLLECTIVES[0] - before
 
     def finish_update(self):
+        import torch.distributed as dist
+
         self.n_finish += 1
-        self.gathered = self.updates.gather(lambda named: {n: t.clone() for n, t in named})
+        payload, self.pending = {n: t.clone() for n, t in self.pending}, []
+        is_src = dist.get_rank() == self.src
+        self.gathered = [None] * self.tp_size if is_src else None
+        dist.gather_object(payload, self.gathered, dst=self.src, group=self.group)
 
 
 _COLLECTIVES = [0]  # gather_object calls on this rank (patched in _sync_rank)

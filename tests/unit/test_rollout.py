@@ -157,10 +157,10 @@ def test_sglang_missing_is_a_clear_import_error():
         pass
     else:
         pytest.skip("sglang is installed here")
-    from hybridrl.rollout.sglang import SGLangEngine
+    from hybridrl.rollout.sglang import sglang_backend
 
     with pytest.raises(ImportError, match="rollout.engine=builtin"):
-        SGLangEngine("model/")
+        sglang_backend()
 
 
 def _worker_on_one_rank(engine: str, qkv_bias: bool):
