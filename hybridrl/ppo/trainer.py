@@ -253,6 +253,7 @@ class PPOTrainer:
             self.worker.sync_weights(self.actor)
         with _timer(timing, "gen"):
             rb = self._rollout(prompts)
+            self.worker.release()  # SGLang gives its GPU memory back before training
         mask = rb.response_mask
         a = cfg.actor
         with _timer(timing, "old_log_prob"):
@@ -356,6 +357,7 @@ class PPOTrainer:
                                             prompts.ground_truth, prompts.data_source,
                                             prompts.extra_info)
             scores.append(s)
+        self.worker.release()
         return {"val/score/mean": float(torch.cat(scores).float().mean())}
 
     # ------------------------------------------------------------------ checkpoints
