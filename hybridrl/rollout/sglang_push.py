@@ -20,9 +20,13 @@ Contract (no SGLang needed; tested on gloo with a fake engine):
   payload is non-empty and broadcasts (ok, message); the tensors stay referenced until that
   broadcast returns (the engine has copied them), then are dropped; a failed load raises
   RuntimeError on every rank naming the round's first tensor.
-- Memory: a round holds only what one flush emitted, so beyond the reshard's own two buckets the
-  push adds one bucket's tensors, never the shard. ``peak_round_bytes`` records the most bytes
-  one round held on this rank; ``rounds`` counts rounds run (tests).
+- Memory: a round holds only what one flush emitted and drops it before the next, so the
+  whole shard is never buffered. A bucket round holds the tensors its bucket completed; the
+  first round (phase -1) holds every tensor this rank's own training piece completes alone
+  (the reshard's local copies are emitted in one flush): up to the rank's training-shard part
+  of its gen shard, not bounded by the bucket size. ``round_bytes`` lists the bytes each round
+  of the current sync held on this rank, ``peak_round_bytes`` the most over all syncs;
+  ``rounds`` counts rounds run (tests).
 - ``src_error``: set on the source when an engine call outside a round failed (e.g. opening
   the session); the next round then fails on every rank with it.
 """
@@ -47,6 +51,7 @@ class WeightPusher:
         self.table, self.dtype, self.serialize, self.load = table, dtype, serialize, load
         self.src_error: str | None = None
         self.phases: list[int] = []
+        self.round_bytes: list[int] = []
         self.n_buckets = self.calls = self.rounds = self.peak_round_bytes = 0
         self.next_phase = -1
 
@@ -54,7 +59,7 @@ class WeightPusher:
         """This sync's schedule: phase -1 (local copies), then this rank's buckets."""
         own = [k for k, (s, r) in enumerate(plan.rank_buckets(self.rank)) if s or r]
         self.phases, self.n_buckets = [-1] + own, len(plan.buckets)
-        self.calls, self.next_phase = 0, -1
+        self.calls, self.next_phase, self.round_bytes = 0, -1, []
 
     def sink(self, named) -> None:
         """Assembler sink: one call per flush, ``named`` possibly empty (see module doc)."""
@@ -96,8 +101,8 @@ class WeightPusher:
         self.next_phase += 1
         self.rounds += 1
         problem = check_named_tensors(named, self.table, self.dtype)
-        self.peak_round_bytes = max(self.peak_round_bytes,
-                                    sum(t.numel() * t.element_size() for _, t in named))
+        self.round_bytes.append(sum(t.numel() * t.element_size() for _, t in named))
+        self.peak_round_bytes = max(self.peak_round_bytes, self.round_bytes[-1])
         payload = None
         if named and problem is None:
             for device in {t.device for _, t in named if t.is_cuda}:

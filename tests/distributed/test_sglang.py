@@ -1,0 +1,165 @@
+"""The SGLang adapter on 4 gloo ranks with two gen-TP groups of 2, driven through the real
+reshard into a fake Engine that has the pinned release's signatures (hybridrl/testing/
+sglang_fake.py). Checked: placement (base_gpu_id/gpu_id_step/ports), that each fake scheduler
+rank holds exactly its own engine-format shard (the independent oracle ``engine_shards``)
+after two syncs, the call order resume -> update -> flush -> generate -> release, one
+sampling-params entry per request with distinct, reproducible seeds and the stop id, that the
+rounds match across ranks, that every bucket round held at most 2 buckets while the shard spans
+many (the first round, the reshard's local copies, holds the rank's own stage: about half its
+shard),
+and that an engine failing to start makes every rank raise the same line.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from hybridrl.testing.dist import run_on_ranks
+
+BUCKET_MB = 0.02
+ROLLOUT = types.SimpleNamespace(engine_kwargs={"mem_fraction_static": 0.5},
+                                engine_start_timeout_s=120.0, engine_port_base=30000)
+
+
+def _sglang_rank(rank, world):
+    from hybridrl.parallel.layout import TrainLayout
+    from hybridrl.reshard.placement import gen_placement, train_placement
+    from hybridrl.reshard.planner import plan_reshard
+    from hybridrl.reshard.specs import build_specs
+    from hybridrl.rollout.base import SamplingParams
+    from hybridrl.rollout.sglang import build_sglang_engine
+    from hybridrl.rollout.worker import sync_engine
+    from hybridrl.testing.sglang_fake import FailingEngine, fake_backend
+    from tests.unit.test_reshard_oracle import PAD, SMALL, engine_shards, make_hf, megatron_shards
+
+    tl = TrainLayout(world, tp=2, pp=2)  # gen tp 2, pp 1: two replicas (micro-DP groups of 2)
+    train = train_placement(tl, SMALL)
+    gen = gen_placement(tl, SMALL, 2, 1, "hybridflow", vocab_pad=64)
+    plan = plan_reshard(train, gen, build_specs(SMALL), "zero_redundancy", BUCKET_MB, 4)
+    all_members = [[gen.rank_at(b, 0, rep) for b in range(2)] for rep in range(2)]
+    handle = build_sglang_engine("hf/", shape=SMALL, all_members=all_members, rank=rank,
+                                 device="cpu", dtype=torch.float32, rollout=ROLLOUT,
+                                 backend=fake_backend())
+    b, a, _ = train.coords[rank]
+    out = {"members": handle.members, "rounds": [], "peaks": []}
+    for seed in (3, 4):  # two syncs with different weights: the second overwrites the first
+        hf = make_hf(SMALL, seed=seed)
+        named = megatron_shards(SMALL, hf, 2, b, 2, a, train.vocab_chunk, pad_value=PAD)
+        stats = sync_engine(plan, rank, SMALL, named, handle, torch.float32)
+        out["rounds"].append(handle.pusher.rounds)
+        out["peaks"].append((list(handle.pusher.round_bytes), stats.peak_live_bytes))
+        prompts = [[5, 6, 7]] * 3 + [[8, 9]] * 3  # two prompts, n = 3 samples each
+        params = SamplingParams(max_new_tokens=2, temperature=1.0, eos_token_id=2, seed=11)
+        gen_out = handle.generate(prompts, params)
+        again = handle.generate(prompts, params)
+        handle.release()
+    gb, ga, _ = gen.coords[rank]
+    out["want"] = engine_shards(SMALL, hf, 2, gb, 1, ga, gen.vocab_chunk)
+    out["shard_bytes"] = sum(t.numel() * t.element_size() for t in out["want"].values())
+    out["same_outputs"] = torch.equal(gen_out.response_ids, again.response_ids)
+    out["gen_ids"] = gen_out.response_ids
+    if handle.is_src:
+        eng = handle.engine
+        out["engine"] = {"args": eng.server_args, "calls": eng.calls, "loaded": eng.loaded,
+                         "requests": eng.requests, "pushed": eng.pushed_names}
+    try:  # an engine that fails to start: every rank raises the same line
+        build_sglang_engine("hf/", shape=SMALL, all_members=all_members, rank=rank,
+                            device="cpu", dtype=torch.float32, rollout=ROLLOUT,
+                            backend=fake_backend(FailingEngine))
+        out["start_error"] = None
+    except RuntimeError as err:
+        out["start_error"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_ranks(_sglang_rank, 4, timeout=300)
+
+
+@pytest.mark.slow
+def test_engines_placed_per_gen_tp_group(results):
+    srcs = {r["members"][0] for r in results}
+    assert len(srcs) == 2 and all("engine" in results[s] for s in srcs)
+    for s in srcs:
+        args = results[s]["engine"]["args"]
+        members = results[s]["members"]
+        assert args["tp_size"] == 2 and args["base_gpu_id"] == members[0]  # LOCAL_RANK = rank
+        assert args["gpu_id_step"] == members[1] - members[0]
+        assert args["port"] == 30000 + 16 * members[0] and args["nccl_port"] == args["port"] + 1
+        assert args["load_format"] == "dummy" and args["enable_memory_saver"]
+        assert args["mem_fraction_static"] == 0.5 and args["dtype"] == "float32"
+    ports = [results[s]["engine"]["args"]["port"] for s in srcs]
+    assert len(set(ports)) == 2
+
+
+@pytest.mark.slow
+def test_each_scheduler_rank_holds_exactly_its_shard(results):
+    from tests.unit.test_reshard_oracle import mismatches
+
+    for s in {r["members"][0] for r in results}:
+        eng = results[s]["engine"]
+        for tp_rank, member in enumerate(results[s]["members"]):
+            want = results[member]["want"]
+            assert set(eng["loaded"][tp_rank]) == set(want)
+            assert mismatches(eng["loaded"][tp_rank], want) == []
+        names = [n for _, n in eng["pushed"]]
+        assert len(names) == 2 * 2 * len(results[s]["want"])  # each tensor once per rank per sync
+
+
+@pytest.mark.slow
+def test_call_order_and_sessions(results):
+    for s in {r["members"][0] for r in results}:
+        calls = results[s]["engine"]["calls"]
+        assert calls[0] == "release_memory_occupation"  # started, then memory given back
+        step = []
+        for c in calls[1:]:
+            if not step or step[-1] != c or c != "update_weights_from_tensor":
+                step.append(c)
+        one = ["resume_memory_occupation:weights", "begin_weight_update",
+               "update_weights_from_tensor", "end_weight_update",
+               "resume_memory_occupation:kv_cache,cuda_graph", "flush_cache", "generate",
+               "generate", "release_memory_occupation"]
+        assert step == one + one, step
+
+
+@pytest.mark.slow
+def test_rounds_matched_and_memory_bounded(results):
+    rounds = [r["rounds"] for r in results]
+    assert all(x == rounds[0] for x in rounds), rounds  # the same rounds on every rank
+    bucket = int(BUCKET_MB * 2**20)
+    for r in results:
+        assert r["shard_bytes"] > 4 * bucket  # the shard spans many buckets ...
+        for per_round, live in r["peaks"]:
+            local, later = per_round[0], per_round[1:]
+            assert sum(per_round) == r["shard_bytes"]  # every tensor pushed once, in rounds
+            assert 0 < max(later) <= 2 * bucket, (later, bucket)  # ... a bucket round holds few
+            assert local < 0.6 * r["shard_bytes"]  # local copies: its stage's half (+ norms)
+            assert live <= 2 * bucket
+
+
+@pytest.mark.slow
+def test_sampling_params_per_request_with_distinct_seeds(results):
+    for s in {r["members"][0] for r in results}:
+        reqs = results[s]["engine"]["requests"]
+        ids, sp, logprob = reqs[0]
+        assert logprob is True and len(sp) == len(ids) == 6
+        seeds = [p["sampling_seed"] for p in sp]
+        assert len(set(seeds)) == 6  # the 3 samples of each prompt differ
+        assert all(p["stop_token_ids"] == [2] and p["max_new_tokens"] == 2 for p in sp)
+        assert [p["sampling_seed"] for p in reqs[1][1]] == seeds  # reproducible
+    for r in results:
+        assert r["same_outputs"]
+        assert torch.equal(r["gen_ids"], results[r["members"][0]]["gen_ids"])  # broadcast
+
+
+@pytest.mark.slow
+def test_failed_start_raises_the_same_line_everywhere(results):
+    errors = {r["start_error"] for r in results}
+    assert len(errors) == 1
+    (line,) = errors
+    assert line.startswith("rank 0: the SGLang engine failed to start: RuntimeError: CUDA out")
+    assert "\n" not in line

@@ -1,0 +1,103 @@
+"""The SGLang adapter's pure parts and one-rank push (no process group): bad tensors raise
+ValueError before anything reaches the engine, an engine's (False, message) raises naming the
+first tensor, rounds follow the plan's phases; GPU placement, per-request seeds, stop ids and
+the keys the layout owns."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from hybridrl.reshard.specs import LlamaShape
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.sglang import (
+    build_sglang_engine,
+    gpu_placement,
+    request_seed,
+    sampling_dicts,
+)
+from hybridrl.rollout.sglang_layout import engine_param_shapes
+from hybridrl.rollout.sglang_push import WeightPusher
+
+SHAPE = LlamaShape(hidden=8, ffn=12, heads=2, num_query_groups=2, layers=1, vocab=10)
+PLAN = types.SimpleNamespace(buckets=[[], [], []],
+                             rank_buckets=lambda rank: [([1], []), ([], []), ([], [2])])
+
+
+def _pusher(answer=(True, "Success")):
+    loads = []
+
+    def load(payloads):
+        loads.append(payloads)
+        return answer
+
+    p = WeightPusher(0, [0], None, engine_param_shapes(SHAPE, 1), torch.float32,
+                     lambda named: [n for n, _ in named], load)
+    p.start(PLAN)
+    return p, loads
+
+
+def test_rounds_follow_the_plan_phases():
+    p, loads = _pusher()
+    p.sink([("model.norm.weight", torch.zeros(8))])  # phase -1 (local copies)
+    p.sink([])  # after bucket 0 (bucket 1: no transfers here -> an empty round)
+    p.sink([("model.layers.0.input_layernorm.weight", torch.zeros(8))])  # after bucket 2
+    p.sink([])  # Assembler.result()'s last flush
+    p.finish()
+    assert p.rounds == 4 and p.round_bytes == [32, 0, 0, 32]
+    assert loads == [[["model.norm.weight"]], [["model.layers.0.input_layernorm.weight"]]]
+
+
+@pytest.mark.parametrize("named, match", [
+    ([("model.layers.0.self_attn.q_proj.weight", torch.zeros(4, 8))], "not a parameter"),
+    ([("model.norm.weight", torch.zeros(9))], r"shape \(9,\), the SGLang model's is \(8,\)"),
+    ([("model.norm.weight", torch.zeros(8, dtype=torch.float16))], "engine runs torch.float32"),
+])
+def test_bad_tensors_raise_before_the_engine(named, match):
+    p, loads = _pusher()
+    with pytest.raises(ValueError, match=match):
+        p.sink(named)
+    assert loads == []
+
+
+def test_engine_failure_names_the_first_tensor():
+    p, _ = _pusher((False, "Unknown load_format=x"))
+    with pytest.raises(RuntimeError, match=r"first tensor 'model.norm.weight'.*load_format=x"):
+        p.sink([("model.norm.weight", torch.zeros(8))])
+    p, loads = _pusher()
+    p.src_error = "RuntimeError: session already open"
+    with pytest.raises(RuntimeError, match="session already open"):
+        p.sink([])
+    assert loads == []
+
+
+def test_gpu_placement():
+    assert gpu_placement([("n0", 4), ("n0", 5)]) == (4, 1)
+    assert gpu_placement([("n0", 1), ("n0", 3), ("n0", 5), ("n0", 7)]) == (1, 2)
+    assert gpu_placement([("n1", 6)]) == (6, 1)
+    with pytest.raises(ValueError, match="one node"):
+        gpu_placement([("n0", 0), ("n1", 0)])
+    with pytest.raises(ValueError, match="evenly spaced"):
+        gpu_placement([("n0", 0), ("n0", 1), ("n0", 3)])
+
+
+def test_sampling_dicts_seed_every_request():
+    params = SamplingParams(max_new_tokens=4, temperature=0.7, top_k=5, top_p=0.9,
+                            eos_token_id=2, seed=123)
+    dicts = sampling_dicts(params, 6)
+    seeds = [d["sampling_seed"] for d in dicts]
+    assert len(set(seeds)) == 6 and seeds == [request_seed(123, i) for i in range(6)]
+    assert all(0 <= s < 2**63 for s in seeds + [request_seed(2**62, 5)])
+    assert dicts[0] == {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
+                        "stop_token_ids": [2], "sampling_seed": seeds[0]}
+    assert "stop_token_ids" not in sampling_dicts(SamplingParams(max_new_tokens=1), 1)[0]
+
+
+def test_layout_owned_engine_kwargs_are_refused():
+    rollout = types.SimpleNamespace(engine_kwargs={"tp_size": 8}, engine_start_timeout_s=1.0,
+                                    engine_port_base=30000)
+    with pytest.raises(ValueError, match=r"must not set \['tp_size'\]"):
+        build_sglang_engine("m", shape=SHAPE, all_members=[[0]], rank=0, device="cpu",
+                            dtype=torch.float32, rollout=rollout)
