@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         from hybridrl.ppo.trainer import PPOTrainer
 
         PPOTrainer(cfg, build_groups(train, gen)).fit()
-    except ValueError as err:
+    except (ValueError, ImportError) as err:  # ImportError: e.g. an unsupported SGLang/torch pair
         status = _fail(rank, 2, str(err))
     except RuntimeError as err:
         status = _fail(rank, 1, str(err).splitlines()[0] if str(err) else repr(err))
