@@ -17,6 +17,14 @@ namespace hybridrl {
 
 // Estimator codes, identical to KL_K1.. in hybridrl/kernels/reference.py.
 enum KlKind : int64_t { kK1 = 0, kAbs = 1, kK2 = 2, kK3 = 3 };
+// Forward-only flag of the straight-through ("+") kinds: kernel code = base code | kStraight.
+constexpr int64_t kStraight = 4;
+
+// Kernel code of the forward value for the op arguments (fwd_kind, bwd_kind): fwd_kind itself,
+// or fwd_kind | kStraight when they differ (the "+" kinds; callers check bwd_kind == kK2).
+inline int64_t kl_forward_code(int64_t fwd_kind, int64_t bwd_kind) {
+  return fwd_kind == bwd_kind ? fwd_kind : (fwd_kind | kStraight);
+}
 
 constexpr float kKlClamp = 20.0f;   // clamp of (ref - logp) inside k3
 constexpr float kKldClamp = 10.0f;  // clamp of the k3 value
@@ -52,10 +60,15 @@ HR_HD float exp_clamped(float x) {
 
 HR_HD double exp_clamped(double x) { return exp(x); }
 
-// Forward value of estimator KIND on one token.
+// Forward value of estimator KIND on one token. KIND | kStraight is verl's straight-through
+// `b - b.detach() + f.detach()` with b = k2: (b - b) + f, i.e. f where 0.5 d^2 is finite in
+// acc_t and NaN where it overflows or d is not finite (no fast-math: b - b is not folded).
 template <int64_t KIND, typename acc_t>
 HR_HD acc_t kl_value(acc_t logp, acc_t ref) {
-  if constexpr (KIND == kK1) {
+  if constexpr ((KIND & kStraight) != 0) {
+    const acc_t b = kl_value<kK2, acc_t>(logp, ref);
+    return (b - b) + kl_value<(KIND & ~kStraight), acc_t>(logp, ref);
+  } else if constexpr (KIND == kK1) {
     return logp - ref;
   } else if constexpr (KIND == kAbs) {
     const acc_t d = logp - ref;

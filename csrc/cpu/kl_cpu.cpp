@@ -81,12 +81,16 @@ void kl_double_any(int64_t kind, const double* grad, const double* lp, const dou
     case kK1: return kl_double<kK1>(grad, lp, ref, out, begin, end);
     case kAbs: return kl_double<kAbs>(grad, lp, ref, out, begin, end);
     case kK2: return kl_double<kK2>(grad, lp, ref, out, begin, end);
+    case kK1 | kStraight: return kl_double<kK1 | kStraight>(grad, lp, ref, out, begin, end);
+    case kAbs | kStraight: return kl_double<kAbs | kStraight>(grad, lp, ref, out, begin, end);
+    case kK3 | kStraight: return kl_double<kK3 | kStraight>(grad, lp, ref, out, begin, end);
     default: return kl_double<kK3>(grad, lp, ref, out, begin, end);
   }
 }
 
 void check_inputs(const at::Tensor& lp, const at::Tensor& ref, int64_t kind) {
-  TORCH_CHECK_VALUE(kind >= kK1 && kind <= kK3, "kind must be in [0, 3], got ", kind);
+  TORCH_CHECK_VALUE(kind >= kK1 && kind <= (kK3 | kStraight), "kernel code must be in [0, 7], "
+                    "got ", kind);
   TORCH_CHECK_VALUE(lp.sizes() == ref.sizes(), "ref_logprob must have the shape of logprob ",
                     lp.sizes(), ", got ", ref.sizes());
   TORCH_CHECK_VALUE(lp.scalar_type() == ref.scalar_type(),
@@ -128,13 +132,16 @@ at::Tensor kl_apply(const at::Tensor& grad_in, const at::Tensor& lp_in, const at
 
 at::Tensor kl_forward_cpu(const at::Tensor& lp, const at::Tensor& ref, int64_t fwd_kind,
                           int64_t bwd_kind) {
-  TORCH_CHECK_VALUE(bwd_kind >= kK1 && bwd_kind <= kK3, "bwd_kind must be in [0, 3]");
-  return kl_apply(at::Tensor(), lp, ref, fwd_kind);
+  TORCH_CHECK_VALUE(fwd_kind >= kK1 && fwd_kind <= kK3, "fwd_kind must be in [0, 3]");
+  TORCH_CHECK_VALUE(bwd_kind == fwd_kind || bwd_kind == kK2,
+                    "bwd_kind must equal fwd_kind or be 2 (k2, the straight-through kinds)");
+  return kl_apply(at::Tensor(), lp, ref, kl_forward_code(fwd_kind, bwd_kind));
 }
 
 at::Tensor kl_backward_cpu(const at::Tensor& grad, const at::Tensor& lp, const at::Tensor& ref,
                            int64_t bwd_kind) {
   TORCH_CHECK_VALUE(grad.sizes() == lp.sizes(), "grad must have the shape of logprob");
+  TORCH_CHECK_VALUE(bwd_kind >= kK1 && bwd_kind <= kK3, "bwd_kind must be in [0, 3]");
   return kl_apply(grad, lp, ref, bwd_kind);
 }
 

@@ -27,6 +27,12 @@ void kl_span(int64_t kind, const float* grad, const float* lp, const float* ref,
     case ::hybridrl::kK2:
       return grad ? kl_bwd_span<::hybridrl::kK2>(grad, lp, ref, out, n)
                   : kl_fwd_span<::hybridrl::kK2>(lp, ref, out, n);
+    case ::hybridrl::kK1 | ::hybridrl::kStraight:  // the "+" codes: forward only
+      return kl_fwd_span<::hybridrl::kK1 | ::hybridrl::kStraight>(lp, ref, out, n);
+    case ::hybridrl::kAbs | ::hybridrl::kStraight:
+      return kl_fwd_span<::hybridrl::kAbs | ::hybridrl::kStraight>(lp, ref, out, n);
+    case ::hybridrl::kK3 | ::hybridrl::kStraight:
+      return kl_fwd_span<::hybridrl::kK3 | ::hybridrl::kStraight>(lp, ref, out, n);
     default:
       return grad ? kl_bwd_span<::hybridrl::kK3>(grad, lp, ref, out, n)
                   : kl_fwd_span<::hybridrl::kK3>(lp, ref, out, n);
