@@ -1,8 +1,14 @@
-// CUDA kernels of hybridrl::masked_whiten: (1) per-block partial masked sum and mask count,
-// (2) one block folds the partials in a fixed order (deterministic for a given device), the host
-// reads the two doubles (one sync, needed anyway for verl's ValueError on a mask summing to 0 or
-// 1), (3) the same for the masked centered sum of squares, (4) one normalize pass. Statistics
-// accumulate in double; the elementwise math is fp32 for fp32/bf16/fp16 and double for fp64.
+// CUDA kernels of hybridrl::masked_whiten, statistics kept on the device (no host round trip
+// between passes, so the op can be captured into a CUDA graph):
+//   (1) per-block partial masked sum and mask count;  (2) one block folds them in a fixed order
+//   (deterministic for a given device) and writes N, mean;  (3) per-block partial masked
+//   centered sums of squares around that mean;  (4) one block folds them and writes rstd;
+//   (5) one normalize pass reading mean and rstd from the device.
+// Statistics accumulate in double; the elementwise math is fp32 for fp32/bf16/fp16 and double
+// for fp64. verl raises ValueError when the mask sums to 0 or 1: outside graph capture the op
+// reads N once, after all five launches are queued (the GPU does not wait on the host between
+// passes), and raises; under capture no host read is possible, so the output is NaN instead
+// (rstd = NaN when N <= 1), documented in docs/kernels.md.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,8 +26,12 @@ namespace hybridrl {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr double kWhitenEps = 1e-8;
+// Device statistics, doubles: [0] masked sum, [1] N, [2] mean (rounded to acc_t), [3] centered
+// sum of squares, [4] rstd (rounded to acc_t; NaN when N <= 1).
+enum Stat { kSum = 0, kCount = 1, kMean = 2, kSquares = 3, kRstd = 4, kStats = 5 };
 
-// Tree sum of x over the block; the result is valid in thread 0.
+// Tree sum of x over the block; the result is valid in every thread.
 __device__ double block_sum(double x, double* shared) {
   shared[threadIdx.x] = x;
   __syncthreads();
@@ -34,13 +44,15 @@ __device__ double block_sum(double x, double* shared) {
   return total;
 }
 
-// partials[block] = (sum m * v, sum m) if !centered, else (sum m * (v - mean)^2, 0).
+// partials[block] = (sum m * v, sum m) if !centered, else (sum m * (v - mean)^2, 0) with the
+// mean read from stats[kMean].
 template <typename scalar_t, bool centered>
 __global__ void __launch_bounds__(kThreads)
 whiten_partials(const scalar_t* __restrict__ v, const scalar_t* __restrict__ m, int64_t n,
-                cuda_acc_t<scalar_t> mean, double* __restrict__ partials) {
+                const double* __restrict__ stats, double* __restrict__ partials) {
   using acc_t = cuda_acc_t<scalar_t>;
   __shared__ double shared[kThreads];
+  const acc_t mean = centered ? static_cast<acc_t>(stats[kMean]) : acc_t(0);
   double x = 0.0, c = 0.0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
@@ -64,9 +76,11 @@ whiten_partials(const scalar_t* __restrict__ v, const scalar_t* __restrict__ m, 
   }
 }
 
-// out[0..1] = column sums of partials [count, 2], one block, fixed order.
+// Folds partials [count, 2] in a fixed order (one block). First fold: stats[kSum], [kCount],
+// [kMean]; second fold (centered): stats[kSquares], [kRstd] (mean and rstd rounded to acc_t).
+template <typename acc_t, bool centered>
 __global__ void __launch_bounds__(kThreads)
-fold_partials(const double* __restrict__ partials, int count, double* __restrict__ out) {
+fold_partials(const double* __restrict__ partials, int count, double* __restrict__ stats) {
   __shared__ double shared[kThreads];
   double x = 0.0, c = 0.0;
   for (int i = threadIdx.x; i < count; i += kThreads) {
@@ -75,41 +89,37 @@ fold_partials(const double* __restrict__ partials, int count, double* __restrict
   }
   x = block_sum(x, shared);
   c = block_sum(c, shared);
-  if (threadIdx.x == 0) {
-    out[0] = x;
-    out[1] = c;
+  if (threadIdx.x != 0) return;
+  if constexpr (!centered) {
+    stats[kSum] = x;
+    stats[kCount] = c;
+    stats[kMean] = static_cast<double>(static_cast<acc_t>(x / (c + kWhitenEps)));
+  } else {
+    const double n = stats[kCount];
+    const double var = x / (n + kWhitenEps) * (n / (n - 1.0));
+    stats[kSquares] = x;
+    stats[kRstd] = n == 0.0 || n == 1.0
+                       ? nan("")
+                       : static_cast<double>(static_cast<acc_t>(1.0 / sqrt(var + kWhitenEps)));
   }
 }
 
 template <typename scalar_t>
-__global__ void whiten_normalize(const scalar_t* __restrict__ v, scalar_t* __restrict__ out,
-                                 int64_t n, cuda_acc_t<scalar_t> mean,
-                                 cuda_acc_t<scalar_t> rstd) {
+__global__ void __launch_bounds__(kThreads)
+whiten_normalize(const scalar_t* __restrict__ v, scalar_t* __restrict__ out, int64_t n,
+                 const double* __restrict__ stats) {
   using acc_t = cuda_acc_t<scalar_t>;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t i = first; i < n; i += stride) {
+  const acc_t mean = static_cast<acc_t>(stats[kMean]), rstd = static_cast<acc_t>(stats[kRstd]);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
     out[i] = static_cast<scalar_t>((static_cast<acc_t>(v[i]) - mean) * rstd);
   }
 }
 
-// (sum, count) of the masked values (centered == false) or squares around mean (true).
-template <typename scalar_t, bool centered>
-std::pair<double, double> masked_stats(const at::Tensor& v, const at::Tensor& m,
-                                       cuda_acc_t<scalar_t> mean) {
-  const int64_t n = v.numel();
-  const int blocks = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, sm_count() * 4)));
-  at::Tensor buf = at::empty({2 * blocks + 2}, v.options().dtype(at::kDouble));
-  double* partials = buf.mutable_data_ptr<double>();
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  whiten_partials<scalar_t, centered><<<blocks, kThreads, 0, stream>>>(
-      v.const_data_ptr<scalar_t>(), m.const_data_ptr<scalar_t>(), n, mean, partials);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  fold_partials<<<1, kThreads, 0, stream>>>(partials, blocks, partials + 2 * blocks);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const at::Tensor host = buf.narrow(0, 2 * blocks, 2).cpu();  // syncs the stream
-  return {host.const_data_ptr<double>()[0], host.const_data_ptr<double>()[1]};
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
 }
 
 at::Tensor masked_whiten_cuda(const at::Tensor& val_in, const at::Tensor& msk_in) {
@@ -121,23 +131,38 @@ at::Tensor masked_whiten_cuda(const at::Tensor& val_in, const at::Tensor& msk_in
   const c10::cuda::CUDAGuard guard(val_in.device());
   const at::Tensor val = val_in.contiguous(), msk = msk_in.contiguous();
   at::Tensor out = at::empty_like(val, at::MemoryFormat::Contiguous);
+  const int64_t n = val.numel();
+  const int sms = sm_count(val.get_device());
+  const int blocks = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(sms) * 4)));
+  at::Tensor buf = at::empty({2 * blocks + kStats}, val.options().dtype(at::kDouble));
+  double* partials = buf.mutable_data_ptr<double>();
+  double* stats = partials + 2 * blocks;
+  const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, val.scalar_type(), "whiten_cuda", [&] {
     using acc_t = cuda_acc_t<scalar_t>;
-    const auto [sum, count] = masked_stats<scalar_t, false>(val, msk, acc_t(0));
+    const scalar_t* v = val.const_data_ptr<scalar_t>();
+    const scalar_t* m = msk.const_data_ptr<scalar_t>();
+    whiten_partials<scalar_t, false><<<blocks, kThreads, 0, stream>>>(v, m, n, stats, partials);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    fold_partials<acc_t, false><<<1, kThreads, 0, stream>>>(partials, blocks, stats);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    whiten_partials<scalar_t, true><<<blocks, kThreads, 0, stream>>>(v, m, n, stats, partials);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    fold_partials<acc_t, true><<<1, kThreads, 0, stream>>>(partials, blocks, stats);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int norm_blocks = static_cast<int>(
+        std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(sms) * 8)));
+    whiten_normalize<scalar_t><<<norm_blocks, kThreads, 0, stream>>>(
+        v, out.mutable_data_ptr<scalar_t>(), n, stats);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  if (!stream_is_capturing(stream)) {  // verl's ValueError; one read after all work is queued
+    const double count = buf.narrow(0, 2 * blocks + kCount, 1).item<double>();
     TORCH_CHECK_VALUE(count != 0.0, "mask: at least one element of the mask has to be 1");
     TORCH_CHECK_VALUE(count != 1.0,
                       "mask: the mask sums to one, the unbiased variance is undefined");
-    const acc_t mean = static_cast<acc_t>(sum / (count + 1e-8));
-    const double sq = masked_stats<scalar_t, true>(val, msk, mean).first;
-    const double var = sq / (count + 1e-8) * (count / (count - 1.0));
-    const acc_t rstd = static_cast<acc_t>(1.0 / std::sqrt(var + 1e-8));
-    const int64_t n = val.numel();
-    const int blocks = static_cast<int>(
-        std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, sm_count() * 32)));
-    whiten_normalize<scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        val.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), n, mean, rstd);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  }
   return out;
 }
 
