@@ -48,7 +48,16 @@ class TrainedRoleConfig:
     use_dynamic_bsz: bool = knob(False, "Form micro-batches by token budget instead of a fixed "
                                  "sequence count.")
     ppo_max_token_len_per_gpu: int = knob(16384, "Token budget of one dynamic micro-batch on one "
-                                          "DP rank (prompt + response tokens).")
+                                          "DP rank, counted with padding: rows x the longest "
+                                          "row (prompt + response tokens).")
+    use_distributed_optimizer: bool = knob(True, "megatron's DistributedOptimizer: Adam state "
+                                           "and fp32 master weights sharded over DP (1/dp per "
+                                           "rank); false = every DP rank holds all of it.")
+    overlap_grad_reduce: bool = knob(True, "Reduce(-scatter) gradient buckets during the "
+                                     "backward instead of after it.")
+    overlap_param_gather: bool = knob(True, "Distributed optimizer: all-gather updated weights "
+                                      "during the next mini-batch's forward (the trainer "
+                                      "completes the gather before reading the weights).")
 
     def __post_init__(self) -> None:
         s = self.SECTION
@@ -66,6 +75,10 @@ class TrainedRoleConfig:
             raise ValueError(f"{s}.adam_betas must be two numbers in [0, 1); "
                              f"got {list(self.adam_betas)!r}")
         check_non_negative(f"{s}.grad_clip", self.grad_clip)
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError(f"{s}.overlap_param_gather needs {s}.use_distributed_optimizer=true "
+                             "(only the distributed optimizer gathers weights); set "
+                             f"{s}.overlap_param_gather=false")
         for name in ("ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
                      "ppo_max_token_len_per_gpu"):
             check_positive(f"{s}.{name}", getattr(self, name))

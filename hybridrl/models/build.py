@@ -35,6 +35,21 @@ VALUE_ROLES = ("critic", "reward")  # scalar value head instead of the logits
 FROZEN_ROLES = ("reference", "reward")  # no gradients, no optimizer
 
 
+@dataclasses.dataclass(frozen=True)
+class DDPOptions:
+    """How megatron's DDP holds and reduces a trained model's gradients (and parameters)."""
+
+    use_distributed_optimizer: bool = True  # optimizer state + fp32 masters sharded over DP
+    overlap_grad_reduce: bool = False  # reduce buckets during the backward (GPU)
+    overlap_param_gather: bool = False  # gather updated params during the next forward (GPU)
+    bucket_size: int | None = None  # elements per bucket; None = megatron's default
+
+    def __post_init__(self) -> None:
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather needs use_distributed_optimizer=True (only "
+                             "the distributed optimizer gathers parameters)")
+
+
 @dataclasses.dataclass
 class ShardedModel:
     """One rank's stage/slice of a model plus everything needed to run and convert it."""
@@ -49,6 +64,7 @@ class ShardedModel:
     dtype: str
     uses_te: bool
     ddp: torch.nn.Module | None = None  # megatron DDP around ``module`` (trainable roles)
+    ddp_options: DDPOptions = DDPOptions()
 
     @property
     def schedule_module(self) -> torch.nn.Module:
@@ -135,7 +151,7 @@ def _seed(seed: int, tp_rank: int) -> None:
 
 def build_model(
     spec: LlamaSpec, groups, role: str = "actor", *, dtype: str = "fp32", seed: int = 1,
-    **config_overrides,
+    ddp_options: DDPOptions | None = None, **config_overrides,
 ) -> ShardedModel:
     """This rank's stage of the ``role`` model for ``spec`` on ``groups.train``."""
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -167,25 +183,34 @@ def build_model(
                                         config.init_method_std, seed)
     if torch.cuda.is_available():
         module.cuda(torch.cuda.current_device())
-    ddp = None
+    ddp, ddp_options = None, ddp_options or DDPOptions()
     if role in FROZEN_ROLES:
         module.requires_grad_(False)
         module.eval()
     else:
-        ddp = _wrap_ddp(module, config, pgc)
+        ddp = _wrap_ddp(module, config, pgc, ddp_options)
     return ShardedModel(role=role, module=module, spec=spec, groups=groups, pg_collection=pgc,
                         config=config, padded_vocab_size=vocab, dtype=dtype, uses_te=use_te,
-                        ddp=ddp)
+                        ddp=ddp, ddp_options=ddp_options)
 
 
-def _wrap_ddp(module, config, pgc):
-    """megatron DDP: fp32 gradient buffers (``param.main_grad``), DP-averaged all-reduce."""
+def _wrap_ddp(module, config, pgc, options: DDPOptions):
+    """megatron DDP: fp32 gradient buffers (``param.main_grad``), DP-averaged; with the
+    distributed optimizer the buffers are reduce-scattered and parameters all-gathered."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                               overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
-    return DistributedDataParallel(config, ddp_config, module, pg_collection=pgc)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=options.overlap_grad_reduce,
+        overlap_param_gather=options.overlap_param_gather,
+        use_distributed_optimizer=options.use_distributed_optimizer,
+        bucket_size=options.bucket_size)
+    ddp = DistributedDataParallel(config, ddp_config, module, pg_collection=pgc)
+    if options.overlap_grad_reduce:  # the schedules start/finish the bucketed reduction
+        config.no_sync_func = ddp.no_sync
+        config.grad_sync_func = ddp.start_grad_sync
+    if options.overlap_param_gather:
+        config.param_sync_func = ddp.start_param_sync
+    return ddp
 
 
 def build_actor(spec: LlamaSpec, groups, **kwargs) -> ShardedModel:

@@ -6,11 +6,12 @@ Contract:
   returns True. Call it before building a model or running a schedule (hybridrl.models does).
 - ``cpu_model_construction()`` is a context manager used around GPTModel construction on CPU.
 - ``seed_cpu_rng_tracker(seed, tp_rank)`` plays ``model_parallel_cuda_manual_seed`` on CPU.
+- ``cuda_type_names()`` is a context manager used around megatron optimizer construction/steps.
 
 What megatron-core assumes and what is patched (see docs/models.md):
 1. ``torch.cuda.current_device()`` / ``device="cuda"`` to place small tensors: RoPE frequencies,
    the default causal mask, the GlobalMemoryBuffer, the pipeline schedules' token counter, the
-   p2p shape/receive buffers and DDP's gradient buffers. Each affected megatron module gets a *module-local* ``torch`` proxy
+   p2p shape/receive buffers, DDP's gradient buffers and the optimizers' flag/norm tensors. Each affected megatron module gets a *module-local* ``torch`` proxy
    (``_CpuTorch``) that maps the CUDA device to CPU and turns ``synchronize`` into a no-op; every
    other attribute is the real torch. The global ``torch`` is untouched.
 2. The CUDA RNG tracker (dropout inside TP regions forks "model-parallel-rng"): replaced by a
@@ -18,6 +19,8 @@ What megatron-core assumes and what is patched (see docs/models.md):
 3. ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied output weight to CUDA
    (``weight.data.cuda()``) before the first/last-stage all-reduce: during construction
    ``Tensor.cuda`` is the identity on CPU-only torch.
+4. megatron's optimizers accept only parameters whose ``type()`` is 'torch.cuda.*Tensor' (and
+   clip_grads asserts it): inside ``cuda_type_names()`` a CPU tensor reports its CUDA twin's name.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ PATCHED_MODULES = (
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
 )
 _CPU = torch.device("cpu")
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand")
@@ -174,3 +180,26 @@ def cpu_model_construction():
         yield
     finally:
         torch.Tensor.cuda = original
+
+
+_REAL_TYPE = torch.Tensor.type
+
+
+def _cuda_type_name(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        return _REAL_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    return _REAL_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_type_names():
+    """While megatron's optimizer is built or stepped on CPU-only torch, ``Tensor.type()`` names
+    a CPU tensor as its CUDA twin ('torch.cuda.FloatTensor'), which megatron's dtype checks want."""
+    if torch.cuda.is_available():
+        yield
+        return
+    torch.Tensor.type = _cuda_type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = _REAL_TYPE

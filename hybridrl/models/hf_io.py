@@ -177,7 +177,7 @@ def build_from_hf(folder: str | Path, groups, role: str = "actor", **kwargs) -> 
 
 
 def build_from_config(model_cfg, groups, role: str = "actor", *, path: str = "",
-                      seed: int = 1) -> ShardedModel:
+                      seed: int = 1, **build_options) -> ShardedModel:
     """``role`` from hybridrl's ``ModelConfig``: an HF folder (``path`` or ``model_cfg.path``),
     else the builtin llama of its sizes, initialized from ``seed`` (the same seed gives the
     same trunk to the actor, critic and reference)."""
@@ -185,9 +185,10 @@ def build_from_config(model_cfg, groups, role: str = "actor", *, path: str = "",
 
     folder = path or model_cfg.path
     if folder:
-        return build_from_hf(folder, groups, role, dtype=model_cfg.dtype, seed=seed)
+        return build_from_hf(folder, groups, role, dtype=model_cfg.dtype, seed=seed,
+                             **build_options)
     return build_model(LlamaSpec.from_model_config(model_cfg), groups, role,
-                       dtype=model_cfg.dtype, seed=seed)
+                       dtype=model_cfg.dtype, seed=seed, **build_options)
 
 
 def hf_tensors_from_full(name: str, pieces: list[torch.Tensor], spec, role: str = "actor"):

@@ -6,18 +6,26 @@ Contract:
   constant: ``lr``; warmup: ``lr * min(1, (step + 1) / warmup_steps)``; cosine: the same warmup,
   then ``lr * (r + (1 - r) * (1 + cos(pi * p)) / 2)`` with ``r = min_lr_ratio`` and
   ``p = clamp((step + 1 - warmup) / (total_steps - warmup), 0, 1)``.
-- ``ModelOptimizer(model, cfg)``: AdamW over the trainable parameters (no weight decay on 1-D
-  parameters and biases; bf16/fp16 parameters are stepped through fp32 master copies). Gradients
-  live in megatron DDP's fp32 ``param.main_grad`` buffers. ``step()`` finalizes, clips, applies:
-  1. megatron's ``finalize_model_grads``: DP average over ``groups.dp`` (DDP's bucketed
-     all-reduce) and, for tied embeddings with pp > 1, the sum of the word-embedding and
-     output-layer gradients over the first/last-stage ``embd`` group;
-  2. global norm: sum of squares of every parameter counted once (TP-split parameters on every
-     TP rank, replicated ones on tp_rank 0, the last stage's tied copy never), all-reduced over the
-     model-parallel (tp x pp) group; if ``grad_clip`` > 0 and the norm exceeds it, every gradient is
-     scaled by ``grad_clip / (norm + 1e-6)`` (megatron's rule);
-  3. AdamW with the learning rate ``lr_at(cfg, step_count)``.
-  ``state_dict()`` / ``load_state_dict()`` save and restore this rank's optimizer state.
+- ``ModelOptimizer(model, cfg)``: megatron-core's optimizer (``get_megatron_optimizer``; Adam
+  with decoupled weight decay, none on 1-D parameters and biases) over the model's megatron DDP.
+  With ``model.ddp_options.use_distributed_optimizer`` (the default) it is megatron's
+  DistributedOptimizer: gradients are reduce-scattered over ``groups.dp``, each DP rank keeps
+  only its 1/dp shard of the fp32 main parameters (masters of bf16/fp16 models) and Adam moments,
+  updates that shard and all-gathers the parameters (deferred into the next forward with
+  ``overlap_param_gather``: ``gather_params()`` completes it). Otherwise every DP rank holds all
+  of it (gradients all-reduced). On CPU it runs through ``cpu_compat`` (gloo collectives).
+  ``step()`` finalizes, clips, applies:
+  1. megatron's ``finalize_model_grads``: the DP reduction of DDP's fp32 ``main_grad`` buckets
+     and, for tied embeddings with pp > 1, the sum of the word-embedding and output-layer
+     gradients over the first/last-stage ``embd`` group;
+  2. megatron's global norm (each parameter counted once across TP, PP and DP shards); if
+     ``grad_clip`` > 0 and the norm exceeds it, gradients are scaled by
+     ``grad_clip / (norm + 1e-6)``;
+  3. Adam with the learning rate ``lr_at(cfg, step_count)``.
+  ``state_dict()`` / ``load_state_dict()`` copy and restore this rank's optimizer state (its DP
+  shard); restoring also rebuilds the model's parameters from the fp32 main parameters, so the
+  pair is a complete snapshot of a trained model at a fixed layout. ``state_bytes()`` counts the
+  optimizer-owned bytes on this rank (moments + separate masters).
 - ``train_step(model, optimizer, microbatches, loss_fn)`` runs ``forward.run_microbatches`` with
   the loss callback, then ``optimizer.step()``; it returns the metrics of the step on every rank:
   the mean over micro-batches and DP ranks of each scalar the callback reported (``loss``
@@ -27,15 +35,16 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
 import torch
 import torch.distributed as dist
 
-from hybridrl.models.build import ShardedModel
+from hybridrl.models import cpu_compat
+from hybridrl.models.build import ShardedModel, ensure_megatron_state
 from hybridrl.models.forward import broadcast_from_last_stage, run_microbatches
-from hybridrl.models.naming import tp_partition_dim
 
 LR_SCHEDULES = ("constant", "warmup", "cosine")
 
@@ -90,87 +99,123 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
 
 
 class ModelOptimizer:
-    """AdamW over one ShardedModel (megatron DDP gradients) plus finalization and clipping."""
+    """megatron-core's optimizer over one ShardedModel (see the module docstring)."""
 
     def __init__(self, model: ShardedModel, cfg: OptimConfig):
-        if model.role == "reference" or model.ddp is None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        if model.ddp is None:
             raise ValueError(f"the {model.role} model is frozen; it has no optimizer")
         self.model, self.cfg, self.step_count = model, cfg, 0
-        named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
-        # bf16/fp16 parameters get fp32 master copies; AdamW runs on those
-        self.masters = [p if p.dtype == torch.float32 else
-                        torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
-        is_decay = [p.ndim > 1 and not n.endswith(".bias") for n, p in named]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": [m for m, d in zip(self.masters, is_decay) if d],
-              "weight_decay": cfg.weight_decay},
-             {"params": [m for m, d in zip(self.masters, is_decay) if not d],
-              "weight_decay": 0.0}],
-            lr=lr_at(cfg, 0), betas=tuple(cfg.betas), eps=cfg.eps)
+        self.distributed = model.ddp_options.use_distributed_optimizer
+        mcfg = OptimizerConfig(
+            optimizer="adam", lr=lr_at(cfg, 0), weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
+            # inf: never clipped, but megatron still computes (and returns) the global norm
+            clip_grad=cfg.grad_clip if cfg.grad_clip > 0 else math.inf,
+            bf16=model.dtype == "bf16", fp16=model.dtype == "fp16",
+            params_dtype=model.config.params_dtype,
+            use_distributed_optimizer=self.distributed,
+            overlap_param_gather=model.ddp_options.overlap_param_gather)
+        ensure_megatron_state(model.groups)
+        with cpu_compat.cuda_type_names():
+            self.optimizer = get_megatron_optimizer(
+                mcfg, [model.ddp], pg_collection=model.pg_collection,
+                use_gloo_process_groups=False)
+        if model.dtype == "fp16":  # megatron's dynamic loss scale, applied by the schedules
+            model.config.grad_scale_func = self.optimizer.scale_loss
+
+    @property
+    def _parts(self) -> list:
+        """megatron's per-group optimizers (get_megatron_optimizer returns a ChainedOptimizer)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def main_params(self) -> list[torch.Tensor]:
+        """This rank's fp32 main parameters: its DP shard (distributed) or all of its stage."""
+        return [p for part in self._parts for group in part.optimizer.param_groups
+                for p in group["params"]]
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer-owned tensors on this rank: the Adam moments, plus the fp32 master
+        copies when the model's parameters are 16-bit (fp32 models are stepped in place)."""
+        moments = sum(t.numel() * t.element_size() for part in self._parts
+                      for st in part.optimizer.state.values()
+                      for key, t in st.items() if key != "step" and torch.is_tensor(t))
+        masters = (0 if self.model.config.params_dtype == torch.float32 else
+                   sum(p.numel() * p.element_size() for p in self.main_params()))
+        return moments + masters
 
     def state_dict(self) -> dict:
-        """AdamW state, fp32 masters (bf16/fp16 models) and the step count of this rank."""
-        masters = [m.detach().clone() if m is not p else None
-                   for p, m in zip(self.params, self.masters)]
-        return {"optimizer": self.optimizer.state_dict(), "masters": masters,
-                "step_count": self.step_count}
+        """This rank's optimizer state (its DP shard with the distributed optimizer): Adam state,
+        fp32 main parameters and the step count. With the same layout it restores the model's
+        parameters too (``load_state_dict``)."""
+        return {"optimizer": [copy.deepcopy(part.optimizer.state_dict())  # not views of live
+                              for part in self._parts],  # state
+                "main_params": [p.detach().clone() for p in self.main_params()],
+                "step_count": self.step_count,
+                "grad_scaler": [_scaler(part) and _scaler(part).state_dict()
+                                for part in self._parts]}
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        if len(state["masters"]) != len(self.masters):
-            raise ValueError(f"optimizer state has {len(state['masters'])} parameters, this "
-                             f"model shard has {len(self.masters)}")
-        self.optimizer.load_state_dict(state["optimizer"])
-        with torch.no_grad():
-            for master, saved in zip(self.masters, state["masters"]):
-                if saved is not None:
-                    master.copy_(saved)
+        """Restore ``state_dict()`` output of the same rank and layout, then rebuild the model's
+        parameters from the main parameters (copy, and the DP all-gather when sharded)."""
+        mains = self.main_params()
+        saved = state["main_params"]
+        if len(saved) != len(mains) or any(a.shape != b.shape for a, b in zip(saved, mains)):
+            raise ValueError(f"optimizer state holds {len(saved)} main-parameter shards, this "
+                             f"rank has {len(mains)} (or their shapes differ): it was saved by "
+                             "another layout or model")
+        for part, inner, scaler in zip(self._parts, state["optimizer"], state["grad_scaler"]):
+            part.optimizer.load_state_dict(inner)
+            if scaler:
+                _scaler(part).load_state_dict(scaler)
+        for main, value in zip(mains, saved):
+            main.copy_(value)
         self.step_count = int(state["step_count"])
+        for part in self._parts:  # fp32 models: the main params are the model's own
+            if hasattr(part, "_copy_main_params_to_model_params"):
+                part._copy_main_params_to_model_params()
+        if self.distributed:  # the other DP ranks' shards of the restored parameters
+            self.model.ddp.start_param_sync(force_sync=True)
+
+    def gather_params(self) -> None:
+        """Complete the parameter all-gather that ``overlap_param_gather`` defers to the next
+        forward; call before reading parameters outside a forward (reshard, save, export).
+        Without the overlap, ``step()`` has already gathered them and this does nothing."""
+        if self.model.ddp_options.overlap_param_gather:
+            self.model.ddp.start_param_sync(force_sync=True)
 
     def zero_grad(self) -> None:
         self.model.ddp.zero_grad_buffer()  # the fp32 main_grad buffers
-        for p in self.params:
-            p.grad = None
+        self.optimizer.zero_grad()
 
     def finalize_grads(self) -> None:
-        """megatron's finalize: DP average of the DDP buffers, tied-embedding sum over embd."""
+        """megatron's finalize: DP reduction of the DDP buffers (all-reduce, or reduce-scatter
+        for the distributed optimizer), tied-embedding sum over embd."""
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.model.ddp], pg_collection=self.model.pg_collection)
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the gradient, each parameter counted once across TP/PP."""
-        groups = self.model.groups
-        sq = torch.zeros((), dtype=torch.float64, device=self.model.device)
-        for p in self.params:
-            split = tp_partition_dim(p) is not None
-            if (split or groups.tp_rank == 0) and not getattr(p, "shared", False):
-                sq += p.main_grad.double().pow(2).sum()
-        if groups.tp_size * groups.pp_size > 1:
-            dist.all_reduce(sq, group=groups.mp)
-        return math.sqrt(sq.item())
-
     def step(self) -> dict[str, float]:
         """Finalize, clip and apply the gradients; returns grad_norm (before clipping) and lr."""
         self.finalize_grads()
-        norm = self.grad_norm()
-        if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
-            coeff = self.cfg.grad_clip / (norm + 1e-6)
-            for p in self.params:
-                p.main_grad.mul_(coeff)
         lr = lr_at(self.cfg, self.step_count)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        for p, master in zip(self.params, self.masters):
-            master.grad = p.main_grad  # fp32 either way
-        self.optimizer.step()
-        with torch.no_grad():
-            for p, master in zip(self.params, self.masters):
-                master.grad = None
-                if master is not p:
-                    p.copy_(master)
+        for group in self.optimizer.param_groups:  # what megatron's OptimizerParamScheduler sets
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
+        with cpu_compat.cuda_type_names():
+            ok, norm, _ = self.optimizer.step()
         self.step_count += 1
-        return {"grad_norm": norm, "lr": lr}
+        out = {"grad_norm": float(norm) if norm is not None else math.nan, "lr": lr}
+        if not ok:  # fp16 loss scale overflow: megatron skipped the update
+            out["skipped"] = 1.0
+        return out
+
+
+def _scaler(part):
+    """The fp16 loss scaler of one of megatron's optimizers (None for fp32/bf16)."""
+    return getattr(part, "grad_scaler", None)
 
 
 def _mean_metrics(results: list[dict], groups, device) -> dict[str, float]:

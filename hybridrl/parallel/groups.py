@@ -42,6 +42,9 @@ TRAIN_AXES = {
     "tp_ep": "tp-ep",
     "tp_ep_pp": "tp-ep-pp",
     "expt_dp": "cp-dp",
+    # megatron's distributed-optimizer instance (one instance: every training rank); its grad
+    # norm and num-zeros are reduced over it
+    "intra_dist_opt": "tp-cp-ep-dp-pp",
 }
 
 

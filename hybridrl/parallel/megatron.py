@@ -42,7 +42,7 @@ def to_process_group_collection(groups: ParallelGroups):
     pgc.intra_dp_cp = groups.dp_cp
     pgc.intra_expt_dp = groups.expt_dp
     pgc.inter_dist_opt = None
-    pgc.intra_dist_opt = groups.dp_cp
+    pgc.intra_dist_opt = groups.groups["intra_dist_opt"]
     return pgc
 
 
@@ -87,7 +87,7 @@ def _state_values(groups: ParallelGroups) -> dict[str, object]:
         "_EXPERT_DATA_PARALLEL_GROUP_GLOO": groups.gloo_dp_cp,
         "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": g["expt_dp"],
         "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": groups.gloo_dp_cp,
-        "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": g["dp_cp"],
+        "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": g["intra_dist_opt"],
     }
 
 

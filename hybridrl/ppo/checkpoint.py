@@ -6,8 +6,8 @@ Contract:
   rank writes ``rank_<r>.pt`` (``rank_state``: what only it holds, e.g. RNG states) into
   ``.tmp_global_step_<N>/``; ``shared = (name, state)`` is written as ``<name>`` by the ranks
   whose ``state`` is not None: the trainer names one file per (tp, pp) model shard and only DP
-  rank 0 passes it, since its DP replicas hold the same parameters and optimizer state (a dp = 32
-  run writes each shard once, not 32 times). Rank 0 adds ``trainer_state.pt`` (step, KL
+  rank 0 passes it, since its DP replicas hold the same parameters (a dp = 32 run writes each
+  shard once, not 32 times); the optimizer state, sharded over DP, goes into each rank's file. Rank 0 adds ``trainer_state.pt`` (step, KL
   controller, data loader position, ...) and ``meta.json``; after a barrier rank 0 writes the
   ``COMPLETE`` marker and
   renames the folder to ``global_step_<N>`` (an existing one is replaced). Each file is written
@@ -15,10 +15,11 @@ Contract:
   checkpoint or a complete one, never a half-written ``global_step_<N>``.
 - ``latest_checkpoint(root)`` is the complete ``global_step_<N>`` with the largest N (None when
   there is none); incomplete or temporary folders are ignored.
-- ``capture_state(models, kl_ctrl)`` / ``restore_state(models, state, kl_ctrl)``: a copy of the
-  trainable models' parameters (by module name), their optimizers' state and the KL controller,
-  and putting it back (the KL guard's rollback and checkpoints use the same pair);
-  ``models`` = [(ShardedModel, ModelOptimizer)].
+- ``capture_state(models, kl_ctrl)`` / ``restore_state(models, state, kl_ctrl)``: host copies
+  of this rank's optimizer states (1/dp shards with the distributed optimizer; they determine the
+  parameters) and the KL controller, and putting them back (the KL guard's rollback and the
+  per-rank part of checkpoints); ``capture_params(models)`` copies the parameters by module name
+  (the shared model file). ``models`` = [(ShardedModel, ModelOptimizer)].
 - ``load_checkpoint(path, rank, meta, shared_name=None)`` returns ``(state, trainer_state)``,
   ``state`` = this rank's ``rank_state`` merged over the shared file ``shared_name`` (when given);
   a checkpoint written by a different world size or layout (``meta`` differs) raises
@@ -129,23 +130,30 @@ def _cpu_copy(obj):
     return copy.deepcopy(obj)
 
 
+def capture_params(models) -> list[dict]:
+    """Host copies of each trainable model's parameters, by module name (this rank's shard)."""
+    return [{n: _cpu_copy(p) for n, p in m.module.named_parameters()} for m, _ in models]
+
+
 def capture_state(models, kl_ctrl) -> dict:
-    """Host-memory copies of parameters, optimizer state and KL controller (see module
-    docstring); on GPU a snapshot costs no device memory."""
-    return {"params": [{n: _cpu_copy(p) for n, p in m.module.named_parameters()}
-                       for m, _ in models],
-            "optim": [_cpu_copy(o.state_dict()) for _, o in models],
+    """Host copies of each optimizer's state on this rank (its DP shard with the distributed
+    optimizer) and of the KL controller: enough to restore the models too, since an optimizer's
+    fp32 main parameters determine the model's parameters. On GPU it costs no device memory."""
+    return {"optim": [_cpu_copy(o.state_dict()) for _, o in models],
             "kl_ctrl": dict(kl_ctrl.state_dict())}
 
 
 @torch.no_grad()
 def restore_state(models, state: dict, kl_ctrl) -> None:
-    """Put back what ``capture_state`` took (parameters copied in place)."""
-    if len(state["params"]) != len(models):
-        raise ValueError(f"saved state holds {len(state['params'])} models, this run has "
+    """Put back what ``capture_state`` took (and ``capture_params``' parameters, under
+    ``"params"``, when given): parameters are copied in place, then each optimizer's state is
+    loaded, which rebuilds the parameters from its main parameters."""
+    if len(state["optim"]) != len(models):
+        raise ValueError(f"saved state holds {len(state['optim'])} models, this run has "
                          f"{len(models)} (a critic in one and not the other?)")
-    for (model, opt), params, optim in zip(models, state["params"], state["optim"]):
-        for name, p in model.module.named_parameters():
+    for i, ((model, opt), optim) in enumerate(zip(models, state["optim"])):
+        params = state["params"][i] if "params" in state else None
+        for name, p in model.module.named_parameters() if params is not None else ():
             if name not in params:
                 raise ValueError(f"saved state lacks parameter {name!r}")
             p.copy_(params[name])

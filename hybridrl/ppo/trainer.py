@@ -52,12 +52,14 @@ from hybridrl.data.batching import (
 )
 from hybridrl.data.build import build_loaders, build_tokenizer
 from hybridrl.data.tokenizer import CharTokenizer, vocab_size
+from hybridrl.models.build import DDPOptions
 from hybridrl.models.forward import broadcast_from_last_stage, run_microbatches
 from hybridrl.models.hf_io import build_from_config
 from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
 from hybridrl.ppo.advantages import compute_advantage
 from hybridrl.ppo.agg import compute_agg_normalizers
 from hybridrl.ppo.checkpoint import (
+    capture_params,
     capture_state,
     latest_checkpoint,
     load_checkpoint,
@@ -91,7 +93,8 @@ class PPOTrainer:
         self.tokenizer = build_tokenizer(cfg.model)
         self.loader, self.val_loader = build_loaders(cfg.data, self.tokenizer)
         seed = cfg.trainer.seed
-        self.actor = build_from_config(cfg.model, groups, "actor", seed=seed)
+        self.actor = build_from_config(cfg.model, groups, "actor", seed=seed,
+                                       ddp_options=ddp_options(cfg.actor))
         n_ids, model_vocab = vocab_size(self.tokenizer), self.actor.spec.vocab_size
         if n_ids > model_vocab or (isinstance(self.tokenizer, CharTokenizer) and n_ids != model_vocab):
             raise ValueError(f"model.vocab_size={model_vocab} but the tokenizer has {n_ids} ids; "
@@ -102,7 +105,8 @@ class PPOTrainer:
         self.ref = (build_from_config(cfg.model, groups, "reference", path=cfg.ref.model_path,
                                       seed=seed) if self.need_ref else None)
         self.critic = (build_from_config(cfg.model, groups, "critic", path=cfg.critic.model_path,
-                                         seed=seed) if cfg.use_critic else None)
+                                         seed=seed, ddp_options=ddp_options(cfg.critic))
+                       if cfg.use_critic else None)
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * len(self.loader)
         self.actor_opt = self._optimizer(self.actor, a)
         self.critic_opt = self._optimizer(self.critic, cfg.critic) if self.critic else None
@@ -239,6 +243,7 @@ class PPOTrainer:
                 for key, value in train_step(model, opt, mbs, loss_fn,
                                              temperature=self.temperature).items():
                     acc[key].append(value)
+        opt.gather_params()  # the next reader (reshard, guard, save) needs whole weights
         out = {(k if "/" in k else f"{prefix}/{k}"): float(np.mean(v)) for k, v in acc.items()}
         if "actor/ppo_kl" in acc:
             out["actor/ppo_kl_max"] = float(max(abs(v) for v in acc["actor/ppo_kl"]))
@@ -372,11 +377,11 @@ class PPOTrainer:
 
     def save(self) -> Path:
         shard = None
-        if self.groups.dp_rank == 0:  # DP replicas hold the same shards: one of them writes
-            shard = capture_state(self._models(), self.kl_ctrl)
-            del shard["kl_ctrl"]  # in trainer_state
+        if self.groups.dp_rank == 0:  # DP replicas hold the same weights: one of them writes
+            shard = {"params": capture_params(self._models())}
         rank_state = {"rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                              "python": random.getstate()}}
+                              "python": random.getstate()},
+                      "optim": capture_state(self._models(), self.kl_ctrl)["optim"]}
         trainer_state = {"step": self.step, "rollbacks": self.rollbacks,
                          "kl_ctrl": self.kl_ctrl.state_dict(), "loader": self.loader.state_dict()}
         return save_checkpoint(self.cfg.trainer.checkpoint_dir, self.step, rank_state,
@@ -437,6 +442,13 @@ class PPOTrainer:
             if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
                 self.save()
         return history
+
+
+def ddp_options(role_cfg) -> DDPOptions:
+    """How megatron's DDP and optimizer hold a trained role (its config section)."""
+    return DDPOptions(use_distributed_optimizer=role_cfg.use_distributed_optimizer,
+                      overlap_grad_reduce=role_cfg.overlap_grad_reduce,
+                      overlap_param_gather=role_cfg.overlap_param_gather)
 
 
 def _undo_megatron_mean(loss, metrics: dict, k: int):

@@ -6,6 +6,8 @@ parent process, against the single-process transformers model:
 - per-token log-probs (fp32, atol 1e-5) and entropy (a full-vocab softmax reference);
 - one optimizer step (PPO-shaped loss with an entropy bonus, clipping active) at (2,2,2) and at
   (1,1,1): the exported parameters equal each other and the transformers + torch AdamW step;
+  megatron's distributed optimizer (the default) and its plain optimizer give the same step, each
+  DP rank holds 1/dp of the optimizer state, and a save/load of the optimizer resumes bit-exactly;
 - critic values at (2,2,2) = final hidden state @ head, gradients reach every parameter;
 - export -> reload is exact, and the export equals the source checkpoint tensor for tensor.
 The tiny model has GQA (4 heads, 2 groups), untied embeddings and vocab 100 (padded to 256 at
@@ -144,6 +146,10 @@ def suite(tmp_path_factory):
         dict(kind="train", tp=2, pp=2, folder=tied, out=str(root / "step222_tied"), **common),
         dict(kind="logprobs", tp=2, pp=2, folder=qwen2, **common),
         dict(kind="roundtrip", tp=2, pp=1, folder=qwen2, out=str(root / "rt_qwen2")),
+        dict(kind="train", tp=2, pp=2, folder=untied, out=str(root / "step222_plain"),
+             distributed=False, **common),  # 12: megatron's non-distributed optimizer
+        dict(kind="train", tp=2, pp=2, folder=untied, out=str(root / "step222_bf16"),
+             dtype="bf16", **common),  # 13: bf16 with sharded fp32 masters
     ]
     w4 = [dict(kind="logprobs", tp=2, pp=2, folder=untied, **common),
           dict(kind="logprobs", tp=2, pp=2, folder=untied, role="reference", **common)]
@@ -207,6 +213,48 @@ def test_optimizer_step_222_equals_111_and_transformers(suite):
     assert metrics111["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     assert metrics222["loss"] == pytest.approx(metrics111["loss"], abs=1e-6)
     assert all(r["metrics"] == metrics222 for r in _case_results(suite, 8, 4))
+
+
+def _by_stage(results):
+    stages = {}
+    for r in results:
+        stages.setdefault((r["tp_rank"], r["pp_rank"]), []).append(r)
+    return stages
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_shards_state_over_dp(suite):
+    """(2,2,2): every DP rank of a (tp, pp) stage holds a disjoint half of its fp32 main
+    parameters and Adam moments; the plain optimizer holds all of them on every rank."""
+    sharded, plain = _case_results(suite, 8, 4), _case_results(suite, 8, 12)
+    bf16 = _case_results(suite, 8, 13)
+    for stage, ranks in _by_stage(sharded).items():
+        (full,) = [r for r in plain if (r["tp_rank"], r["pp_rank"]) == stage and r["dp_rank"] == 0]
+        assert full["main_numel"] == full["stage_numel"]
+        assert sum(r["main_numel"] for r in ranks) == full["stage_numel"]
+        assert sum(r["state_bytes"] for r in ranks) == full["state_bytes"]
+        for r in ranks:  # each rank: about half (megatron pads buckets to the DP size)
+            assert abs(r["state_bytes"] - full["state_bytes"] / 2) <= 0.02 * full["state_bytes"]
+    for ranks in _by_stage(bf16).values():  # bf16: fp32 masters + 2 moments, 12 B/param
+        assert sum(r["state_bytes"] for r in ranks) == 12 * ranks[0]["stage_numel"]
+
+
+@pytest.mark.slow
+def test_distributed_and_plain_optimizer_give_the_same_step(suite):
+    sharded = _read_folder(suite["root"] / "step222")
+    plain = _read_folder(suite["root"] / "step222_plain")
+    for name, tensor in sharded.items():
+        torch.testing.assert_close(tensor, plain[name], atol=TOL, rtol=0, msg=name)
+    assert _case_results(suite, 8, 12)[0]["metrics"]["grad_norm"] == pytest.approx(
+        _case_results(suite, 8, 4)[0]["metrics"]["grad_norm"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,index", [(8, 4), (8, 6), (8, 9), (8, 12), (8, 13), (1, 1),
+                                         (1, 2)])
+def test_optimizer_state_roundtrip_resumes_bit_exact(suite, world, index):
+    results = _case_results(suite, world, index)
+    assert all(r["resume_exact"] and r["step_count"] == 2 for r in results)
 
 
 @pytest.mark.slow

@@ -272,8 +272,16 @@ def test_dp2_checkpoint_writes_each_shard_once_and_resumes(world2, root):
     files = sorted(os.listdir(f"{root[0]}/dp2r/global_step_2"))
     assert files == ["COMPLETE", "meta.json", "model_tp000_pp000.pt", "rank_00000.pt",
                      "rank_00001.pt", "trainer_state.pt"]
-    rank_file = torch.load(f"{root[0]}/dp2r/global_step_2/rank_00001.pt", weights_only=False)
-    assert set(rank_file) == {"rng"}  # parameters and optimizer state live in the shard file
+    ckpt = f"{root[0]}/dp2r/global_step_2"
+    shard = torch.load(f"{ckpt}/model_tp000_pp000.pt", weights_only=False)
+    assert set(shard) == {"params"}  # the weights, once per (tp, pp)
+    stage = sum(t.numel() for model in shard["params"] for t in model.values())
+    mains = []  # each rank's file holds its DP half of the distributed optimizer's state
+    for r in (0, 1):
+        rank_file = torch.load(f"{ckpt}/rank_{r:05d}.pt", weights_only=False)
+        assert set(rank_file) == {"rng", "optim"}
+        mains.append(sum(t.numel() for o in rank_file["optim"] for t in o["main_params"]))
+    assert sum(mains) == stage and max(mains) < 0.55 * stage
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -86,7 +86,7 @@ def _guard(rank, world, overrides):
     state_after = capture_state(trainer._models(), trainer.kl_ctrl)
     return {"rollback": m["training/kl_guard_rollback"],
             "same": _same(before, after) and _equal_state(state_before, state_after),
-            "n_models": len(state_before["params"]),
+            "n_models": len(state_before["optim"]),
             "kl_final": m["actor/ppo_kl_final"],
             "optim_steps": (optim_before, trainer.actor_opt.step_count),
             "logged": any("rolled back" in line for line in lines)}
