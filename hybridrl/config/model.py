@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from hybridrl.config._fields import check_choice, check_positive, knob
 
 DTYPES = ("fp32", "bf16", "fp16")
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,22 @@ class ModelConfig:
                                      "the output layer.")
     dtype: str = knob("fp32", "Parameter/compute dtype: fp32 | bf16 | fp16 (optimizer state "
                       "stays fp32).")
+    recompute_granularity: str = knob("none", "Activation recompute of the trained models: none "
+                                      "| selective (core attention) | full (whole layers).")
+    recompute_method: str = knob("uniform", "Full recompute: uniform (chunks of "
+                                 "recompute_num_layers layers) | block (the first "
+                                 "recompute_num_layers layers of each stage).")
+    recompute_num_layers: int = knob(1, "Full recompute: layers per chunk (uniform) or per "
+                                     "stage (block).")
+    sequence_parallel: bool = knob(False, "Split activations outside TP regions along the "
+                                   "sequence (needs parallel.tp > 1 and transformer-engine).")
 
     def __post_init__(self) -> None:
         check_choice("model.dtype", self.dtype, DTYPES)
+        check_choice("model.recompute_granularity", self.recompute_granularity,
+                     RECOMPUTE_GRANULARITIES)
+        check_choice("model.recompute_method", self.recompute_method, RECOMPUTE_METHODS)
+        check_positive("model.recompute_num_layers", self.recompute_num_layers)
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                      "ffn_hidden_size", "vocab_size", "max_position_embeddings", "rope_theta",
                      "norm_eps"):

@@ -74,6 +74,9 @@ class HybridRLConfig:
 
     def _check_model_fits_layout(self) -> None:
         m, par = self.model, self.parallel
+        if m.sequence_parallel and par.tp == 1:
+            raise ValueError("model.sequence_parallel needs parallel.tp > 1 (it splits the "
+                             "sequence over the tensor-parallel group); got parallel.tp=1")
         if not m.is_builtin:
             return  # sizes come from the HF config.json; the model builder checks them
         for key, size in (("parallel.tp", par.tp), ("parallel.gen.tp", par.gen.tp)):

@@ -104,7 +104,8 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden_SBH, self.weight), None  # [S, B, 1]
 
 
-def _transformer_engine_available() -> bool:
+def transformer_engine_available() -> bool:
+    """True when the TE layer spec is used: CUDA is available and transformer_engine imports."""
     if not torch.cuda.is_available():
         return False
     try:
@@ -164,7 +165,7 @@ def build_model(
     config = to_transformer_config(spec, groups.train, dtype, **config_overrides)
     if groups.pp_size > 1:
         config.variable_seq_lengths = True  # micro-batches may differ in [B, T]
-    use_te = _transformer_engine_available()
+    use_te = transformer_engine_available()
     vocab = padded_vocab_size(spec.vocab_size, groups.tp_size)
     _seed(seed, groups.tp_rank)
     with cpu_compat.cpu_model_construction():

@@ -15,7 +15,9 @@ What megatron-core assumes and what is patched (see docs/models.md):
    (``_CpuTorch``) that maps the CUDA device to CPU and turns ``synchronize`` into a no-op; every
    other attribute is the real torch. The global ``torch`` is untouched.
 2. The CUDA RNG tracker (dropout inside TP regions forks "model-parallel-rng"): replaced by a
-   tracker with the same interface over CPU generator states.
+   tracker with the same interface over CPU generator states; activation recompute's save and
+   restore of the CUDA generator state (``_get/_set_cuda_rng_state``) become no-ops (megatron
+   saves and restores the CPU generator state beside them).
 3. ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied output weight to CUDA
    (``weight.data.cuda()``) before the first/last-stage all-reduce: during construction
    ``Tensor.cuda`` is the identity on CPU-only torch.
@@ -131,8 +133,20 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)  # the CPU state is saved beside it by megatron
+
+
+def _ignore_cuda_rng_state(*args, **kwargs) -> None:
+    return None
+
+
 def _install_rng_tracker() -> CpuRNGStatesTracker:
     from megatron.core.tensor_parallel import random as mrandom
+
+    # activation recompute (CheckpointFunction) saves/restores the CUDA generator's state
+    mrandom._get_cuda_rng_state = _no_cuda_rng_state
+    mrandom._set_cuda_rng_state = _ignore_cuda_rng_state
 
     if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
         mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()

@@ -180,15 +180,21 @@ def build_from_config(model_cfg, groups, role: str = "actor", *, path: str = "",
                       seed: int = 1, **build_options) -> ShardedModel:
     """``role`` from hybridrl's ``ModelConfig``: an HF folder (``path`` or ``model_cfg.path``),
     else the builtin llama of its sizes, initialized from ``seed`` (the same seed gives the
-    same trunk to the actor, critic and reference)."""
+    same trunk to the actor, critic and reference). The activation-memory knobs
+    (``hybridrl.models.activation``) are checked before any weight is read."""
+    from hybridrl.models.activation import activation_overrides
+    from hybridrl.models.build import transformer_engine_available
     from hybridrl.models.spec import LlamaSpec
 
     folder = path or model_cfg.path
+    spec = read_hf_spec(folder) if folder else LlamaSpec.from_model_config(model_cfg)
+    overrides = activation_overrides(model_cfg, groups.tp_size, groups.pp_size, spec.num_layers,
+                                     transformer_engine_available())
     if folder:
         return build_from_hf(folder, groups, role, dtype=model_cfg.dtype, seed=seed,
-                             **build_options)
-    return build_model(LlamaSpec.from_model_config(model_cfg), groups, role,
-                       dtype=model_cfg.dtype, seed=seed, **build_options)
+                             **overrides, **build_options)
+    return build_model(spec, groups, role, dtype=model_cfg.dtype, seed=seed, **overrides,
+                       **build_options)
 
 
 def hf_tensors_from_full(name: str, pieces: list[torch.Tensor], spec, role: str = "actor"):

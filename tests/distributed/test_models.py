@@ -150,6 +150,8 @@ def suite(tmp_path_factory):
              distributed=False, **common),  # 12: megatron's non-distributed optimizer
         dict(kind="train", tp=2, pp=2, folder=untied, out=str(root / "step222_bf16"),
              dtype="bf16", **common),  # 13: bf16 with sharded fp32 masters
+        dict(kind="train", tp=2, pp=2, folder=untied, out=str(root / "step222_overlap"),
+             overlap=True, **common),  # 14: overlapped grad reduce-scatter and param gather
     ]
     w4 = [dict(kind="logprobs", tp=2, pp=2, folder=untied, **common),
           dict(kind="logprobs", tp=2, pp=2, folder=untied, role="reference", **common)]
@@ -250,8 +252,16 @@ def test_distributed_and_plain_optimizer_give_the_same_step(suite):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,index", [(8, 4), (8, 6), (8, 9), (8, 12), (8, 13), (1, 1),
-                                         (1, 2)])
+def test_overlapped_reduce_and_gather_give_the_same_step(suite):
+    sharded = _read_folder(suite["root"] / "step222")
+    overlapped = _read_folder(suite["root"] / "step222_overlap")
+    for name, tensor in sharded.items():
+        torch.testing.assert_close(tensor, overlapped[name], atol=TOL, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,index", [(8, 4), (8, 6), (8, 9), (8, 12), (8, 13), (8, 14),
+                                         (1, 1), (1, 2)])
 def test_optimizer_state_roundtrip_resumes_bit_exact(suite, world, index):
     results = _case_results(suite, world, index)
     assert all(r["resume_exact"] and r["step_count"] == 2 for r in results)

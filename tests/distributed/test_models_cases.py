@@ -90,7 +90,10 @@ def _train_case(groups, case: dict) -> dict:
     from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
 
     role = case.get("role", "actor")
-    options = DDPOptions(use_distributed_optimizer=case.get("distributed", True))
+    overlap = case.get("overlap", False)
+    options = DDPOptions(use_distributed_optimizer=case.get("distributed", True),
+                         overlap_grad_reduce=overlap, overlap_param_gather=overlap,
+                         bucket_size=4096 if overlap else None)  # several buckets in flight
     model = build_from_hf(case["folder"], groups, role, dtype=case.get("dtype", "fp32"),
                           ddp_options=options)
     cfg = OptimConfig(lr=LR, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP)
@@ -98,6 +101,7 @@ def _train_case(groups, case: dict) -> dict:
     mbs = split_microbatches(case["batch"], groups.dp_size, groups.dp_rank, case["n_micro"])
     loss_fn = critic_loss if role == "critic" else actor_loss
     metrics = train_step(model, opt, mbs, loss_fn)
+    opt.gather_params()
     zero_grads = [n for n, p in named_local_parameters(model)
                   if p.requires_grad and not bool(p.main_grad.abs().sum() > 0)]
     export_hf(model, case["out"])
@@ -106,10 +110,12 @@ def _train_case(groups, case: dict) -> dict:
     state_bytes = opt.state_bytes()
     stage_numel = sum(p.numel() for p in model.module.parameters())
     train_step(model, opt, mbs, loss_fn)
+    opt.gather_params()  # overlap_param_gather defers it to the next forward
     straight = [p.detach().clone() for _, p in named_local_parameters(model)]
     restored = ModelOptimizer(model, cfg)
     restored.load_state_dict(saved)
     train_step(model, restored, mbs, loss_fn)
+    restored.gather_params()
     again = [p.detach().clone() for _, p in named_local_parameters(model)]
     return {"metrics": metrics, "zero_grads": zero_grads, "vocab_start": model.vocab_start,
             "tp_rank": groups.tp_rank, "pp_rank": groups.pp_rank, "dp_rank": groups.dp_rank,

@@ -254,3 +254,13 @@ def test_check_world_derives_or_checks_dp():
     # dynamic batching lifts the micro-batch rule
     assert load_config([DEMO], ["actor.ppo_micro_batch_size_per_gpu=5",
                                 "actor.use_dynamic_bsz=true"]).check_world(1) == 1
+
+
+def test_sequence_parallel_without_tp_is_refused_at_load():
+    from hybridrl.config import HybridRLConfig
+    from hybridrl.config.model import ModelConfig
+
+    with pytest.raises(ValueError, match=r"model\.sequence_parallel needs parallel\.tp > 1"):
+        HybridRLConfig(model=ModelConfig(sequence_parallel=True))
+    with pytest.raises(ValueError, match="model.recompute_granularity"):
+        ModelConfig(recompute_granularity="sometimes")
