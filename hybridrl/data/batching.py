@@ -10,10 +10,13 @@ rows (``x[idx]``), runs them, and restores the original order with :func:`invers
   items (sorted values are dealt k at a time, then partial partitions are merged pairwise, biggest
   part of one with the smallest of the other, largest spread first).
 * ``plan_dp_partition(seqlens, dp_size)``: equal-count, token-balanced split across DP ranks.
-* ``plan_micro_batches(seqlens, max_token_len)``: the fewest micro-batches (>= ceil(total/budget))
-  whose KK-balanced token sums all fit ``max_token_len`` (ppo_max_token_len_per_gpu). A sequence
+* ``plan_micro_batches(seqlens, max_token_len)``: the fewest micro-batches whose PADDED size
+  (``padded_tokens``: rows x the longest row, what a right-padded [b, T] batch really occupies)
+  fits ``max_token_len`` (ppo_max_token_len_per_gpu). Rows are bucketed by length (longest first,
+  each micro-batch filled with the next-longest rows), which also minimises padding. A sequence
   longer than the budget cannot fit anywhere: it gets a micro-batch of its own, is listed in
   ``plan.oversized`` and a warning is issued. No other micro-batch ever exceeds the budget.
+  ``min_num_micro_batches`` splits the largest micro-batches in halves until there are that many.
 * ``plan_dp_micro_batches(seqlens, dp_size, max_token_len)``: both, with (by default) the same
   number of micro-batches on every rank (pipeline schedules need it).
 """
@@ -21,7 +24,6 @@ rows (``x[idx]``), runs them, and restores the original order with :func:`invers
 from __future__ import annotations
 
 import heapq
-import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -97,8 +99,21 @@ def plan_dp_partition(seqlens: Sequence[int], dp_size: int) -> list[list[int]]:
     return karmarkar_karp(seqlens, dp_size, equal_size=True)
 
 
-def _fits(parts: list[list[int]], lens: Sequence[int], budget: int) -> bool:
-    return all(sum(lens[i] for i in p) <= budget for p in parts)
+def padded_tokens(seqlens: Sequence[int], micro_batch: Sequence[int]) -> int:
+    """Tokens a right-padded micro-batch occupies: its rows x its longest row."""
+    return len(micro_batch) * max((int(seqlens[i]) for i in micro_batch), default=0)
+
+
+def _split_largest(parts: list[list[int]], seqlens: Sequence[int]) -> bool:
+    """Split the micro-batch of largest padded size (2+ rows) in two halves; False if none."""
+    splittable = [p for p in parts if len(p) > 1]
+    if not splittable:
+        return False
+    big = max(splittable, key=lambda p: (padded_tokens(seqlens, p), -p[0]))
+    parts.remove(big)
+    half = len(big) // 2  # big is sorted by length, longest first: each half stays homogeneous
+    parts += [big[:half], big[half:]]
+    return True
 
 
 def plan_micro_batches(
@@ -119,18 +134,19 @@ def plan_micro_batches(
             f"(lengths {[int(seqlens[i]) for i in oversized]}) each run alone in a micro-batch",
             stacklevel=2,
         )
-    rest = [i for i, n in enumerate(seqlens) if n <= max_token_len]
-    lens = [int(seqlens[i]) for i in rest]
-    want = max(min_num_micro_batches - len(oversized), math.ceil(sum(lens) / max_token_len), 1)
-    parts: list[list[int]] = []
-    if rest:
-        m = min(want, len(rest))
-        parts = karmarkar_karp(lens, m)
-        while not _fits(parts, lens, max_token_len):  # ends by m = len(rest): singletons fit
-            m += 1
-            parts = karmarkar_karp(lens, m)
-    micro = [[rest[j] for j in p] for p in parts if p] + [[i] for i in oversized]
-    micro.sort(key=lambda p: p[0])
+    # longest first; each micro-batch takes the longest remaining row and as many of the next
+    # (shorter) rows as its padded size allows: the fewest micro-batches, least padding
+    order = sorted((i for i, n in enumerate(seqlens) if n <= max_token_len),
+                   key=lambda i: (-int(seqlens[i]), i))
+    parts: list[list[int]] = [[i] for i in oversized]
+    start = 0
+    while start < len(order):
+        rows = max(max_token_len // max(int(seqlens[order[start]]), 1), 1)
+        parts.append(order[start:start + rows])
+        start += rows
+    while len(parts) < min_num_micro_batches and _split_largest(parts, seqlens):
+        pass
+    micro = sorted((sorted(p) for p in parts), key=lambda p: p[0])
     return MicroBatchPlan(micro, oversized)
 
 
