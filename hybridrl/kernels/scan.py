@@ -1,8 +1,10 @@
-"""The chunked parallel scan of csrc/cuda/gae_cuda.cu, written in torch (CPU-checkable twin).
+"""The chunk/segment scan behind csrc/cuda/gae_cuda.cu, in torch, for any threads x chunk.
 
 Contract: ``gae_chunked_scan(rewards, values, mask, gamma, lam, threads, chunk)`` returns
-(advantages [B, T], returns [B, T]) equal to ``reference.gae_ref`` up to rounding, computed the
-way the CUDA kernel does it, so the algorithm is tested on machines without a GPU:
+(advantages [B, T], returns [B, T]) equal to ``reference.gae_ref`` up to rounding, by the
+segment/chunk decomposition the CUDA kernel uses (with one Hillis-Steele scan over all threads;
+the kernel's exact schedule, launch plan and warp scans are emulated step for step in
+tests/unit/gae_cuda_emulation.py):
 
 - Walking t backwards the state s = (x = nextv, y = last) follows an affine map per step,
   ``x' = a x + b``, ``y' = c x + d y + e`` with (a, b, c, d, e) =
