@@ -1,7 +1,8 @@
 """The CUDA GAE kernel's exact algorithm (tests/unit/gae_cuda_emulation.py) on CPU.
 
 - The launch plan: by T a row is one segment when it fits (no padding at T = 128 ... 2048 in
-  fp32, at most half a segment of padding otherwise), several short rows share a block.
+  fp32, at most half a segment of padding otherwise), several short rows share a block; the
+  Python mirror equals csrc/cuda/gae_plan.h (compiled with the host C++ compiler).
 - Shared memory: every load, chunk and store phase of every launch shape is one wavefront per
   warp (no bank conflicts), fp32 and fp64; the unskewed layout the kernel used before has 8-way
   conflicts (so the checker can fail).
@@ -11,6 +12,10 @@
 """
 
 from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,3 +181,35 @@ def test_emulation_keeps_nan_and_inf_where_the_loop_has_them():
     np.testing.assert_array_equal(np.isinf(adv), np.isinf(want))
     finite = np.isfinite(want)
     np.testing.assert_allclose(adv[finite], want[finite], rtol=1e-12, atol=1e-12)
+
+
+_PLAN_DRIVER = r"""
+#include <cstdio>
+#include "gae_plan.h"
+int main() {
+  long long B, T; int acc, sms;
+  while (std::scanf("%lld %lld %d %d", &B, &T, &acc, &sms) == 4) {
+    const hybridrl::GaePlan p = hybridrl::plan_gae(B, T, acc, sms);
+    std::printf("%d %d %d %lld\n", p.row_threads, p.chunk, p.rows_per_block, (long long)p.blocks);
+  }
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build gae_plan.h")
+def test_plan_mirror_equals_gae_plan_h(tmp_path):
+    """The Python plan the emulation uses is the C++ one the kernel launches (csrc/cuda)."""
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "driver.cpp").write_text(_PLAN_DRIVER)
+    exe = tmp_path / "plan"
+    subprocess.run(["c++", "-std=c++17", "-O1", f"-I{root / 'csrc' / 'cuda'}",
+                    str(tmp_path / "driver.cpp"), "-o", str(exe)], check=True, timeout=120)
+    cases = [(B, T, acc, sms) for B in (1, 3, 264, 265, 4096) for acc in (4, 8)
+             for sms in (1, 132) for T in list(range(1, 70, 7)) + [127, 128, 129, 255, 257,
+                                                                 511, 513, 1023, 1025, 2047,
+                                                                 2048, 2049, 3000, 3073,
+                                                                 5000, 8192, 20000]]
+    out = subprocess.run([str(exe)], input="\n".join(" ".join(map(str, c)) for c in cases),
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    got = [tuple(int(x) for x in line.split()) for line in out.splitlines()]
+    assert got == [plan_gae(*c) for c in cases]
