@@ -230,15 +230,17 @@ def test_kl_double_backward(kind):
         assert x.abs().sum() > 0
 
 
-def test_kl_benchmark_size_4096x8192():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kl_benchmark_size_4096x8192(dtype):
     _require_ops()
-    lp, rl = _kl_inputs((4096, 8192), seed=11)
-    grad_out = torch.randn(4096, 8192, device="cuda")
+    lp, rl = _kl_inputs((4096, 8192), seed=11, dtype=dtype)  # bf16: ~8 grid-stride passes
+    grad_out = torch.randn(4096, 8192, device="cuda").to(dtype)
+    rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else (8e-3, 1e-5)
     for kind in ["k3", "k3+"]:
         got = _run(K.kl_penalty, lp, rl, kind, grad_out)
-        want = _run(ref.kl_penalty_ref, lp, rl, kind, grad_out)
+        want = _run(ref.kl_penalty_ref, lp.float(), rl.float(), kind, grad_out.float())
         for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(g, w.to(dtype), rtol=rtol, atol=atol)
 
 
 # ---- whitening ------------------------------------------------------------------------------
