@@ -4,8 +4,9 @@ Contract:
 - ``hybridrl._C`` (C++ CPU kernels, always built when the compiler works) defines the op schemas and
   CPU kernels; ``hybridrl._C_cuda`` (built only against a CUDA torch with nvcc) adds CUDA kernels.
 - ``load()`` imports them once and registers, on the Python side, a fake (meta) kernel for every
-  op, so the ops trace under torch.compile; the autograd kernel of ``kl_forward`` is C++
-  (csrc/cpu/kl_autograd.cpp), so the op runs in a loss.
+  op, so the ops trace under torch.compile; the autograd kernels of ``kl_forward`` and
+  ``kl_backward`` are C++ (csrc/cpu/kl_autograd.cpp, kl_grad_autograd.cpp), so the op runs in
+  a loss and is twice differentiable.
 - ``compiled_available(op, device_type)`` says whether a compiled kernel exists for that device;
   when it does not, ``warn_fallback`` emits one warning per device type and callers use the
   pure-torch references of ``hybridrl.kernels.reference``. The environment variable
