@@ -18,7 +18,9 @@ Contract:
   unfiltered* distribution ``log_softmax(logits / T)`` (T = 1 when greedy), which is what the
   actor recomputes; R <= ``params.max_new_tokens``.
 - ``SamplingParams`` validates its fields (``ValueError`` naming the field): temperature 0 means
-  greedy; ``top_k`` -1 = off; ``top_p`` in (0, 1]; ``seed`` makes sampling reproducible.
+  greedy; ``top_k`` -1 = off; ``top_p`` in (0, 1]; ``seed`` makes sampling reproducible;
+  ``row_seeds`` (one per prompt) gives each request its own seed instead, so a sequence's sample
+  does not depend on which other prompts share its batch (layout-invariant rollouts).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class SamplingParams:
     eos_token_id: int | None = None
     pad_token_id: int = 0
     seed: int = 0
+    row_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -51,6 +54,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.row_seeds is not None and not isinstance(self.row_seeds, tuple):
+            raise ValueError(f"row_seeds must be a tuple of ints or None, got "
+                             f"{type(self.row_seeds).__name__}")
 
     @property
     def greedy(self) -> bool:

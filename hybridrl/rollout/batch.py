@@ -5,14 +5,18 @@ Contract:
   unpadded ``prompt_ids``, right-padded ``response_ids`` / ``response_mask`` / engine
   ``rollout_logprobs`` [N, R], the prompt group ``uid`` [N] (for GRPO), and what the reward
   needs (``ground_truth``, ``data_source``, ``extra_info``). Per-token training tensors
-  (old/ref log-probs, values, advantages, returns) live beside it as [N, R] tensors.
+  (old/ref log-probs, values, advantages, returns) live beside it as [N, R] tensors. On a DP
+  rank it holds only that rank's rows: ``rows`` are their indices in the step's batch
+  (ascending; ``range(N)`` for a whole batch).
 - ``microbatch(idx, tensors)``: the megatron input for rows ``idx``: ``input_ids`` [b, T]
   right-padded (prompt then response, starting at position 0 as megatron's RoPE needs, T = the
   longest prompt + response among the rows), ``resp_index`` [b, R] = the output positions that
   score each response token (prompt_len - 1 + j: position t scores token t + 1),
   ``response_mask`` [b, R], plus ``tensors[k][idx]`` for each given [N, R] tensor.
-- ``batch_metrics(rb, tensors, max_response_length, step_s, world)``: response/prompt lengths,
-  advantage/return means, |engine - actor| log-prob gap (mean, max), tokens and tokens/s per rank.
+- ``batch_metrics(rb, tensors, max_response_length, step_s, world, dp_group, device)``:
+  response/prompt lengths, advantage/return means, |engine - actor| log-prob gap (mean, max),
+  tokens and tokens/s per rank; with ``dp_group`` every value is over the whole batch (sums,
+  counts, max and min all-reduced over the DP ranks' shards, on ``device``).
 - ``gather_response(out_bT, resp_index_bR)`` picks the response columns [b, R] out of a per-token
   model output [b, T].
 """
@@ -23,6 +27,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclasses.dataclass
@@ -35,6 +40,11 @@ class RolloutBatch:
     ground_truth: list[Any]
     data_source: list[str]
     extra_info: list[dict]
+    rows: list[int] | None = None  # indices in the step's batch; None = range(N)
+
+    def __post_init__(self) -> None:
+        if self.rows is None:
+            self.rows = list(range(len(self.prompt_ids)))
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -78,20 +88,30 @@ def gather_response(out_bT: torch.Tensor, resp_index_bR: torch.Tensor) -> torch.
 
 
 def batch_metrics(rb: RolloutBatch, tensors: dict, max_response_length: int, step_s: float,
-                  world: int) -> dict[str, float]:
-    """Batch statistics of one step (see the module docstring)."""
+                  world: int, dp_group=None, device="cpu") -> dict[str, float]:
+    """Batch statistics of one step over every DP rank's rows (see the module docstring)."""
     m, lens = rb.response_mask.float(), rb.response_lengths.float()
-    n_tok = m.sum().clamp(min=1)
-    tokens = sum(rb.seq_lengths)
-    gap = (rb.rollout_logprobs - tensors["old_log_probs"]).abs()  # [N, R] engine vs actor
+    gap = (rb.rollout_logprobs - tensors["old_log_probs"]).abs() * m  # [N, R] engine vs actor
+    sums = torch.tensor([
+        float(lens.sum()), float((lens >= max_response_length).sum()),
+        float(sum(len(p) for p in rb.prompt_ids)), float(len(rb)), float(m.sum()),
+        float((tensors["advantages"] * m).sum()), float((tensors["returns"] * m).sum()),
+        float(gap.sum()), float(sum(rb.seq_lengths))], dtype=torch.float64)
+    peaks = torch.tensor([float(lens.max()), float(gap.max())], dtype=torch.float64)
+    if dp_group is not None:
+        sums, peaks = sums.to(device), peaks.to(device)
+        dist.all_reduce(sums, group=dp_group)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=dp_group)
+    (len_sum, clipped, prompt_sum, n, n_tok, adv, ret, gap_sum, tokens) = sums.tolist()
+    n_tok = max(n_tok, 1.0)
     return {
-        "response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
-        "response_length/clip_ratio": float((lens >= max_response_length).float().mean()),
-        "prompt_length/mean": sum(len(p) for p in rb.prompt_ids) / len(rb),
-        "critic/advantages/mean": float((tensors["advantages"] * m).sum() / n_tok),
-        "critic/returns/mean": float((tensors["returns"] * m).sum() / n_tok),
-        "training/rollout_logprob_diff": float((gap * m).sum() / n_tok),
-        "training/rollout_logprob_diff_max": float((gap * m).max()),
-        "perf/total_tokens": float(tokens),
+        "response_length/mean": len_sum / n, "response_length/max": float(peaks[0]),
+        "response_length/clip_ratio": clipped / n,
+        "prompt_length/mean": prompt_sum / n,
+        "critic/advantages/mean": adv / n_tok,
+        "critic/returns/mean": ret / n_tok,
+        "training/rollout_logprob_diff": gap_sum / n_tok,
+        "training/rollout_logprob_diff_max": float(peaks[1]),
+        "perf/total_tokens": tokens,
         "perf/throughput": tokens / max(step_s, 1e-9) / world,
     }

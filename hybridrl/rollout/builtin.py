@@ -257,7 +257,12 @@ class BuiltinEngine:
         allowed = causal_PK & (valid_BT[:, None, :P] | torch.eye(P, dtype=torch.bool, device=dev))
         cache = self._new_cache(B, P + R)
         h = self.forward(ids_BP, pos_BP, cache, 0, allowed)[:, -1]
-        generator = torch.Generator(device=dev).manual_seed(int(params.seed))
+        if params.row_seeds is not None:  # one generator per request
+            if len(params.row_seeds) != B:
+                raise ValueError(f"row_seeds has {len(params.row_seeds)} seeds for {B} prompts")
+            generator = [torch.Generator(device=dev).manual_seed(int(s)) for s in params.row_seeds]
+        else:
+            generator = torch.Generator(device=dev).manual_seed(int(params.seed))
         out_ids = torch.full((B, R), params.pad_token_id, dtype=torch.long, device=dev)
         out_logp = torch.zeros(B, R, dtype=torch.float32, device=dev)
         done_B = torch.zeros(B, dtype=torch.bool, device=dev)

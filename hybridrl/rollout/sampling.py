@@ -4,7 +4,8 @@ Contract: ``sample_next(logits_BV, params, generator) -> (tokens_B, logprobs_B)`
 - greedy (temperature 0): ``argmax``; its log-prob is taken under ``log_softmax(logits)`` (T = 1).
 - otherwise ``z = logits / T``; top-k keeps the k largest, top-p keeps the smallest prefix of the
   descending-probability order whose mass reaches ``top_p`` (the most likely token always stays);
-  the token is drawn from the renormalized kept mass with ``torch.multinomial(generator=...)``.
+  the token is drawn from the renormalized kept mass with ``torch.multinomial(generator=...)``;
+  given a list of generators (one per row), row b draws with its own generator.
 - the returned log-prob is that of the chosen token under the *unfiltered* ``log_softmax(z)``
   (what the actor recomputes at the same temperature), fp32.
 ``filter_logits`` is the top-k/top-p masking on its own (masked entries are -inf).
@@ -34,7 +35,8 @@ def filter_logits(z_BV: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> to
 
 
 def sample_next(
-    logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits_BV: torch.Tensor, params: SamplingParams,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B] int64, log-probs [B] fp32) of the next token (see module docstring)."""
     logits_BV = logits_BV.float()
@@ -46,5 +48,9 @@ def sample_next(
         logp_BV = torch.log_softmax(z_BV, dim=-1)
         kept_BV = filter_logits(z_BV, params.top_k, params.top_p)
         probs_BV = torch.softmax(kept_BV, dim=-1)
-        tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+        if isinstance(generator, list):  # one generator per row: [B]
+            tokens_B = torch.cat([torch.multinomial(probs_BV[b:b + 1], 1, generator=g)[:, 0]
+                                  for b, g in enumerate(generator)])
+        else:
+            tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
     return tokens_B, logp_BV.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)

@@ -26,7 +26,8 @@ Contract (docs/rollout.md has the diagram and the memory budget):
   -> flush -> generate -> release.
 - ``generate(prompt_ids, params)``: one sampling-params dict per request: max_new_tokens,
   temperature, top_p, top_k, ``stop_token_ids`` = [eos] when known and ``sampling_seed`` =
-  ``request_seed(params.seed, i)`` (distinct for the n samples of a prompt, reproducible); the
+  ``request_seed(params.seed, i)`` (distinct for the n samples of a prompt, reproducible), or
+  ``params.row_seeds[i]`` when the caller gives one seed per request; the
   source's result (or its error) is broadcast over the gloo side group, never NCCL.
 """
 
@@ -261,7 +262,8 @@ def sampling_dicts(params: SamplingParams, n: int) -> list[dict]:
             "top_p": params.top_p, "top_k": params.top_k}
     if params.eos_token_id is not None:
         base["stop_token_ids"] = [int(params.eos_token_id)]
-    return [{**base, "sampling_seed": request_seed(params.seed, i)} for i in range(n)]
+    seeds = params.row_seeds or [request_seed(params.seed, i) for i in range(n)]
+    return [{**base, "sampling_seed": int(seed) % (2**63 - 1)} for seed in seeds]
 
 
 def _to_output(outs: list[dict], params: SamplingParams) -> GenerationOutput:

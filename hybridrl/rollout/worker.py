@@ -24,7 +24,14 @@ Contract:
   ``seed * 1_000_003 + replica`` (reproducible, resumable without saved generator state); the
   shares are all-gathered as tensors on the engine's device (one packed float64 tensor per
   rank, no pickling) so every rank returns the same ``GenerationOutput`` for all N, in prompt
-  order, R = the longest response.
+  order, R = the longest response. (The whole batch on every rank: kept for callers that need
+  it; the trainer uses ``generate_partitioned``.)
+- ``generate_partitioned(prompts, params, seed, plan_parts)`` (collective): the same replica
+  shares, but request i gets its own seed ``request_seed(seed, i)`` (so a sequence's sample does
+  not depend on the layout); one all_reduce of an int32 length per sequence, then
+  ``plan_parts(lengths)`` -> rows per DP rank (``hybridrl.rollout.partition``) and each rank
+  receives only its DP replica's rows, point to point. Returns ``(rows, GenerationOutput of
+  them, TransportStats)``.
 """
 
 from __future__ import annotations
@@ -44,6 +51,12 @@ from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, gen_placement, train_pl
 from hybridrl.reshard.planner import plan_reshard
 from hybridrl.reshard.specs import LlamaShape, build_specs
 from hybridrl.rollout.base import GenerationOutput, SamplingParams
+from hybridrl.rollout.partition import (
+    TransportStats,
+    check_prefix_mask,
+    exchange_rollouts,
+    plan_transfers,
+)
 
 
 def _gen_tp_groups(gen, rank: int, groups, grouping: str):
@@ -97,6 +110,7 @@ class RolloutWorker:
             raise ValueError(f"parallel.gen.pp must be 1 (rollout engines run gen pp = 1 here), "
                              f"got {cfg.parallel.gen.pp}")
         self.rank, layout, gen_cfg = groups.rank, groups.train, cfg.parallel.gen
+        self.layout = layout
         self.shape = LlamaShape.from_model(actor.spec)  # q/k/v biases move too
         nested = layout.tp % gen_cfg.tp == 0 and layout.pp % gen_cfg.pp == 0
         grouping = gen_cfg.grouping if nested else "consecutive"
@@ -173,6 +187,38 @@ class RolloutWorker:
             params = dataclasses.replace(params, seed=seed * 1_000_003 + self.replica)
             out = self.engine.generate([prompts[i] for i in mine], params)
         return self._gather(len(prompts), mine if self.is_src else [], out)
+
+    def generate_partitioned(self, prompts: list[list[int]], params: SamplingParams, seed: int,
+                             plan_parts) -> tuple[list[int], GenerationOutput, TransportStats]:
+        """This DP replica's rows only (see the module docstring; collective)."""
+        from hybridrl.rollout.sglang import request_seed  # pure helper; no sglang import
+
+        shares = np.array_split(np.arange(len(prompts)), self.n_replicas)
+        gen_rows = [int(i) for i in shares[self.replica]]
+        out = None
+        if gen_rows:
+            seeds = tuple(request_seed(seed, i) for i in gen_rows)
+            out = self.engine.generate([prompts[i] for i in gen_rows],
+                                       dataclasses.replace(params, seed=seed, row_seeds=seeds))
+        src_rows = gen_rows if self.is_src else []
+        lens = torch.zeros(len(prompts), dtype=torch.int32)
+        if src_rows:
+            lens[src_rows] = torch.tensor(check_prefix_mask(out), dtype=torch.int32)
+        lens = lens.to(self.device)
+        dist.all_reduce(lens)  # each row has exactly one source: the sum is its length
+        lens = [int(v) for v in lens.cpu()]
+        parts = plan_parts(lens)
+        gen = self.gen
+        owner = [gen.rank_at(0, 0, rep) for rep, share in enumerate(shares) for _ in share]
+        world = dist.get_world_size()
+        replicas = [[r for r in range(world) if self.layout.coords(r)["dp"] == d]
+                    for d in range(len(parts))]
+        mine = parts[self.layout.coords(self.rank)["dp"]]
+        transfers = plan_transfers(owner, parts, replicas)
+        local, stats = exchange_rollouts(self.rank, transfers, mine, src_rows, out, lens,
+                                         self.pad_token_id, self.device)
+        stats.scalar_bytes = 4 * len(prompts)
+        return mine, local, stats
 
     def _gather(self, n_prompts: int, rows: list[int], out) -> GenerationOutput:
         """Every replica's share on every rank, in prompt order (two all_gathers over the world).
