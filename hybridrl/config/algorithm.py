@@ -89,6 +89,12 @@ class RewardConfig:
     use_repetition_penalty: bool = knob(False, "Add repetition_penalty_weight * (fraction "
                                         "of repeated 3-grams in the response) to each score.")
     repetition_penalty_weight: float = knob(-0.05, "Weight of the repetition penalty (<= 0).")
+    timeout_s: float = knob(60.0, "Seconds one reward-function call may take; a timeout (or an "
+                            "exception) stops every rank with one line naming the function, "
+                            "the data_source and the row. 0 = no limit.")
+    num_workers: int = knob(0, "Processes scoring each rank's rows in parallel (a forkserver "
+                            "pool rebuilt from this section: use reward_fn, not run-time "
+                            "registrations); 0 = in the rank's own process.")
 
     def __post_init__(self) -> None:
         if self.reward_fn:
@@ -103,6 +109,10 @@ class RewardConfig:
             raise ValueError("set at most one of reward.reward_fn and reward.reward_model_path")
         check_choice("reward.gsm8k_method", self.gsm8k_method, GSM8K_METHODS)
         check_range("reward.format_score", self.format_score, 0.0, 1.0)
+        if self.timeout_s < 0:
+            raise ValueError(f"reward.timeout_s must be >= 0 (0 = no limit); got {self.timeout_s!r}")
+        if not isinstance(self.num_workers, int) or self.num_workers < 0:
+            raise ValueError(f"reward.num_workers must be an integer >= 0; got {self.num_workers!r}")
         for name in ("length_penalty_weight", "repetition_penalty_weight"):
             if getattr(self, name) > 0:
                 raise ValueError(f"reward.{name} must be <= 0 (it is a penalty); "
