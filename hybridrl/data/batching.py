@@ -18,7 +18,8 @@ rows (``x[idx]``), runs them, and restores the original order with :func:`invers
   ``plan.oversized`` and a warning is issued. No other micro-batch ever exceeds the budget.
   ``min_num_micro_batches`` splits the largest micro-batches in halves until there are that many.
 * ``plan_dp_micro_batches(seqlens, dp_size, max_token_len)``: both, with (by default) the same
-  number of micro-batches on every rank (pipeline schedules need it).
+  number of micro-batches on every rank (pipeline schedules need it); ``partition`` gives the
+  ranks' indices instead of ``plan_dp_partition`` (rows already placed on their DP ranks).
 """
 
 from __future__ import annotations
@@ -151,14 +152,15 @@ def plan_micro_batches(
 
 
 def plan_dp_micro_batches(
-    seqlens: Sequence[int], dp_size: int, max_token_len: int, same_count: bool = True
+    seqlens: Sequence[int], dp_size: int, max_token_len: int, same_count: bool = True,
+    partition: Sequence[Sequence[int]] | None = None,
 ) -> list[MicroBatchPlan]:
     """Per DP rank, its micro-batches as indices into the global batch.
 
     With ``same_count`` every rank gets the largest count any rank needs (as far as its number of
     sequences allows), so all ranks run the same number of forward/backward steps.
     """
-    ranks = plan_dp_partition(seqlens, dp_size)
+    ranks = plan_dp_partition(seqlens, dp_size) if partition is None else [list(p) for p in partition]
 
     def plan(min_count: int) -> list[MicroBatchPlan]:
         out = []

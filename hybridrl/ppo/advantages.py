@@ -18,6 +18,8 @@ Built in (verl's numbers):
   members); a group of one keeps ``s_b``; broadcast over valid tokens; returns = advantages.
 - ``reinforce_plus_plus``: return-to-go ``G_t = r_t + gamma·G_{t+1}`` with ``G`` reset to 0 after
   a masked step; advantages = masked_whiten(G)·m; returns = G.
+``gae`` and ``reinforce_plus_plus`` take ``whiten`` (default ``masked_whiten``): a batch shard
+passes one with the whole batch's moments (``hybridrl.ppo.dist_advantages``).
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ def gae_advantages(
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
+    whiten: Callable = masked_whiten,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE through the kernels, then batch-wide masked whitening of the advantages."""
     if values is None:
         raise ValueError("advantage estimator 'gae' needs values [B, T] from the critic")
     adv_BT, returns_BT = kernel_gae(token_level_rewards, values, response_mask, gamma, lam)
-    adv_BT = masked_whiten(adv_BT, response_mask)
+    adv_BT = whiten(adv_BT, response_mask)
     return adv_BT, returns_BT
 
 
@@ -128,7 +131,8 @@ def rloo_advantages(
 @register_advantage_estimator("reinforce_plus_plus")
 @torch.no_grad()
 def reinforce_plus_plus_advantages(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
+    whiten: Callable = masked_whiten,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Discounted return-to-go (reset where the mask is 0), masked-whitened over the batch."""
     mask_BT = response_mask.to(token_level_rewards.dtype)
@@ -138,7 +142,7 @@ def reinforce_plus_plus_advantages(
         running_B = token_level_rewards[:, t] + gamma * running_B
         returns_BT[:, t] = running_B
         running_B = running_B * mask_BT[:, t]
-    return masked_whiten(returns_BT, response_mask) * mask_BT, returns_BT
+    return whiten(returns_BT, response_mask) * mask_BT, returns_BT
 
 
 def compute_advantage(
