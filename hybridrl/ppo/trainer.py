@@ -9,14 +9,17 @@ Contract:
 - One step (``train_step``), every rank:
   1. ``timing_s/reshard``: actor train shards -> engine shards (``RolloutWorker.sync_weights``);
   2. ``timing_s/gen``: each gen replica samples its share of the prompts (``rollout.n`` per
-     prompt), gathered back so every rank holds all N sequences;
+     prompt); each DP replica then receives only the rows it trains on
+     (``hybridrl.rollout.partition``: token-balanced per mini-batch chunk, prompt groups kept
+     together when the estimator needs them, int32 ids + fp32 log-probs point to point);
   3. old log-probs (actor), reference log-probs (when a KL term is used), values (critic, GAE
-     only): megatron forwards on this rank's DP share, all-gathered over DP;
-  4. reward (``RewardScorer.score_tokens``, or the frozen reward model's output at the last
+     only): megatron forwards on this rank's rows only;
+  4. reward (``hybridrl.rewards.distributed``: each sequence decoded and scored once in the job,
+     only per-sequence scalars exchanged; or the frozen reward model's output at the last
      response token when ``reward.reward_model_path`` is set), placed on each sequence's last
-     token; the in-reward KL (``algorithm.use_kl_in_reward``) updates the KL controller;
-     advantages from the registry (``algorithm.adv_estimator``) on the whole batch, identical on
-     every rank;
+     token; the in-reward KL (``algorithm.use_kl_in_reward``) updates the KL controller with
+     the whole batch's KL; advantages (``hybridrl.ppo.dist_advantages``) on the rank's rows with
+     global whitening moments: the whole-batch numbers;
   5. ``actor.ppo_epochs`` (``critic.ppo_epochs``) passes over mini-batches of
      ``ppo_mini_batch_size * rollout.n`` sequences; each DP rank takes its share as fixed-size or
      token-budget micro-batches; the loss uses global normalizers (``compute_agg_normalizers``);
@@ -24,7 +27,7 @@ Contract:
      mini-batches exceeds it, actor, critic, optimizers and KL controller go back to their state
      before the step (the batch is skipped, ``training/kl_guard_rollback`` = 1); more than
      ``max_rollbacks`` consecutive rollbacks, or ``rollback: false``, raise ``RuntimeError``;
-  7. metrics (DESIGN.md key names) on rank 0 (``MetricsLog``): one line per step to stdout, one
+  7. metrics (DESIGN.md key names; reductions over every sequence of the step) on rank 0 (``MetricsLog``): one line per step to stdout, one
      JSON line to ``<checkpoint_dir>/metrics.jsonl`` when ``jsonl`` is a logger; checkpoints
      every ``trainer.save_freq`` steps and after the last (``hybridrl.ppo.checkpoint``).
 - Log-probs are those of ``log_softmax(logits / T)`` with T = ``rollout.temperature`` (1 when
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import random
 import time
 from collections import defaultdict
@@ -46,6 +50,7 @@ import torch.distributed as dist
 
 from hybridrl.data.batching import (
     inverse_order,
+    karmarkar_karp,
     plan_dp_micro_batches,
     plan_micro_batches,
     split_mini_batches,
@@ -56,7 +61,6 @@ from hybridrl.models.build import DDPOptions
 from hybridrl.models.forward import broadcast_from_last_stage, run_microbatches
 from hybridrl.models.hf_io import build_from_config
 from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
-from hybridrl.ppo.advantages import compute_advantage
 from hybridrl.ppo.agg import compute_agg_normalizers
 from hybridrl.ppo.checkpoint import (
     capture_params,
@@ -66,12 +70,15 @@ from hybridrl.ppo.checkpoint import (
     restore_state,
     save_checkpoint,
 )
+from hybridrl.ppo.dist_advantages import compute_advantage_dp, needs_groups
 from hybridrl.ppo.kl_control import apply_kl_in_reward, build_kl_controller
 from hybridrl.ppo.losses import actor_loss, value_loss
 from hybridrl.ppo.metrics_log import MetricsLog
+from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
 from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
 from hybridrl.rewards.scoring import build_reward_scorer
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
+from hybridrl.rollout.partition import plan_rollout_partition
 from hybridrl.rollout.worker import RolloutWorker
 
 SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
@@ -122,6 +129,9 @@ class PPOTrainer:
                     f"{self.actor.spec.vocab_size}: the reward model reads the actor's token "
                     "ids, so both must use the same tokenizer")
         self.scorer = build_reward_scorer(cfg.reward)
+        self.dist_scorer = DistributedScorer(self.scorer, self.tokenizer, cfg.reward,
+                                             cfg.rollout.response_length)
+        self.partition = None  # this step's (rows per DP rank, global sequence lengths)
         self.worker = RolloutWorker(cfg, groups, self.actor, self.tokenizer)
         self.temperature = cfg.rollout.temperature or 1.0
         self.step, self.rollbacks = 0, 0
@@ -133,29 +143,44 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ rollout side
     def _rollout(self, prompts) -> RolloutBatch:
+        """This DP rank's rows of the step's N = prompts x ``rollout.n`` sequences."""
         n, r = self.cfg.rollout.n, self.cfg.rollout
-        rows = [i for i in range(len(prompts)) for _ in range(n)]  # each prompt n times
-        params = self.worker.sampling_params(r.response_length, r.temperature, r.top_k, r.top_p)
-        out = self.worker.generate([prompts.prompt_ids[i] for i in rows], params,
-                                   seed=self.cfg.trainer.seed * 100_003 + self.step)
-        return RolloutBatch([prompts.prompt_ids[i] for i in rows], out.response_ids,
-                            out.response_mask, out.logprobs, rows,
-                            [prompts.ground_truth[i] for i in rows],
-                            [prompts.data_source[i] for i in rows],
-                            [prompts.extra_info[i] for i in rows])
+        uid = [i for i in range(len(prompts)) for _ in range(n)]  # each prompt n times
+        prompt_lens = [len(prompts.prompt_ids[i]) for i in uid]
+        chunk = self.cfg.actor.ppo_mini_batch_size * n  # every mini-batch spans all DP ranks
+        if self.critic is not None:
+            chunk = math.gcd(chunk, self.cfg.critic.ppo_mini_batch_size * n)
+        group = n if needs_groups(self.cfg.algorithm.adv_estimator) else 1
 
-    def _dp_share(self, n_rows: int) -> list[int]:
-        dp, d = self.groups.dp_size, self.groups.dp_rank
-        return list(range(d * n_rows // dp, (d + 1) * n_rows // dp))
+        def plan(resp_lens):
+            lens = [p + q for p, q in zip(prompt_lens, resp_lens)]
+            self.partition = (plan_rollout_partition(lens, self.groups.dp_size, chunk, group),
+                              lens)
+            return self.partition[0]
+
+        params = self.worker.sampling_params(r.response_length, r.temperature, r.top_k, r.top_p)
+        rows, out, self.transport = self.worker.generate_partitioned(
+            [prompts.prompt_ids[i] for i in uid], params,
+            seed=self.cfg.trainer.seed * 100_003 + self.step, plan_parts=plan)
+        pick = [uid[g] for g in rows]
+        return RolloutBatch([prompts.prompt_ids[i] for i in pick], out.response_ids,
+                            out.response_mask, out.logprobs, pick,
+                            [prompts.ground_truth[i] for i in pick],
+                            [prompts.data_source[i] for i in pick],
+                            [prompts.extra_info[i] for i in pick], rows=rows)
+
+    def _gloo_dp(self):
+        """The DP group for CPU scalars (None at dp = 1)."""
+        return self.groups.gloo_dp if self.groups.dp_size > 1 else None
 
     @torch.no_grad()
     def _forward(self, model, rb: RolloutBatch, key: str, micro: int, dynamic: bool,
                  max_tokens: int, shift: int = 0) -> torch.Tensor:
-        """Per-token ``key`` output [N, R] of ``model`` on the whole batch (DP share + gather).
+        """Per-token ``key`` output [n, R] of ``model`` on this rank's rows.
 
         Column j is the output at the position that predicts response token j (``shift=0``), or
         at response token j itself (``shift=1``: a reward model reads the whole sequence)."""
-        mine = self._dp_share(len(rb))
+        mine = list(range(len(rb)))
         if dynamic:
             parts = plan_micro_batches([rb.seq_lengths[i] for i in mine], max_tokens).micro_batches
             parts = [[mine[j] for j in p] for p in parts]
@@ -169,28 +194,21 @@ class PPOTrainer:
                 max=o[key].shape[1] - 1)).float().cpu() for o, mb in zip(outs, mbs)]
             position = {row: j for j, row in enumerate(mine)}
             order = inverse_order([[position[i] for i in p] for p in parts])
-            local = torch.cat(cols)[order]  # [N/dp, R] in row order
-        local = broadcast_from_last_stage(local, self.groups).to(self.actor.device)
-        if self.groups.dp_size == 1:
-            return local.cpu()
-        shards = [torch.empty_like(local) for _ in range(self.groups.dp_size)]
-        dist.all_gather(shards, local.contiguous(), group=self.groups.dp)
-        return torch.cat(shards).cpu()
+            local = torch.cat(cols)[order]  # [n, R] in row order
+        return broadcast_from_last_stage(local, self.groups).to(self.actor.device).cpu()
 
     def _reward_model_scores(self, rb: RolloutBatch, mask: torch.Tensor):
-        """(scores [N], metrics): the reward model's value at each row's last response token
+        """(scores [n], global metrics): the reward model's value at each row's last response token
         (0 for an empty response), with the ``ref`` section's forward batching."""
         r = self.cfg.ref
         values = self._forward(self.reward_model, rb, "values",
                                r.log_prob_micro_batch_size_per_gpu, r.log_prob_use_dynamic_bsz,
                                r.log_prob_max_token_len_per_gpu, shift=1)
         scores = value_at_last_token(values, mask)
-        metrics = {"critic/score/mean": float(scores.mean()),
-                   "critic/score/max": float(scores.max()), "critic/score/min": float(scores.min())}
-        return scores, metrics
+        return scores, global_score_metrics(scores, self._gloo_dp())
 
     def _logprobs(self, model, rb: RolloutBatch) -> torch.Tensor:
-        """Per-token log-probs [N, R] of ``model`` with the ``ref`` section's batching."""
+        """Per-token log-probs [n, R] of ``model`` with the ``ref`` section's batching."""
         r = self.cfg.ref
         return self._forward(model, rb, "logprobs", r.log_prob_micro_batch_size_per_gpu,
                              r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
@@ -223,15 +241,19 @@ class PPOTrainer:
         n, dp = self.cfg.rollout.n, self.groups.dp_size
         mini = role_cfg.ppo_mini_batch_size * n
         acc = defaultdict(list)
+        parts, lens = self.partition
+        local = {g: j for j, g in enumerate(rb.rows)}
         for _ in range(role_cfg.ppo_epochs):
-            for rows in split_mini_batches(len(rb), mini):
-                if role_cfg.use_dynamic_bsz:
-                    plans = plan_dp_micro_batches([rb.seq_lengths[i] for i in rows], dp,
-                                                  role_cfg.ppo_max_token_len_per_gpu)
-                    micro = [[rows[j] for j in mb] for mb in plans[self.groups.dp_rank].micro_batches]
+            for rows in split_mini_batches(len(lens), mini):  # consecutive global rows
+                lo, hi = rows[0], rows[-1] + 1
+                if role_cfg.use_dynamic_bsz:  # the same micro-batch count on every DP rank
+                    plans = plan_dp_micro_batches(
+                        lens[lo:hi], dp, role_cfg.ppo_max_token_len_per_gpu,
+                        partition=[[g - lo for g in p if lo <= g < hi] for p in parts])
+                    micro = [[local[lo + j] for j in mb]
+                             for mb in plans[self.groups.dp_rank].micro_batches]
                 else:
-                    share = rows[self.groups.dp_rank * len(rows) // dp:
-                                 (self.groups.dp_rank + 1) * len(rows) // dp]
+                    share = [j for g, j in local.items() if lo <= g < hi]
                     size = role_cfg.ppo_micro_batch_size_per_gpu
                     micro = [share[s:s + size] for s in range(0, len(share), size)]
                 mbs = [rb.microbatch(m, tensors) for m in micro]
@@ -278,21 +300,23 @@ class PPOTrainer:
             if self.reward_model is not None:
                 scores, reward_metrics = self._reward_model_scores(rb, mask)
             else:
-                scores, reward_metrics = self.scorer.score_tokens(
-                    self.tokenizer, rb.response_ids, mask, rb.ground_truth, rb.data_source,
-                    rb.extra_info, max_response_length=cfg.rollout.response_length)
+                g = self.groups  # the replica's TP x PP ranks share its rows' scoring
+                scores, reward_metrics = self.dist_scorer.score(
+                    rb.rows, rb.response_ids, mask, rb.ground_truth, rb.data_source,
+                    rb.extra_info, g.tp_rank + g.tp_size * g.pp_rank, g.tp_size * g.pp_size)
         metrics.update(reward_metrics)
         with _timer(timing, "adv"):
             rewards = place_on_last_token(scores, mask).float()
             if cfg.algorithm.use_kl_in_reward:
                 rewards, kl_metrics = apply_kl_in_reward(rewards, old, tensors["ref_log_probs"],
                                                          mask, self.kl_ctrl,
-                                                         cfg.algorithm.kl_penalty)
+                                                         cfg.algorithm.kl_penalty,
+                                                         dp_group=self._gloo_dp())
                 metrics.update(kl_metrics)
             alg = cfg.algorithm
-            tensors["advantages"], tensors["returns"] = compute_advantage(
-                alg.adv_estimator, rewards, mask.float(), values=tensors.get("values"),
-                index=rb.uid, gamma=alg.gamma, lam=alg.lam,
+            tensors["advantages"], tensors["returns"] = compute_advantage_dp(
+                alg.adv_estimator, rewards, mask.float(), rows=rb.rows, dp_group=self._gloo_dp(),
+                device="cpu", values=tensors.get("values"), index=rb.uid, gamma=alg.gamma, lam=alg.lam,
                 norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
         if self.critic is not None:
             with _timer(timing, "update_critic"):
@@ -305,11 +329,14 @@ class PPOTrainer:
             with _timer(timing, "kl_guard"):
                 new = self._logprobs(self.actor, rb)
                 m = mask.float()
-                metrics["actor/ppo_kl_final"] = float(((old - new) * m).sum() / m.sum().clamp(min=1))
+                kl = torch.stack([((old - new) * m).sum().double(), m.sum().double()])
+                if self._gloo_dp() is not None:  # over every row of the step
+                    dist.all_reduce(kl, group=self._gloo_dp())
+                metrics["actor/ppo_kl_final"] = float(kl[0] / kl[1].clamp(min=1))
         metrics.update(self._kl_guard(metrics, snapshot))
         timing["timing_s/step"] = time.perf_counter() - t0
         batch = batch_metrics(rb, tensors, self.cfg.rollout.response_length, timing["timing_s/step"],
-                              self.world)
+                              self.world, self._gloo_dp())
         return {**metrics, **batch, **timing}
 
     # ------------------------------------------------------------------ KL guard
@@ -354,16 +381,20 @@ class PPOTrainer:
         if self.val_loader is None:
             return {}
         self.worker.sync_weights(self.actor)
-        r, scores = self.cfg.rollout, []
+        r, total, count, g = self.cfg.rollout, 0.0, 0, self.groups
         params = self.worker.sampling_params(r.response_length, r.val_temperature, r.top_k, r.top_p)
-        for prompts in self.val_loader:
-            out = self.worker.generate(prompts.prompt_ids, params, seed=self.cfg.trainer.seed)
-            s, _ = self.scorer.score_tokens(self.tokenizer, out.response_ids, out.response_mask,
-                                            prompts.ground_truth, prompts.data_source,
-                                            prompts.extra_info)
-            scores.append(s)
+        for prompts in self.val_loader:  # each DP replica receives and scores its rows only
+            rows, out, _ = self.worker.generate_partitioned(
+                prompts.prompt_ids, params, seed=self.cfg.trainer.seed,
+                plan_parts=lambda lens: karmarkar_karp(lens, g.dp_size, equal_size=True))
+            _, m = self.dist_scorer.score(
+                rows, out.response_ids, out.response_mask,
+                *([getattr(prompts, k)[i] for i in rows]
+                  for k in ("ground_truth", "data_source", "extra_info")),
+                g.tp_rank + g.tp_size * g.pp_rank, g.tp_size * g.pp_size)
+            total, count = total + m["critic/score/mean"] * len(prompts), count + len(prompts)
         self.worker.release()
-        return {"val/score/mean": float(torch.cat(scores).float().mean())}
+        return {"val/score/mean": total / max(count, 1)}
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict:
