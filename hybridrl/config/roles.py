@@ -58,6 +58,19 @@ class TrainedRoleConfig:
     overlap_param_gather: bool = knob(True, "Distributed optimizer: all-gather updated weights "
                                       "during the next mini-batch's forward (the trainer "
                                       "completes the gather before reading the weights).")
+    param_offload: bool = knob(False, "Keep the weights in (pinned) host memory outside the "
+                               "phases that use them (colocated with the rollout engine).")
+    grad_offload: bool = knob(False, "Keep the fp32 gradient buffers in host memory outside "
+                              "this model's update.")
+    optimizer_offload: bool = knob(False, "Keep the optimizer state (Adam moments, fp32 "
+                                   "masters) in host memory outside this model's update.")
+
+    @property
+    def offload_parts(self) -> set[str]:
+        """The parts this role may keep in host memory (hybridrl.ppo.memory)."""
+        flags = {"params": self.param_offload, "grads": self.grad_offload,
+                 "optim": self.optimizer_offload}
+        return {part for part, on in flags.items() if on}
 
     def __post_init__(self) -> None:
         s = self.SECTION
@@ -149,6 +162,8 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool = knob(False, "Form reference micro-batches by token budget.")
     log_prob_max_token_len_per_gpu: int = knob(16384, "Token budget of one dynamic reference "
                                                "micro-batch on one DP rank.")
+    param_offload: bool = knob(False, "Keep the reference (and reward-model) weights in host "
+                               "memory except during their forward.")
 
     def __post_init__(self) -> None:
         check_positive("ref.log_prob_micro_batch_size_per_gpu",

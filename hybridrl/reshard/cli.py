@@ -8,6 +8,8 @@ Contract:
   ``max_bytes_received_per_rank``, ``max_bytes_sent_per_rank``, ``max_peak_bytes_per_rank``,
   ``est_seconds`` (max bytes in or out of a rank over ``--gbps``) and ``table2_bytes_received``,
   or only a ``"reason"`` when it does not apply to the layout.
+- ``--memory`` prints the per-GPU memory plan instead (``memory_report``: bytes by phase, the
+  verdict; ``hybridrl.planning.memory``), or its JSON with ``--json``.
 - Bad input raises ValueError (the top-level CLI prints one line and exits 2). ``main(argv)``
   runs the subcommand standalone with the same behaviour (tests call it in-process).
 - Costs come from ``summarize`` (no per-element enumeration): 1024 ranks answer in about a second.
@@ -19,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -110,7 +113,58 @@ def _text(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def memory_report(args: argparse.Namespace) -> dict:
+    """``hybridrl plan --memory``: the per-GPU memory plan (``hybridrl.planning.memory``), with
+    the reshard's transient (its buckets in flight beyond the engine's weights, which it fills)
+    from the auto strategy (zero_redundancy when the shards nest)."""
+    from hybridrl.planning.memory import MemoryJob, job_from_config, plan_memory
+
+    shape = load_shape(args.model)
+    if args.config:  # the layouts and knobs of a run config; the model size from --model
+        from hybridrl.config import load_config
+
+        job = job_from_config(load_config([args.config]), shape, args.world, args.gpu_gb,
+                              spec=args.spec)
+        args.tp, args.pp, args.gen_tp, args.gen_pp = job.tp, job.pp, job.gen_tp, job.gen_pp
+        args.dtype = job.dtype
+    else:
+        if args.gen_tp is None:
+            raise ValueError("--gen-tp is required (or --config)")
+        parts = [p for p in args.offload.split(",") if p] if args.offload else []
+        job = MemoryJob(
+            shape=shape, world=args.world, tp=args.tp, pp=args.pp,
+            gen_tp=args.gen_tp, gen_pp=args.gen_pp, dtype=args.dtype,
+            max_tokens_per_gpu=args.max_tokens_per_gpu, seq_len=args.seq_len,
+            recompute=args.recompute, sequence_parallel=args.sp, critic=not args.no_critic,
+            ref=not args.no_ref, dist_opt=not args.no_dist_opt, offload=frozenset(parts),
+            rollout_seqs=args.rollout_seqs, gpu_gb=args.gpu_gb, spec=args.spec)
+    reshard = plan_report(args)["strategies"]
+    auto = reshard["zero_redundancy"] if "reason" not in reshard["zero_redundancy"] else \
+        reshard["p2p"]
+    job = dataclasses.replace(job, reshard_bytes=int(auto["max_transient_bytes_per_rank"]))
+    knobs = {k: v for k, v in dataclasses.asdict(job).items() if k != "shape"}
+    knobs["offload"] = sorted(job.offload)
+    return {"model": args.model, "world": args.world, "tp": args.tp, "pp": args.pp,
+            "gen_tp": args.gen_tp, "gen_pp": args.gen_pp, "job": knobs, **plan_memory(job)}
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.config and not args.memory:
+        raise ValueError("--config goes with --memory")
+    if not args.memory and args.gen_tp is None:
+        raise ValueError("--gen-tp is required")
+    if args.memory:
+        from hybridrl.planning.memory import format_report
+
+        rep = memory_report(args)
+        j = rep["job"]
+        title = (f"{args.model}: world {args.world}, train p x t x d = {args.pp} x {args.tp} x "
+                 f"{rep['dp']}, gen pg x tg = {args.gen_pp} x {args.gen_tp}, {j['dtype']}, "
+                 f"{j['max_tokens_per_gpu']} tokens/micro-batch, recompute {j['recompute']}"
+                 f"{', sp' if j['sequence_parallel'] else ''}"
+                 f"{', offload ' + ','.join(j['offload']) if j['offload'] else ''}")
+        print(json.dumps(rep) if args.json else format_report(rep, title))
+        return 0
     rep = plan_report(args)
     print(json.dumps(rep) if args.json else _text(rep))
     return 0
@@ -122,7 +176,8 @@ def _fill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
     p.add_argument("--tp", type=int, default=1, help="training tensor-parallel size t")
     p.add_argument("--pp", type=int, default=1, help="training pipeline-parallel size p")
-    p.add_argument("--gen-tp", type=int, required=True, help="generation tensor-parallel size tg")
+    p.add_argument("--gen-tp", type=int, help="generation tensor-parallel size tg (required "
+                   "unless --memory --config)")
     p.add_argument("--gen-pp", type=int, default=1, help="generation pipeline-parallel size pg")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     p.add_argument("--gbps", type=float, default=400.0, help="per-rank link speed, Gbit/s")
@@ -131,6 +186,26 @@ def _fill(p: argparse.ArgumentParser) -> None:
                    help="gen vocab padded to this multiple, as the rollout engine does "
                         f"(default {ENGINE_VOCAB_PAD}); 0: megatron's padded training vocab")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    m = p.add_argument_group("--memory: per-GPU bytes by phase and a verdict")
+    m.add_argument("--memory", action="store_true", help="plan memory instead of the reshard")
+    m.add_argument("--config", help="a hybridrl YAML config: its layouts, dtype, budgets, "
+                   "recompute/sp and offload flags (the model size still from --model)")
+    m.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GB (80, 141, ...)")
+    m.add_argument("--max-tokens-per-gpu", type=int, default=16384,
+                   help="padded tokens of one training micro-batch (ppo_max_token_len_per_gpu)")
+    m.add_argument("--seq-len", type=int, default=4096, help="prompt + response tokens")
+    m.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    m.add_argument("--sp", action="store_true", help="sequence parallel (TE)")
+    m.add_argument("--offload", default="", help="comma list of params,grads,optim kept in "
+                   "host memory outside their phases (actor, critic; params: reference too)")
+    m.add_argument("--rollout-seqs", type=int, default=8192,
+                   help="sequences generated per step (prompts x rollout.n)")
+    m.add_argument("--no-critic", action="store_true", help="GRPO: no critic")
+    m.add_argument("--no-ref", action="store_true", help="no reference model (no KL term)")
+    m.add_argument("--no-dist-opt", action="store_true",
+                   help="plain optimizer (state on every DP rank)")
+    m.add_argument("--spec", choices=("te", "local"), default="te",
+                   help="layer spec: te (GPU) or local (megatron's CPU path)")
     p.set_defaults(func=_cmd_plan)
 
 

@@ -40,6 +40,8 @@ class Summary:
             "max_bytes_sent_per_rank": max(self.sent),
             "total_bytes_moved": sum(self.recv),
             "max_peak_bytes_per_rank": max(self.peak),
+            # in flight beyond the destination (the engine's own weights): the buckets
+            "max_transient_bytes_per_rank": max(p - d for p, d in zip(self.peak, self.dest)),
         }
 
 

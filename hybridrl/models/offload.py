@@ -1,0 +1,111 @@
+"""Move a model's parameters, gradients or optimizer state to host memory and back, in place.
+
+Contract:
+- ``model_tensors(model, optimizer, part)`` lists the tensors of one ``part`` of a trained (or
+  frozen) model on this rank: ``"params"`` (the parameters; megatron DDP's contiguous parameter
+  buffers when the model has them), ``"grads"`` (DDP's fp32 ``main_grad`` buffers), ``"optim"``
+  (the optimizer's Adam moments and its fp32 master copies that are not model memory).
+- ``StorageOffloader`` works on the *storages* behind those tensors, so every view (a parameter
+  inside a DDP buffer, a ``main_grad``, a distributed-optimizer shard) stays the same Python
+  object and keeps working after the round trip:
+  ``offload(tensors)`` copies each distinct storage to a host buffer (pinned when CUDA is
+  available) and resizes the device storage to 0 bytes, releasing it (to the CUDA caching
+  allocator on GPU); ``onload()`` resizes every storage back, copies the bytes in and drops the
+  host buffers. The round trip is bit-exact. Calling ``offload`` on storages already offloaded
+  (or ``onload`` with nothing offloaded) does nothing. On a CPU-only machine the same code runs
+  with an ordinary host buffer as the stand-in for pinned memory, so tests exercise it.
+- ``resident_bytes(tensors)`` is the number of bytes their distinct storages hold right now.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PARTS = ("params", "grads", "optim")
+
+
+def _ddp_buffers(model) -> list:
+    ddp = getattr(model, "ddp", None)
+    return list(getattr(ddp, "buffers", []) or []) if ddp is not None else []
+
+
+def model_tensors(model, optimizer, part: str) -> list[torch.Tensor]:
+    """The tensors of ``part`` (see the module docstring); [] when the model has none."""
+    if part not in PARTS:
+        raise ValueError(f"offload part must be one of {PARTS}, got {part!r}")
+    buffers = _ddp_buffers(model)
+    if part == "params":
+        held = [b.param_data for b in buffers if b.param_data is not None]
+        return held + [p for p in model.module.parameters()]  # views of held storages dedupe
+    if part == "grads":
+        return [b.grad_data for b in buffers if b.grad_data is not None]
+    if optimizer is None:
+        return []
+    model_storages = {_key(t) for t in model_tensors(model, optimizer, "params")}
+    out = [t for part_opt in optimizer._parts for st in part_opt.optimizer.state.values()
+           for key, t in st.items() if key != "step" and torch.is_tensor(t)]
+    return out + [p for p in optimizer.main_params() if _key(p) not in model_storages]
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else id(
+        t.untyped_storage())
+
+
+def _distinct_storages(tensors) -> list:
+    seen, out = set(), []
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and _key(t) not in seen:
+            seen.add(_key(t))
+            out.append(storage)
+    return out
+
+
+def resident_bytes(tensors) -> int:
+    """Bytes held right now by the distinct storages behind ``tensors``."""
+    return sum(s.nbytes() for s in _distinct_storages(tensors))
+
+
+def _as_bytes(storage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class StorageOffloader:
+    """Host copies of offloaded storages (see the module docstring)."""
+
+    def __init__(self):
+        self._held: list[tuple[object, torch.Tensor]] = []  # (device storage, host bytes)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(host.numel() for _, host in self._held)
+
+    @torch.no_grad()
+    def offload(self, tensors) -> int:
+        """Move the storages behind ``tensors`` to host memory; returns the bytes freed."""
+        pin = torch.cuda.is_available()
+        freed = 0
+        for storage in _distinct_storages(tensors):  # already-offloaded ones have 0 bytes
+            device_bytes = _as_bytes(storage)
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            host.copy_(device_bytes, non_blocking=pin)
+            self._held.append((storage, host))
+            freed += storage.nbytes()
+        if pin and freed:
+            torch.cuda.current_stream().synchronize()  # the copies finish before the frees
+        for storage, _ in self._held:
+            storage.resize_(0)
+        return freed
+
+    @torch.no_grad()
+    def onload(self) -> int:
+        """Bring every offloaded storage back (bit-exact); returns the bytes restored."""
+        restored = 0
+        for storage, host in self._held:
+            storage.resize_(host.numel())
+            _as_bytes(storage).copy_(host, non_blocking=host.is_pinned())
+            restored += host.numel()
+        self._held = []
+        return restored

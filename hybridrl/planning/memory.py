@@ -1,0 +1,297 @@
+"""Per-GPU memory of one PPO job, phase by phase, from the model shape and the layouts (pure).
+
+Contract:
+- ``MemoryJob`` holds the inputs: ``shape`` (a ``LlamaShape``), ``world``, training ``tp``/``pp``,
+  generation ``gen_tp``/``gen_pp``, parameter ``dtype``, the micro-batch (``max_tokens_per_gpu``
+  padded tokens of sequences ``seq_len`` long), ``recompute`` (none | selective | full),
+  ``sequence_parallel``, the trained roles (``critic``), the reference (``ref``), the distributed
+  optimizer (``dist_opt``), what is offloaded (``offload`` subset of params/grads/optim, actor and
+  critic; ``params`` also offloads the reference), the rollout (``rollout_seqs`` sequences per
+  step), ``gpu_gb`` and the layer ``spec`` (``te``: transformer-engine, flash attention, what runs
+  on GPU; ``local``: megatron's local spec, what runs on CPU, whose attention keeps the
+  [b, a/t, s, s] probabilities).
+- ``stage_numel(shape, tp, pp, stage, role)``: parameters of one rank of pipeline stage
+  ``stage`` (vocab-parallel tensors with megatron's padded vocab; the critic's last stage has a
+  [1, h] value head instead of the output layer). Exactly what ``build_model`` allocates;
+  ``stage_counts`` also gives the RMSNorm weights among them.
+- ``model_state_bytes(job, role, stage)``: ``{"params", "grads", "optim"}`` bytes on one rank:
+  params at the model dtype (the local spec keeps RMSNorm weights in fp32), fp32 ``main_grad``
+  buffers, optimizer = Adam moments (8 B/param) plus
+  fp32 masters for 16-bit models (4 B/param), divided by dp with the distributed optimizer
+  (megatron shards the bucket-padded buffer: up to dp*128 elements more per bucket, ignored here).
+- ``activation_bytes(job, stage)``: what one rank of ``stage`` keeps for the backward of the
+  micro-batches in flight (1F1B: ``pp - stage`` of them), counted tensor by tensor as megatron's
+  layers save them (see ``docs/memory.md``); with full recompute, the layer inputs plus one
+  layer's activations while it is recomputed.
+- ``plan_memory(job)`` returns the report: per phase (``train_actor``, ``train_critic``, ``gen``,
+  ``reshard``) the bytes on the worst rank by part (a fixed ``reserve`` for the CUDA context,
+  NCCL and fragmentation included), the largest phase, and the verdict (``fits``,
+  ``headroom_bytes``; or ``overflow``: the phase and by how much). The generation phase's KV
+  cache is the pool that is left (``gen_kv_pool_bytes``) and how many of a replica's sequences
+  it holds at once (``gen_concurrent_seqs``; the engine runs the rest in waves, and the job does
+  not fit when not even one sequence does). It also gives the host memory a KL-guard snapshot
+  takes per rank (the optimizer shards of actor and critic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hybridrl.reshard.specs import LlamaShape, build_specs
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+RECOMPUTE = ("none", "selective", "full")
+SPECS = ("te", "local")
+OFFLOADABLE = ("params", "grads", "optim")
+GB = 1e9
+RESERVE_BYTES = 3 * GB  # CUDA context, NCCL buffers, allocator fragmentation
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryJob:
+    """The inputs of a memory plan (see the module docstring)."""
+
+    shape: LlamaShape
+    world: int
+    tp: int = 1
+    pp: int = 1
+    gen_tp: int = 1
+    gen_pp: int = 1
+    dtype: str = "bf16"
+    max_tokens_per_gpu: int = 16384
+    seq_len: int = 4096
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    critic: bool = True
+    ref: bool = True
+    dist_opt: bool = True
+    offload: frozenset = frozenset()
+    rollout_seqs: int = 8192
+    gpu_gb: float = 80.0
+    spec: str = "te"
+    reshard_bytes: int = 0  # transient of the train->gen reshard on a rank (hybridrl plan)
+    critic_tokens_per_gpu: int = 0  # the critic's micro-batch; 0 = max_tokens_per_gpu
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.spec not in SPECS:
+            raise ValueError(f"spec must be one of {SPECS}, got {self.spec!r}")
+        if not set(self.offload) <= set(OFFLOADABLE):
+            raise ValueError(f"--offload takes parts of {OFFLOADABLE}, got {sorted(self.offload)}")
+        if self.world % (self.tp * self.pp):
+            raise ValueError(f"--world {self.world} is not divisible by tp*pp = "
+                             f"{self.tp * self.pp}")
+        if (self.tp * self.pp) % (self.gen_tp * self.gen_pp):
+            raise ValueError(f"gen tp*pp = {self.gen_tp * self.gen_pp} must divide train tp*pp "
+                             f"= {self.tp * self.pp}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("--sp needs --tp > 1 (sequence parallel splits over the TP group)")
+        if self.sequence_parallel and self.spec == "local":
+            raise ValueError("--sp needs transformer-engine's spec; the local spec has no SP")
+        for name in ("max_tokens_per_gpu", "seq_len", "rollout_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len > self.max_tokens_per_gpu:
+            raise ValueError(f"--seq-len {self.seq_len} exceeds --max-tokens-per-gpu "
+                             f"{self.max_tokens_per_gpu}: one sequence must fit a micro-batch")
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+def stage_counts(shape: LlamaShape, tp: int, pp: int, stage: int,
+                 role: str = "actor") -> tuple[int, int]:
+    """(all parameters, RMSNorm weights among them) one TP rank of ``stage`` holds."""
+    vocab_rows = shape.padded_vocab(tp) // tp
+    total = norms = 0
+    for spec in build_specs(shape):
+        if not spec.on_stage(pp, shape.layers, stage):
+            continue
+        if spec.kind == "vocab" and spec.name == "output_layer.weight" and role == "critic":
+            total += shape.hidden  # the value head [1, h], replicated
+        elif spec.kind == "vocab":
+            total += vocab_rows * spec.row_numel
+        elif spec.kind == "norm":
+            total, norms = total + spec.numel, norms + spec.numel
+        else:
+            total += spec.numel // tp
+    if role == "critic" and pp == 1 and shape.tied:  # untied: the head is its own tensor
+        total += shape.hidden
+    return total, norms
+
+
+def stage_numel(shape: LlamaShape, tp: int, pp: int, stage: int, role: str = "actor") -> int:
+    """Parameters one TP rank of pipeline ``stage`` holds (see the module docstring)."""
+    return stage_counts(shape, tp, pp, stage, role)[0]
+
+
+def model_state_bytes(job: MemoryJob, role: str, stage: int) -> dict[str, int]:
+    """params / grads / optim bytes of ``role`` on one rank of ``stage``."""
+    n, norms = stage_counts(job.shape, job.tp, job.pp, stage, role)
+    params = n * job.itemsize
+    if job.spec == "local":  # megatron's torch RMSNorm keeps its weight in fp32
+        params += norms * (4 - job.itemsize)
+    if role == "reference":
+        return {"params": params, "grads": 0, "optim": 0}
+    per_param = 8 + (4 if job.itemsize < 4 else 0)  # Adam moments (+ fp32 masters)
+    optim = n * per_param // job.dp if job.dist_opt else n * per_param
+    return {"params": params, "grads": n * 4, "optim": optim}
+
+
+def _layer_elements_per_token(job: MemoryJob) -> tuple[float, float]:
+    """(elements at the activation dtype, fp32 elements) one layer saves per token."""
+    s, t = job.shape, job.tp
+    h, f, ad, gd = s.hidden, s.ffn, s.heads * s.head_dim, s.num_query_groups * s.head_dim
+    rep = h / t if job.sequence_parallel else h  # replicated along TP unless SP splits it
+    if job.spec == "local":  # megatron's local spec, as the layers' saved tensors show
+        # norms (input, rstd, output) x 2, proj output, q and GQA-expanded k/v, context, SwiGLU
+        act = 7 * rep + 2 + (4 * ad + 5 * f) / t
+        probs = s.heads * min(job.seq_len, job.max_tokens_per_gpu) / t  # softmax [b, a, s, s]
+        if job.recompute == "selective":  # core attention recomputed: keeps its q, k, v inputs
+            act += (ad + 2 * gd - 3 * ad) / t
+            probs = 0.0
+        return act, probs
+    # TE: fused norm+linear keep (input, normalized), flash attention keeps q/k/v, output, lse
+    act = 4 * rep + (2 * ad + 2 * gd) / t + 3 * f / t
+    return act, 2 * s.heads / t  # softmax statistics (fp32) per token and head
+
+
+def activation_bytes(job: MemoryJob, stage: int, in_flight: int | None = None,
+                     tokens: int | None = None) -> int:
+    """Activation bytes one rank of ``stage`` holds at its peak (see the module docstring);
+    ``in_flight`` overrides the number of micro-batches whose activations are alive, ``tokens``
+    the micro-batch's padded tokens (default ``max_tokens_per_gpu``)."""
+    tokens = tokens or job.max_tokens_per_gpu
+    layers = job.shape.layers // job.pp
+    act_item = job.itemsize
+    act, fp32 = _layer_elements_per_token(job)
+    per_layer = tokens * (act * act_item + fp32 * 4)
+    in_flight = in_flight or max(job.pp - stage, 1)
+    rep = job.shape.hidden / job.tp if job.sequence_parallel else job.shape.hidden
+    logits = 0.0
+    if stage == job.pp - 1:  # the fp32 vocab-parallel logits the log-prob/entropy keep
+        logits = tokens * (job.shape.padded_vocab(job.tp) / job.tp) * 4
+    if job.recompute == "full":  # layer inputs kept; at the backward's start the logits are
+        inputs = tokens * rep * act_item * layers * in_flight  # alive, later one layer's
+        return int(inputs + max(logits, per_layer))  # recomputed activations
+    return int(per_layer * layers * in_flight + logits * in_flight)
+
+
+def _gen_bytes(job: MemoryJob) -> dict[str, int]:
+    """Engine weights and the KV cache budget of one rank of a generation replica."""
+    s = job.shape
+    weights = s.num_params() * job.itemsize // (job.gen_tp * job.gen_pp)
+    replicas = job.world // (job.gen_tp * job.gen_pp)
+    seqs = -(-job.rollout_seqs // replicas)
+    kv_per_token = 2 * (s.layers // job.gen_pp) * (s.num_query_groups * s.head_dim) \
+        * job.itemsize / job.gen_tp
+    return {"engine_weights": weights, "kv_per_seq": int(kv_per_token * job.seq_len),
+            "seqs_per_replica": seqs}
+
+
+def _resident(job: MemoryJob, stage: int, active: dict[str, set]) -> dict[str, int]:
+    """Bytes of every model part on the device when ``active`` parts are needed."""
+    roles = ["actor"] + (["critic"] if job.critic else []) + (["reference"] if job.ref else [])
+    out = {}
+    for role in roles:
+        for part, nbytes in model_state_bytes(job, role, stage).items():
+            needed = part in active.get(role, ())
+            if nbytes and (needed or part not in job.offload):
+                out[f"{role}/{part}"] = nbytes
+    return out
+
+
+def plan_memory(job: MemoryJob) -> dict:
+    """The per-phase report (see the module docstring)."""
+    cap = int(job.gpu_gb * GB)
+    full = set(OFFLOADABLE)
+    gen = _gen_bytes(job)
+    phases: dict[str, dict[str, int]] = {}
+    for stage in range(job.pp):
+        candidates = {
+            "train_actor": {**_resident(job, stage, {"actor": full}),
+                            "activations": activation_bytes(job, stage)},
+            "gen": {**_resident(job, stage, {}), "engine_weights": gen["engine_weights"]},
+            "reshard": {**_resident(job, stage, {"actor": {"params"}}),
+                        "engine_weights": gen["engine_weights"],
+                        "reshard_transient": job.reshard_bytes},
+        }
+        if job.critic:
+            candidates["train_critic"] = {
+                **_resident(job, stage, {"critic": full}),
+                "activations": activation_bytes(job, stage, tokens=job.critic_tokens_per_gpu)}
+        for name, parts in candidates.items():
+            parts = {**parts, "reserve": int(RESERVE_BYTES)}
+            if name not in phases or sum(parts.values()) > sum(phases[name].values()):
+                phases[name] = {**parts, "stage": stage}
+    totals = {name: sum(v for k, v in p.items() if k != "stage") for name, p in phases.items()}
+    kv_room = cap - totals["gen"]  # the engine's KV pool takes what the gen phase leaves
+    concurrent = int(min(max(kv_room // max(gen["kv_per_seq"], 1), 0), gen["seqs_per_replica"]))
+    worst = max(totals, key=totals.get)
+    snapshot = sum(model_state_bytes(job, role, 0)["optim"]
+                   for role in ("actor", "critic") if role == "actor" or job.critic)
+    out = {"gpu_bytes": cap, "phases": phases, "totals": totals, "largest_phase": worst,
+           "fits": totals[worst] <= cap and concurrent >= 1,
+           "headroom_bytes": cap - totals[worst],
+           "gen_kv_pool_bytes": max(kv_room, 0), "gen_kv_bytes_per_seq": gen["kv_per_seq"],
+           "gen_concurrent_seqs": concurrent, "gen_seqs_per_replica": gen["seqs_per_replica"],
+           "kl_guard_snapshot_host_bytes": snapshot, "dp": job.dp}
+    if totals[worst] > cap:
+        out["overflow"] = {"phase": worst, "bytes": int(totals[worst] - cap)}
+    elif concurrent < 1:
+        out["overflow"] = {"phase": "gen", "bytes": int(gen["kv_per_seq"] - max(kv_room, 0))}
+    return out
+
+
+def job_from_config(cfg, shape: LlamaShape, world: int, gpu_gb: float, **overrides) -> MemoryJob:
+    """The ``MemoryJob`` of a hybridrl config (``HybridRLConfig``) on ``world`` GPUs: its
+    layouts, dtype, token budgets (a fixed micro-batch counts micro x the longest sequence),
+    recompute / sequence parallel, offload flags (the actor's), roles and rollout size."""
+    a, c, par = cfg.actor, cfg.critic, cfg.parallel
+    seq = cfg.data.max_prompt_length + cfg.rollout.response_length
+
+    def budget(role) -> int:
+        return role.ppo_max_token_len_per_gpu if role.use_dynamic_bsz else \
+            role.ppo_micro_batch_size_per_gpu * seq
+
+    fields = dict(
+        shape=shape, world=world, tp=par.tp, pp=par.pp, gen_tp=par.gen.tp, gen_pp=par.gen.pp,
+        dtype=cfg.model.dtype, max_tokens_per_gpu=budget(a), critic_tokens_per_gpu=budget(c),
+        seq_len=min(seq, budget(a)), recompute=cfg.model.recompute_granularity,
+        sequence_parallel=cfg.model.sequence_parallel, critic=cfg.use_critic,
+        ref=a.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        dist_opt=a.use_distributed_optimizer, offload=frozenset(a.offload_parts),
+        rollout_seqs=cfg.data.train_batch_size * cfg.rollout.n, gpu_gb=gpu_gb)
+    return MemoryJob(**{**fields, **overrides})
+
+
+def format_report(rep: dict, title: str) -> str:
+    """The report as a table: one row per phase, parts in GB, then the verdict."""
+    lines = [title, f"{'phase':<13} {'total GB':>9}  parts (GB; worst pipeline stage)"]
+    for name, parts in rep["phases"].items():
+        detail = ", ".join(f"{k} {v / GB:.2f}" for k, v in parts.items() if k != "stage" and v)
+        lines.append(f"{name:<13} {rep['totals'][name] / GB:>9.2f}  stage {parts['stage']}: "
+                     f"{detail}")
+    lines.append(f"gen KV pool {rep['gen_kv_pool_bytes'] / GB:.2f} GB: "
+                 f"{rep['gen_concurrent_seqs']} of {rep['gen_seqs_per_replica']} sequences of "
+                 "a replica at once")
+    lines.append(f"KL-guard snapshot: {rep['kl_guard_snapshot_host_bytes'] / GB:.2f} GB of host "
+                 "memory per rank per step")
+    cap = rep["gpu_bytes"] / GB
+    if rep["fits"]:
+        lines.append(f"fits in {cap:g} GB: largest phase {rep['largest_phase']} "
+                     f"{rep['totals'][rep['largest_phase']] / GB:.2f} GB, headroom "
+                     f"{rep['headroom_bytes'] / GB:.2f} GB")
+    else:
+        o = rep["overflow"]
+        lines.append(f"does NOT fit in {cap:g} GB: {o['phase']} overflows by "
+                     f"{o['bytes'] / GB:.2f} GB")
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""Colocated memory lifecycle of the trainer's models: what lives on the device in each phase.
+
+Contract:
+- ``PhaseMemory(roles)`` takes ``{role: (ShardedModel, ModelOptimizer | None, offload)}`` where
+  ``offload`` is the set of parts (``"params"``, ``"grads"``, ``"optim"``) the role may keep in
+  host memory outside the phases that need them (verl-style ``param_offload``, ``grad_offload``,
+  ``optimizer_offload`` flags; the reference and reward models have only ``"params"``).
+- ``enter(phase)`` makes exactly the parts ``NEEDS[phase]`` names resident (those not
+  offloadable always are) and moves every other offloadable part to host memory
+  (``hybridrl.models.offload``): e.g. during ``"gen"`` nothing of the training side stays on the
+  device, during ``"ref"`` only the reference's parameters. Parts already where they should be
+  are not touched, so calling ``enter`` for the phase already entered costs nothing; with no
+  offload flag set it never moves anything. Returns ``{"offload_s", "moved_bytes"}`` of the call.
+- ``resident_bytes()`` is the bytes of this rank's model/optimizer tensors on the device now
+  (by role and part), measured from the storages.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hybridrl.models.offload import PARTS, StorageOffloader, model_tensors, resident_bytes
+
+ALL = {part: set(PARTS) for part in ("actor", "critic", "reference", "reward")}
+NEEDS: dict[str, dict[str, set[str]]] = {
+    "reshard": {"actor": {"params"}},
+    "gen": {},
+    "old_log_prob": {"actor": {"params"}},
+    "ref": {"reference": {"params"}},
+    "values": {"critic": {"params"}},
+    "reward": {"reward": {"params"}},
+    "update_critic": {"critic": set(PARTS)},
+    "update_actor": {"actor": set(PARTS)},
+    # a KL-guard snapshot or rollback: the optimizer state and the weights it rebuilds
+    "snapshot": {"actor": {"params", "optim"}, "critic": {"params", "optim"}},
+    "all": ALL,  # snapshots, rollbacks, checkpoints, validation
+}
+
+
+class PhaseMemory:
+    """Which parts of which role sit on the device, phase by phase (see the module docstring)."""
+
+    def __init__(self, roles: dict):
+        self.roles = {name: r for name, r in roles.items() if r[0] is not None}
+        for name, (_, _, offload) in self.roles.items():
+            bad = set(offload) - set(PARTS)
+            if bad:
+                raise ValueError(f"{name}: unknown offload parts {sorted(bad)}; allowed {PARTS}")
+        self._away: dict[tuple[str, str], StorageOffloader] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return any(offload for _, _, offload in self.roles.values())
+
+    def _tensors(self, name: str, part: str):
+        model, opt, _ = self.roles[name]
+        return model_tensors(model, opt, part)
+
+    def enter(self, phase: str) -> dict[str, float]:
+        if phase not in NEEDS:
+            raise ValueError(f"unknown memory phase {phase!r}; known: {sorted(NEEDS)}")
+        start, moved = time.perf_counter(), 0
+        if not self.enabled:
+            return {"offload_s": 0.0, "moved_bytes": 0.0}
+        needs = NEEDS[phase]
+        for name, (_, _, offload) in self.roles.items():  # free first: a lower peak
+            for part in offload:
+                key, wanted = (name, part), part in needs.get(name, ())
+                if not wanted and key not in self._away:
+                    mover = StorageOffloader()
+                    moved += mover.offload(self._tensors(name, part))
+                    self._away[key] = mover
+        for name, (_, _, offload) in self.roles.items():
+            for part in offload:
+                key, wanted = (name, part), part in needs.get(name, ())
+                if wanted and key in self._away:
+                    moved += self._away.pop(key).onload()
+        return {"offload_s": time.perf_counter() - start, "moved_bytes": float(moved)}
+
+    def resident_bytes(self) -> dict[str, int]:
+        """``{"<role>/<part>": bytes on the device now}`` for every role and part."""
+        return {f"{name}/{part}": resident_bytes(self._tensors(name, part))
+                for name in self.roles for part in PARTS if self._tensors(name, part)}
