@@ -18,9 +18,10 @@ Contract:
   1. megatron's ``finalize_model_grads``: the DP reduction of DDP's fp32 ``main_grad`` buckets
      and, for tied embeddings with pp > 1, the sum of the word-embedding and output-layer
      gradients over the first/last-stage ``embd`` group;
-  2. megatron's global norm (each parameter counted once across TP, PP and DP shards); if
-     ``grad_clip`` > 0 and the norm exceeds it, gradients are scaled by
-     ``grad_clip / (norm + 1e-6)``;
+  2. megatron's global norm (each parameter counted once across TP, PP and DP shards); a
+     non-finite norm skips the update on every rank (``skipped`` = 1: NaN/inf never reach the
+     weights or the optimizer state); if ``grad_clip`` > 0 and the norm exceeds it, gradients
+     are scaled by ``grad_clip / (norm + 1e-6)``;
   3. Adam with the learning rate ``lr_at(cfg, step_count)``.
   ``state_dict()`` / ``load_state_dict()`` copy and restore this rank's optimizer state (its DP
   shard); restoring also rebuilds the model's parameters from the fp32 main parameters, so the
@@ -111,8 +112,7 @@ class ModelOptimizer:
         mcfg = OptimizerConfig(
             optimizer="adam", lr=lr_at(cfg, 0), weight_decay=cfg.weight_decay,
             adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
-            # inf: never clipped, but megatron still computes (and returns) the global norm
-            clip_grad=cfg.grad_clip if cfg.grad_clip > 0 else math.inf,
+            clip_grad=cfg.grad_clip,  # step() clips (and computes the norm) itself
             bf16=model.dtype == "bf16", fp16=model.dtype == "fp16",
             params_dtype=model.config.params_dtype,
             use_distributed_optimizer=self.distributed,
@@ -198,19 +198,32 @@ class ModelOptimizer:
         finalize_model_grads([self.model.ddp], pg_collection=self.model.pg_collection)
 
     def step(self) -> dict[str, float]:
-        """Finalize, clip and apply the gradients; returns grad_norm (before clipping) and lr."""
+        """Finalize, clip and apply the gradients; returns grad_norm (before clipping), lr and
+        ``skipped`` (1.0 when the update was not applied: a non-finite gradient norm, or an
+        fp16 loss-scale overflow). The norm is reduced over every rank that shares the update,
+        so all ranks skip together and non-finite values never reach the weights."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
         self.finalize_grads()
         lr = lr_at(self.cfg, self.step_count)
         for group in self.optimizer.param_groups:  # what megatron's OptimizerParamScheduler sets
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
-        with cpu_compat.cuda_type_names():
-            ok, norm, _ = self.optimizer.step()
+        with cpu_compat.cuda_type_names(), torch.no_grad():
+            if self.optimizer.prepare_grads():  # fp16 overflow: megatron lowers the scale
+                return {"grad_norm": math.nan, "lr": lr, "skipped": 1.0}
+            norm = float(self.optimizer.get_grad_norm())
+            if not math.isfinite(norm):
+                return {"grad_norm": norm, "lr": lr, "skipped": 1.0}
+            if self.cfg.grad_clip > 0:
+                for part in self._parts:
+                    params = part.get_parameters()
+                    if params:
+                        clip_grad_by_total_norm_fp32(params, max_norm=self.cfg.grad_clip,
+                                                     total_norm=norm)
+            self.optimizer.step_with_ready_grads()
         self.step_count += 1
-        out = {"grad_norm": float(norm) if norm is not None else math.nan, "lr": lr}
-        if not ok:  # fp16 loss scale overflow: megatron skipped the update
-            out["skipped"] = 1.0
-        return out
+        return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
 
 
 def _scaler(part):

@@ -152,6 +152,7 @@ def suite(tmp_path_factory):
              dtype="bf16", **common),  # 13: bf16 with sharded fp32 masters
         dict(kind="train", tp=2, pp=2, folder=untied, out=str(root / "step222_overlap"),
              overlap=True, **common),  # 14: overlapped grad reduce-scatter and param gather
+        dict(kind="nonfinite", tp=2, pp=2, folder=untied, **common),  # 15
     ]
     w4 = [dict(kind="logprobs", tp=2, pp=2, folder=untied, **common),
           dict(kind="logprobs", tp=2, pp=2, folder=untied, role="reference", **common)]
@@ -265,6 +266,14 @@ def test_overlapped_reduce_and_gather_give_the_same_step(suite):
 def test_optimizer_state_roundtrip_resumes_bit_exact(suite, world, index):
     results = _case_results(suite, world, index)
     assert all(r["resume_exact"] and r["step_count"] == 2 for r in results)
+
+
+@pytest.mark.slow
+def test_nonfinite_gradients_on_one_rank_skip_the_update_everywhere(suite):
+    results = _case_results(suite, 8, 15)
+    for r in results:
+        assert r["skipped"] == 1.0 and math.isnan(r["grad_norm"]) and r["unchanged"]
+        assert r["step_count"] == 2 and r["next_skipped"] == 0.0  # steps 1 and 3 applied
 
 
 @pytest.mark.slow

@@ -183,7 +183,37 @@ def _load_error_case(groups, case: dict) -> dict:
     return {"error": None}
 
 
+def _nonfinite_case(groups, case: dict) -> dict:
+    """A NaN loss on ONE rank (dp_rank 1, tp_rank 0, last stage): every rank skips the update,
+    the weights, the optimizer state and the step count stay as they were."""
+    from hybridrl.models.hf_io import build_from_hf
+    from hybridrl.models.naming import named_local_parameters
+    from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
+
+    model = build_from_hf(case["folder"], groups, "actor")
+    opt = ModelOptimizer(model, OptimConfig(lr=LR, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP))
+    mbs = split_microbatches(case["batch"], groups.dp_size, groups.dp_rank, case["n_micro"])
+    train_step(model, opt, mbs, actor_loss)
+    before = [p.detach().clone() for _, p in named_local_parameters(model)]
+    state = opt.state_dict()
+    poison = groups.dp_rank == 1 and groups.tp_rank == 0
+
+    def nan_loss(outputs, batch):
+        loss, metrics = actor_loss(outputs, batch)
+        return (loss * float("nan") if poison else loss), metrics
+
+    metrics = train_step(model, opt, mbs, nan_loss)
+    after = [p.detach().clone() for _, p in named_local_parameters(model)]
+    same_state = all(torch.equal(a, b) for a, b in zip(state["main_params"],
+                                                        opt.state_dict()["main_params"]))
+    metrics_ok = train_step(model, opt, mbs, actor_loss)  # and training goes on
+    return {"skipped": metrics["skipped"], "grad_norm": metrics["grad_norm"],
+            "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)) and same_state,
+            "step_count": opt.step_count, "next_skipped": metrics_ok["skipped"]}
+
+
 CASE_KINDS = {
+    "nonfinite": _nonfinite_case,
     "load_error": _load_error_case,
     "builtin": _builtin_case,
     "logprobs": _logprob_case,
