@@ -9,8 +9,14 @@ override one per line; no traceback, no hang; another rank prints its own error,
 only if it is still running 3 s later: one that rank 0 did not hit). Then it initializes
 torch.distributed (gloo on CPU, NCCL on CUDA), builds the training and generation groups, builds
 the ``PPOTrainer`` and runs it.
-Exit status: 0 done, 1 training failed (e.g. the KL guard gave up; rank 0 prints one line),
-2 bad config or layout, 130 interrupted.
+Start-up checks (``hybridrl.ppo.startup``: folders writable, model/tokenizer files, data
+sources known) also run on every rank before any collective. Process groups time out after
+``trainer.collective_timeout_s``; the line then names the ranks that did not arrive and their
+phase (``hybridrl.parallel.phases``). Any exception is reported as one line
+(``hybridrl.exits``): an error every rank shares once, one only rank N hit with its rank.
+Exit status: 0 done, 1 training failed after it started (user code, the step guard gave up, a
+timeout), 2 the run could not start (bad config, layout, input file, the checkpoint to resume),
+130 interrupted. Under torchrun use ``python -m hybridrl.launch`` to get these statuses back.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import os
 import sys
 import time
 import warnings
+
+from hybridrl.exits import die_with_parent, one_line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,6 +90,7 @@ def main(argv=None) -> int:
                     ".*full scope is deprecated.*"):  # megatron-core's import-time notices
         warnings.filterwarnings("ignore", message=pattern)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    die_with_parent()  # a SIGKILLed torchrun takes its workers along
     try:
         from hybridrl.config.loader import load_config, resolve_config_name
 
@@ -93,8 +102,14 @@ def main(argv=None) -> int:
             sys.stderr.write(f"hybridrl.train: {notices[0]}\n")
         cfg.check_world(world)
         train, gen = build_layout(cfg, world)
-    except ValueError as err:
-        return _fail(rank, 2, str(err))
+        from hybridrl.ppo.startup import check_startup
+
+        problems = check_startup(cfg, rank)  # every rank, before any collective
+    except Exception as err:  # config files, overrides, layout: bad input, one line
+        return _fail(rank, 2, one_line(err))
+    if problems:
+        return _fail(rank, 2, problems[0] if len(problems) == 1 else
+                     f"{len(problems)} problems: " + "; ".join(problems))
     import torch
     import torch.distributed as dist
 
@@ -111,23 +126,35 @@ def main(argv=None) -> int:
     if "MASTER_ADDR" not in os.environ:  # plain `python -m hybridrl.train`: a world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"),
                           RANK="0", WORLD_SIZE="1")
-    init_distributed("gloo" if cfg.trainer.device == "cpu" else None)
+    timeout_s = cfg.trainer.collective_timeout_s
+    init_distributed("gloo" if cfg.trainer.device == "cpu" else None, timeout_s=timeout_s)
     torch.manual_seed(cfg.trainer.seed)
-    status = 0
+    status = _run(cfg, build_groups, train, gen, rank, timeout_s)
+    if status == 0:
+        dist.barrier()
+        dist.destroy_process_group()  # after a failure a peer may be stuck: just exit
+    return status
+
+
+def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
+    """Build the trainer and fit; any failure is one line (hybridrl.exits) and a status."""
+    from hybridrl.exits import FailureReporter, is_peer_loss, status_of
+    from hybridrl.parallel.phases import PhaseBoard, is_timeout
+
+    board = PhaseBoard.from_default_group()
+    reporter, started = FailureReporter(rank, board.store), False
     try:
         from hybridrl.ppo.trainer import PPOTrainer
 
-        PPOTrainer(cfg, build_groups(train, gen)).fit()
-    except (ValueError, ImportError) as err:  # ImportError: e.g. an unsupported SGLang/torch pair
-        status = _fail(rank, 2, str(err))
-    except RuntimeError as err:
-        status = _fail(rank, 1, str(err).splitlines()[0] if str(err) else repr(err))
-    except KeyboardInterrupt:
-        status = _fail(rank, 130, "interrupted")
-    if status == 0:
-        dist.barrier()
-    dist.destroy_process_group()
-    return status
+        trainer = PPOTrainer(cfg, build_groups(train, gen, timeout_s=timeout_s))
+        trainer.phases, started = board, True
+        trainer.fit()
+    except (Exception, KeyboardInterrupt) as err:  # the entrypoint reports all in one line
+        message = ("interrupted" if isinstance(err, KeyboardInterrupt) else
+                   board.describe_timeout(rank, timeout_s) if is_timeout(err) else one_line(err))
+        return reporter.report(status_of(err, started), message,
+                               peer_loss=is_peer_loss(err) and not is_timeout(err))
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Contract: ``TrainerConfig`` holds what the PPO loop needs that is not a model, data or algorithm
 knob. ``total_steps`` (when > 0) wins over ``total_epochs``. The KL guard (``kl_guard``) stops a
 step whose measured policy KL exceeds ``max_kl`` and, with ``rollback``, restores the weights from
-before that step instead of failing.
+before that step instead of failing. ``nonfinite`` says what a NaN/inf step does (hybridrl.ppo.guards);
+``overwrite`` and the run identity (hybridrl.ppo.run_identity) decide what an existing
+``checkpoint_dir`` means; ``collective_timeout_s`` bounds every collective.
 """
 
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from hybridrl.config._fields import (
 )
 
 RESUME_MODES = ("auto", "disable", "path")
+NONFINITE_MODES = ("rollback", "skip", "fail")
 LOGGERS = ("console", "jsonl")  # wandb / tensorboard / mlflow sinks are not implemented yet
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -57,6 +60,16 @@ class TrainerConfig:
     seed: int = knob(1, "Seed of model initialization and sampling.")
     device: str = knob("auto", "auto (cuda when available) | cpu | cuda.")
     kl_guard: KLGuardConfig = section(KLGuardConfig, "Rollback on excessive policy KL.")
+    nonfinite: str = knob("rollback", "A NaN/inf reward, advantage, loss, grad norm, KL or "
+                          "parameter: rollback (restore the pre-step state, skip the batch; "
+                          "kl_guard.max_rollbacks consecutive at most) | skip (the same, no "
+                          "limit) | fail (stop with exit status 1; no per-step host copy).")
+    overwrite: bool = knob(False, "With resume=disable, move the checkpoints and metrics of a "
+                           "previous run in checkpoint_dir aside (never deleted) instead of "
+                           "refusing to start.")
+    collective_timeout_s: float = knob(600.0, "Timeout of every process group (seconds): a rank "
+                                       "that does not reach a collective in time fails the job "
+                                       "with a line naming it and its phase.")
 
     def __post_init__(self) -> None:
         check_positive("trainer.total_epochs", self.total_epochs)
@@ -72,3 +85,5 @@ class TrainerConfig:
         for name in self.logger:
             check_choice("trainer.logger[]", name, LOGGERS)
         check_choice("trainer.device", self.device, DEVICES)
+        check_choice("trainer.nonfinite", self.nonfinite, NONFINITE_MODES)
+        check_positive("trainer.collective_timeout_s", self.collective_timeout_s)

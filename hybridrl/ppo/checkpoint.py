@@ -23,7 +23,11 @@ Contract:
 - ``load_checkpoint(path, rank, meta, shared_name=None)`` returns ``(state, trainer_state)``,
   ``state`` = this rank's ``rank_state`` merged over the shared file ``shared_name`` (when given);
   a checkpoint written by a different world size or layout (``meta`` differs) raises
-  ``ValueError`` naming the fields, as does a missing file.
+  ``ValueError`` naming the fields, as does a missing folder or file, and a file that cannot be
+  read (truncated, corrupt: one line naming the file).
+- ``save_checkpoint`` first agrees over every rank that no floating-point value in any rank's
+  state is NaN/inf; otherwise every rank raises ``RuntimeError`` naming the ranks, and nothing is
+  written (no folder, no ``COMPLETE``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ def save_checkpoint(root: str | Path, step: int, rank_state: dict, trainer_state
     """Write this rank's part of checkpoint ``step`` (collective; see module docstring)."""
     root = Path(root)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    _refuse_nonfinite(step, rank, rank_state, shared[1] if shared is not None else None)
     final, tmp = root / f"global_step_{step}", root / f".tmp_global_step_{step}"
     if rank == 0:
         if tmp.exists():
@@ -97,10 +102,12 @@ def load_checkpoint(path: str | Path, rank: int, meta: dict,
                     shared_name: str | None = None) -> tuple[dict, dict]:
     """(this rank's state over its shared file's, the trainer state) of checkpoint ``path``."""
     path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {str(path)!r} does not exist (or is not a folder)")
     if not (path / COMPLETE).is_file():
         raise ValueError(f"checkpoint {str(path)!r} is not a complete checkpoint "
                          f"(no {COMPLETE} marker)")
-    saved = json.loads((path / "meta.json").read_text())
+    saved = _read(path / "meta.json", lambda f: json.loads(f.read_text()))
     diff = {k: (saved.get(k), v) for k, v in meta.items() if saved.get(k) != v}
     if diff:
         detail = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in diff.items())
@@ -113,10 +120,55 @@ def load_checkpoint(path: str | Path, rank: int, meta: dict,
     if shared_name is not None:
         if not (path / shared_name).is_file():
             raise ValueError(f"checkpoint {str(path)!r} has no {shared_name}")
-        state = torch.load(path / shared_name, map_location="cpu", weights_only=False)
-    state.update(torch.load(rank_file, map_location="cpu", weights_only=False))
-    trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+        state = _read(path / shared_name, _torch_load)
+    state.update(_read(rank_file, _torch_load))
+    trainer_state = _read(path / "trainer_state.pt", _torch_load)
     return state, trainer_state
+
+
+def _torch_load(file: Path):
+    return torch.load(file, map_location="cpu", weights_only=False)
+
+
+def _read(file: Path, load):
+    """``load(file)``; any failure (truncated, corrupt, missing) is one ValueError naming it."""
+    try:
+        return load(file)
+    except Exception as err:  # EOFError, UnpicklingError, JSONDecodeError, OSError, ...
+        detail = str(err).splitlines()[0] if str(err) else ""
+        raise ValueError(f"checkpoint file {str(file)!r} cannot be read ({type(err).__name__}"
+                         f"{': ' + detail if detail else ''}); it is truncated or corrupt: "
+                         "resume from an older global_step_* (trainer.resume=path)") from None
+
+
+def nonfinite_paths(obj, prefix: str = "") -> list[str]:
+    """Paths (``a.b[2]``) of the floating-point tensors/floats in ``obj`` holding NaN or inf."""
+    if isinstance(obj, torch.Tensor):
+        return [] if not obj.is_floating_point() or bool(torch.isfinite(obj).all()) else [prefix]
+    if isinstance(obj, float):
+        return [] if obj == obj and abs(obj) != float("inf") else [prefix]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in nonfinite_paths(v, f"{prefix}.{k}")]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in nonfinite_paths(v, f"{prefix}[{i}]")]
+    return []
+
+
+def _refuse_nonfinite(step: int, rank: int, rank_state: dict, shared: dict | None) -> None:
+    """Collective: raise RuntimeError on every rank (before anything is written) when any rank's
+    state holds a non-finite value; the message names the ranks and the first bad entry."""
+    bad = nonfinite_paths({"rank": rank_state, "shared": shared or {}})
+    flags = torch.zeros(dist.get_world_size() if dist.is_initialized() else 1)
+    flags[rank] = 1.0 if bad else 0.0
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        on_nccl = dist.get_backend() == "nccl"  # NCCL takes no CPU tensors
+        flags = flags.cuda() if on_nccl else flags
+        dist.all_reduce(flags)
+    ranks = [r for r, f in enumerate(flags.cpu().tolist()) if f]
+    if ranks:
+        where = f" (rank {rank}: {bad[0].lstrip('.')})" if bad else ""
+        raise RuntimeError(f"checkpoint global_step_{step} not written: non-finite parameters "
+                           f"or optimizer state on rank(s) {ranks}{where}")
 
 
 def _cpu_copy(obj):

@@ -4,8 +4,9 @@ Contract:
 - ``MetricsLog(rank, folder, loggers, print_fn)``: every method is a no-op on ranks other than 0.
 - ``line(text)`` prints ``text`` (flushed).
 - ``step(step, total, metrics)`` prints ``step <step>/<total> | score .. | pg_loss .. | ...`` (the
-  keys of ``SUMMARY`` that ``metrics`` has) and, when ``"jsonl"`` is in ``loggers``, appends
-  ``{"step": step, **metrics}`` as one line to ``<folder>/metrics.jsonl``.
+  keys of ``SUMMARY`` that ``metrics`` has; ``| rolled back: not kept`` when the step guard
+  undid it, ``training/rolled_back``) and, when ``"jsonl"`` is in ``loggers``, appends
+  ``{"step": step, "kept": bool, **metrics}`` as one line to ``<folder>/metrics.jsonl``.
 - ``resume_at(step)`` rewrites ``metrics.jsonl`` to hold exactly the lines of steps <= ``step``
   (none for a fresh run, step 0), so a resumed run appends without duplicates.
 """
@@ -40,11 +41,13 @@ class MetricsLog:
         if not self.active:
             return
         parts = [f"{short} {metrics[k]:.4g}" for short, k in SUMMARY if k in metrics]
-        self.print(f"step {step}/{total} | " + " | ".join(parts), flush=True)
+        kept = not metrics.get("training/rolled_back")
+        self.print(f"step {step}/{total} | " + " | ".join(parts)
+                   + ("" if kept else " | rolled back: not kept"), flush=True)
         if self.jsonl:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+                f.write(json.dumps({"step": step, "kept": kept, **metrics}) + "\n")
 
     def resume_at(self, step: int) -> None:
         if not (self.active and self.jsonl):

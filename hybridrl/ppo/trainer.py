@@ -4,7 +4,8 @@ Contract:
 - ``PPOTrainer(cfg, groups)`` (collective: every rank, same config) builds the tokenizer, the
   loaders, the megatron actor / reference (/ critic for GAE) on the training layout, their
   optimizers, the KL controller, the reward scorer and the ``RolloutWorker`` (engine on the
-  generation layout + the reshard plan). ``fit()`` resumes when configured, runs
+  generation layout + the reshard plan). ``fit()`` resumes when configured (only a checkpoint of
+  the same run id: ``hybridrl.ppo.run_identity``), runs
   ``trainer.total_steps`` steps and returns the list of per-step metric dicts (every rank).
 - One step (``train_step``), every rank:
   1. ``timing_s/reshard``: actor train shards -> engine shards (``RolloutWorker.sync_weights``);
@@ -23,10 +24,11 @@ Contract:
   5. ``actor.ppo_epochs`` (``critic.ppo_epochs``) passes over mini-batches of
      ``ppo_mini_batch_size * rollout.n`` sequences; each DP rank takes its share as fixed-size or
      token-budget micro-batches; the loss uses global normalizers (``compute_agg_normalizers``);
-  6. KL guard (``trainer.kl_guard.max_kl`` > 0): if the largest |actor/ppo_kl| of the step's
-     mini-batches exceeds it, actor, critic, optimizers and KL controller go back to their state
-     before the step (the batch is skipped, ``training/kl_guard_rollback`` = 1); more than
-     ``max_rollbacks`` consecutive rollbacks, or ``rollback: false``, raise ``RuntimeError``;
+  6. step guard (``hybridrl.ppo.guards``): non-finite rewards/advantages skip the updates (the
+     rows are named); non-finite losses, grad norms, KL or parameters on any rank, or a KL over
+     ``trainer.kl_guard.max_kl``, restore actor, critic, optimizers and KL controller to their
+     state before the step (``training/rolled_back`` = 1), or stop with ``RuntimeError``
+     (``trainer.nonfinite=fail``, ``kl_guard.rollback: false``, too many in a row);
   7. metrics (DESIGN.md key names; reductions over every sequence of the step) on rank 0 (``MetricsLog``): one line per step to stdout, one
      JSON line to ``<checkpoint_dir>/metrics.jsonl`` when ``jsonl`` is a logger; checkpoints
      every ``trainer.save_freq`` steps and after the last (``hybridrl.ppo.checkpoint``).
@@ -65,15 +67,16 @@ from hybridrl.ppo.agg import compute_agg_normalizers
 from hybridrl.ppo.checkpoint import (
     capture_params,
     capture_state,
-    latest_checkpoint,
     load_checkpoint,
     restore_state,
     save_checkpoint,
 )
 from hybridrl.ppo.dist_advantages import compute_advantage_dp, needs_groups
+from hybridrl.ppo.guards import StepGuard
 from hybridrl.ppo.kl_control import apply_kl_in_reward, build_kl_controller
 from hybridrl.ppo.losses import actor_loss, value_loss
 from hybridrl.ppo.metrics_log import MetricsLog
+from hybridrl.ppo.run_identity import StartupError, apply_run_dir, plan_run_dir, run_id
 from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
 from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
 from hybridrl.rewards.scoring import build_reward_scorer
@@ -87,6 +90,8 @@ SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_l
 @contextlib.contextmanager
 def _timer(timing: dict, key: str):
     start = time.perf_counter()
+    if hasattr(timing, "enter"):  # a PhaseBoard's step timing: records the phase for timeouts
+        timing.enter(f"timing_s/{key}")
     yield
     timing[f"timing_s/{key}"] = timing.get(f"timing_s/{key}", 0.0) + time.perf_counter() - start
 
@@ -134,8 +139,10 @@ class PPOTrainer:
         self.partition = None  # this step's (rows per DP rank, global sequence lengths)
         self.worker = RolloutWorker(cfg, groups, self.actor, self.tokenizer)
         self.temperature = cfg.rollout.temperature or 1.0
-        self.step, self.rollbacks = 0, 0
+        self.step, self.run_id = 0, run_id(cfg)
         self.log = MetricsLog(self.rank, cfg.trainer.checkpoint_dir, cfg.trainer.logger, print_fn)
+        self.guard = StepGuard(cfg.trainer, self.actor.device, self.log)
+        self.phases = None  # a hybridrl.parallel.phases.PhaseBoard, when the entrypoint sets one
 
     def _optimizer(self, model, role_cfg) -> ModelOptimizer:
         per_step = role_cfg.ppo_epochs * (self.cfg.data.train_batch_size // role_cfg.ppo_mini_batch_size)
@@ -273,8 +280,9 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
-        cfg, timing, t0 = self.cfg, {}, time.perf_counter()
-        snapshot = self._snapshot() if cfg.trainer.kl_guard.max_kl > 0 else None
+        cfg, t0 = self.cfg, time.perf_counter()
+        timing = self.phases.step_timing(self.step + 1) if self.phases else {}
+        snapshot = self._snapshot() if self.guard.needs_snapshot else None
         prompts = self.loader.next_batch()
         with _timer(timing, "reshard"):
             self.worker.sync_weights(self.actor)
@@ -318,14 +326,15 @@ class PPOTrainer:
                 alg.adv_estimator, rewards, mask.float(), rows=rb.rows, dp_group=self._gloo_dp(),
                 device="cpu", values=tensors.get("values"), index=rb.uid, gamma=alg.gamma, lam=alg.lam,
                 norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
-        if self.critic is not None:
+        skip = self.guard.check_inputs(self.step + 1, scores, tensors, rb)  # every rank agrees
+        if self.critic is not None and not skip:
             with _timer(timing, "update_critic"):
                 metrics.update(self._update(self.critic, self.critic_opt, cfg.critic, rb, tensors,
                                             self._critic_loss, "critic"))
         with _timer(timing, "update_actor"):
-            metrics.update(self._update(self.actor, self.actor_opt, a, rb, tensors,
-                                        self._actor_loss, "actor"))
-        if snapshot is not None:  # the guard judges the weights it would keep: one more forward
+            metrics.update({} if skip else self._update(self.actor, self.actor_opt, a, rb,
+                                                        tensors, self._actor_loss, "actor"))
+        if cfg.trainer.kl_guard.max_kl > 0 and not skip:  # the weights it would keep: a forward
             with _timer(timing, "kl_guard"):
                 new = self._logprobs(self.actor, rb)
                 m = mask.float()
@@ -333,7 +342,8 @@ class PPOTrainer:
                 if self._gloo_dp() is not None:  # over every row of the step
                     dist.all_reduce(kl, group=self._gloo_dp())
                 metrics["actor/ppo_kl_final"] = float(kl[0] / kl[1].clamp(min=1))
-        metrics.update(self._kl_guard(metrics, snapshot))
+        metrics.update(self.guard.judge(self.step + 1, metrics, skip, snapshot, self._restore,
+                                        self._models()))
         timing["timing_s/step"] = time.perf_counter() - t0
         batch = batch_metrics(rb, tensors, self.cfg.rollout.response_length, timing["timing_s/step"],
                               self.world, self._gloo_dp())
@@ -349,31 +359,6 @@ class PPOTrainer:
 
     def _restore(self, snap: dict) -> None:
         restore_state(self._models(), snap, self.kl_ctrl)
-
-    def _kl_guard(self, metrics: dict, snapshot: dict | None) -> dict:
-        guard = self.cfg.trainer.kl_guard
-        if snapshot is None:
-            return {}
-        # the largest |KL| seen during the PPO epochs or after the last update
-        worst = max(metrics.get("actor/ppo_kl_max", 0.0), abs(metrics["actor/ppo_kl_final"]))
-        kl = torch.tensor([worst], dtype=torch.float64,
-                          device=self.actor.device)  # NCCL takes no CPU tensors
-        dist.all_reduce(kl, op=dist.ReduceOp.MAX)  # every rank takes the same decision
-        if float(kl) <= guard.max_kl:
-            self.rollbacks = 0
-            return {"training/kl_guard_rollback": 0.0}
-        if not guard.rollback:
-            raise RuntimeError(f"step {self.step + 1}: policy KL {float(kl):.4g} exceeds "
-                               f"trainer.kl_guard.max_kl={guard.max_kl} (rollback disabled)")
-        self.rollbacks += 1
-        if self.rollbacks > guard.max_rollbacks:
-            raise RuntimeError(f"step {self.step + 1}: {self.rollbacks} consecutive KL-guard "
-                               f"rollbacks (KL {float(kl):.4g} > max_kl={guard.max_kl}); "
-                               "giving up: lower actor.lr or raise trainer.kl_guard.max_kl")
-        self._restore(snapshot)
-        self.log.line(f"step {self.step + 1}: KL {float(kl):.4g} > max_kl {guard.max_kl}: "
-                      f"rolled back (rollback {self.rollbacks}/{guard.max_rollbacks})")
-        return {"training/kl_guard_rollback": 1.0}
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict:
@@ -400,7 +385,7 @@ class PPOTrainer:
     def _meta(self) -> dict:
         t = self.groups.train
         return {"world": self.world, "tp": t.tp, "pp": t.pp, "dp": t.dp,
-                "critic": self.critic is not None}
+                "critic": self.critic is not None}  # must match to resume (run_id: see resume)
 
     def _shard_file(self) -> str:
         """The checkpoint file of this rank's model shard, shared by its DP replicas."""
@@ -413,32 +398,39 @@ class PPOTrainer:
         rank_state = {"rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                               "python": random.getstate()},
                       "optim": capture_state(self._models(), self.kl_ctrl)["optim"]}
-        trainer_state = {"step": self.step, "rollbacks": self.rollbacks,
+        trainer_state = {"step": self.step, "guard": self.guard.state_dict(),
                          "kl_ctrl": self.kl_ctrl.state_dict(), "loader": self.loader.state_dict()}
         return save_checkpoint(self.cfg.trainer.checkpoint_dir, self.step, rank_state,
-                               trainer_state, self._meta(), shared=(self._shard_file(), shard))
+                               trainer_state, {**self._meta(), "run_id": self.run_id},
+                               shared=(self._shard_file(), shard))
 
     def resume(self) -> Path | None:
-        t = self.cfg.trainer
-        if t.resume == "disable":
+        t, plan = self.cfg.trainer, [None]
+        if self.rank == 0:  # rank 0's view of the folder decides for all (run_identity)
+            plan[0] = plan_run_dir(t.checkpoint_dir, t.resume, t.resume_path, self.run_id,
+                                   t.overwrite)
+            if plan[0].error is None:
+                apply_run_dir(t.checkpoint_dir, plan[0], self.run_id, t.seed)
+        dist.broadcast_object_list(plan, src=0)
+        if plan[0].error:
+            raise StartupError(plan[0].error)
+        if plan[0].notice:
+            self.log.line(f"hybridrl: {plan[0].notice}")
+        if plan[0].resume is None:
             return None
-        path = Path(t.resume_path) if t.resume == "path" else latest_checkpoint(t.checkpoint_dir)
-        chosen = [None if path is None else str(path)]
-        dist.broadcast_object_list(chosen, src=0)  # rank 0's view of the folder decides for all
-        if chosen[0] is None:
-            return None
-        path, error = Path(chosen[0]), None
+        path, error = Path(plan[0].resume), None
         try:
             rank_state, state = load_checkpoint(path, self.rank, self._meta(), self._shard_file())
-        except (ValueError, OSError, RuntimeError) as err:  # missing/corrupt file on this rank
+        except Exception as err:  # missing/corrupt file on this rank
             error = f"rank {self.rank}: {err}"
         failed = torch.tensor([0.0 if error is None else 1.0], device=self.actor.device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # all ranks fail together, none waits
         if failed.item():
-            raise ValueError(error or f"resuming from {str(path)!r} failed on another rank")
+            raise StartupError(error or f"resuming from {str(path)!r} failed on another rank")
         self._restore({**rank_state, "kl_ctrl": state["kl_ctrl"]})
         self.loader.load_state_dict(state["loader"])
-        self.step, self.rollbacks = int(state["step"]), int(state["rollbacks"])
+        self.step = int(state["step"])
+        self.guard.load_state_dict(state.get("guard", {"consecutive": state.get("rollbacks", 0)}))
         rng = rank_state["rng"]
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])

@@ -15,7 +15,9 @@ metrics ``critic/score/{mean,max,min}`` (final scores), ``reward/raw_score/mean`
 penalties), ``reward/{length,repetition}_penalty/mean`` when on, ``reward/<extra>/mean`` for the
 numeric extras of dict results and ``reward/source/<data_source>/mean``. ``score_tokens`` does
 the same from generated token ids [B, R] + response mask (decoding them with the tokenizer).
-``build_reward_scorer(cfg)`` builds a scorer from the ``reward`` config section.
+``build_reward_scorer(cfg)`` builds a scorer from the ``reward`` config section. Any exception
+a reward function raises on a row (or an unusable result) becomes ``RewardFunctionError`` (a
+``RuntimeError``: a training failure) naming the function, the row, its data_source and index.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ REWARD_FNS.register("openai/gsm8k", gsm8k.compute_score)
 REWARD_FNS.register("gsm8k", gsm8k.compute_score)
 REWARD_FNS.register("gsm8k_flexible", _gsm8k_flexible)
 REWARD_FNS.register("hybridrl/arithmetic", arithmetic.compute_score)
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised (or returned something unusable) on one row."""
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -95,6 +101,14 @@ class RewardScorer:
         )
         return normalize_result(result, data_source)
 
+    def _describe_failure(self, err: Exception, row: int, data_source: str, extra) -> str:
+        name = self.custom_name or f"registered for {data_source!r}"
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        index = (extra or {}).get("index") if isinstance(extra, dict) else None
+        return (f"reward function '{name}' raised {type(err).__name__}"
+                f"{': ' + detail if detail else ''} on row {row} (data_source {data_source!r}, "
+                f"index {index})")
+
     def _penalties(
         self, response_ids: Sequence[Sequence[int]] | None, max_response_length: int | None, n: int
     ) -> dict[str, list[float]]:
@@ -138,9 +152,13 @@ class RewardScorer:
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
         raw, extras = [], defaultdict(list)
         for i in range(n):
-            score, extra = self.score_one(
-                data_sources[i], responses[i], ground_truths[i], extra_infos[i]
-            )
+            try:
+                score, extra = self.score_one(
+                    data_sources[i], responses[i], ground_truths[i], extra_infos[i]
+                )
+            except Exception as err:  # user code: one line naming function, source and row
+                raise RewardFunctionError(self._describe_failure(err, i, data_sources[i],
+                                                                 extra_infos[i])) from err
             raw.append(score)
             for k, v in extra.items():
                 extras[k].append(v)

@@ -7,6 +7,7 @@ import torch
 
 from hybridrl.rewards import REWARD_FNS, Registry, RewardScorer, arithmetic, gsm8k, load_reward_fn
 from hybridrl.rewards.penalties import length_fraction, repetition_fraction
+from hybridrl.rewards.scoring import RewardFunctionError
 
 STRICT_CASES = [
     ("The answer is\n#### 72", "72", 1.0),
@@ -90,7 +91,8 @@ def test_dispatch_by_data_source_and_fn_kwargs():
     )
     assert scores.tolist() == [1.0, 1.0, 0.0]
     assert m["reward/source/hybridrl/arithmetic/mean"] == 0.5
-    with pytest.raises(ValueError, match="unknown reward function.*'mystery'"):
+    # mid-run, a failing reward lookup is a training failure naming the row and its source
+    with pytest.raises(RewardFunctionError, match="unknown reward function.*'mystery'.*row 0"):
         RewardScorer().score_batch(["x"], ["1"], ["mystery"])
 
 
@@ -119,8 +121,14 @@ def test_custom_function_by_import_path(tmp_path, monkeypatch):
     assert (
         scores.tolist() == [2.0, 2.0] and m["reward/acc/mean"] == 0.5 and "reward/tag/mean" not in m
     )
-    with pytest.raises(ValueError, match="returned str"):
+    with pytest.raises(RewardFunctionError, match="returned str"):
         RewardScorer(custom_fn="my_reward_mod:bad").score_batch(["a"], ["a"], ["s"])
+    # user code raising anything: one line naming the function, the row, data_source and index
+    with pytest.raises(RewardFunctionError, match=(
+            r"reward function 'my_reward_mod:as_float' raised KeyError: 'w' on row 1 "
+            r"\(data_source 'src_b', index 7\)")):
+        RewardScorer(custom_fn="my_reward_mod:as_float").score_batch(
+            ["a", "b"], ["a", "a"], ["src_a", "src_b"], [{"w": 0}, {"index": 7}])
     for spec, msg in [
         ("no_colon", "allowed forms"),
         ("my_reward_mod:missing", "no callable 'missing'"),

@@ -1,0 +1,101 @@
+"""Exit statuses and one-line failure reports of the training entrypoint.
+
+Contract:
+- ``OK, FAILED, BAD_INPUT, INTERRUPTED = 0, 1, 2, 130``: 2 = the run could not start (config,
+  input files, the checkpoint to resume: found before step 1), 1 = training failed after it
+  started (user code, non-finite giving up, a collective timeout, ...), 130 = Ctrl-C / SIGINT.
+- ``one_line(err)``: the exception as one line; unless it is a ValueError or hybridrl's own
+  (its messages name their key, file or rank) the type and the innermost frame
+  (``file:line in fn``) are added, so a KeyError from user code says where it came from.
+- ``status_of(err, started)``: BAD_INPUT for input-type errors (``INPUT_ERRORS``) before the run
+  started and for ``StartupError`` at any time; INTERRUPTED for KeyboardInterrupt; else FAILED.
+- ``FailureReporter(rank, store)``: ``report(status, message, peer_loss=False)`` writes
+  ``hybridrl.train: error[ (rank N)]: message`` to stderr at once, in one write. Through the
+  job's store (no collective) only the first failing rank's message is shown for an error every
+  rank shares, an error only rank N hit is still shown (it is written before the rank exits, not
+  after a delay torchrun may cut short), and a rank that failed only because a peer died
+  (``peer_loss``) stays silent.
+- ``die_with_parent()``: under torchrun (``TORCHELASTIC_RUN_ID`` set, Linux) the worker receives
+  SIGTERM when the torchrun process dies, even by SIGKILL, instead of training on alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import signal
+import sys
+import traceback
+
+OK, FAILED, BAD_INPUT, INTERRUPTED = 0, 1, 2, 130
+INPUT_ERRORS = (ValueError, TypeError, OSError, EOFError, KeyError, ImportError,
+                pickle.UnpicklingError)
+FIRST_KEY, COUNT_KEY = "hybridrl/failure/first", "hybridrl/failure/count"
+PEER_LOSS_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                   "socket closed", "recv from", "remote process exited")
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    frames = traceback.extract_tb(err.__traceback__)
+    ours = type(err).__module__.startswith("hybridrl") or (
+        type(err) in (ValueError, RuntimeError) and frames
+        and f"{os.sep}hybridrl{os.sep}" in frames[-1].filename)
+    if text and (ours or isinstance(err, ValueError)):
+        return text  # hybridrl's messages name their key, file or rank
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in " \
+            f"{frames[-1].name})" if frames else ""
+    return f"{type(err).__name__}{': ' + text if text else ''}{where}"
+
+
+def status_of(err: BaseException, started: bool) -> int:
+    from hybridrl.ppo.run_identity import StartupError
+
+    if isinstance(err, KeyboardInterrupt):
+        return INTERRUPTED
+    if isinstance(err, StartupError) or (not started and isinstance(err, INPUT_ERRORS)):
+        return BAD_INPUT
+    return FAILED
+
+
+def is_peer_loss(err: BaseException) -> bool:
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(w in text for w in PEER_LOSS_WORDS)
+
+
+class FailureReporter:
+    """One line per distinct failure over the job (see module docstring)."""
+
+    def __init__(self, rank: int, store=None) -> None:
+        self.rank, self.store = rank, store
+
+    def report(self, status: int, message: str, peer_loss: bool = False) -> int:
+        first = None
+        if self.store is not None:
+            try:
+                self.store.set_timeout(datetime.timedelta(seconds=5))
+                if self.store.add(COUNT_KEY, 1) == 1:
+                    self.store.set(FIRST_KEY, message)
+                else:
+                    first = self.store.get(FIRST_KEY).decode()
+            except Exception:  # the store's host is gone: report on our own
+                first = None
+        if first is not None and (peer_loss or first == message):
+            return status  # shown by the rank that failed first
+        who = "" if self.rank == 0 else f" (rank {self.rank})"
+        sys.stderr.write(f"hybridrl.train: error{who}: {message}\n")
+        sys.stderr.flush()
+        return status
+
+
+def die_with_parent() -> None:
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

@@ -1,0 +1,67 @@
+"""``python -m hybridrl.launch [torchrun options] [--] [hybridrl.train arguments]``: torchrun
+that exits with what the workers meant.
+
+Contract: the arguments before the first ``hybridrl.train`` argument (``--config``,
+``--config-name``/``-cn``, ``--config-path``/``-cp``, a ``key=value`` override, or everything
+after ``--``) are torchrun's (``--standalone --nproc-per-node 2``, ``--nnodes``, ``--rdzv-*``,
+...); the workers run ``-m hybridrl.train`` with the rest. The agent is torch's own
+(``torch.distributed.run``), so rendezvous, restarts and signal forwarding are unchanged, but:
+- the exit status is the root-cause worker's (the first that failed): 2 (it could not start:
+  bad config or input), 1 (training failed), 130 (interrupted; also a worker killed by SIGINT
+  and Ctrl-C on the launcher); 0 when every worker finished;
+- torchrun's ``ChildFailedError`` traceback and its failure log are not printed: the workers'
+  own one-line errors (``hybridrl.exits``) are the report.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import sys
+
+TRAIN_OPTIONS = ("--config", "--config-name", "-cn", "--config-path", "-cp")
+_OVERRIDE = re.compile(r"^[A-Za-z_+~][\w.\[\]+~-]*=")
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(torchrun options, hybridrl.train arguments); see the module docstring."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return argv[:i], argv[i + 1:]
+        if arg.split("=", 1)[0] in TRAIN_OPTIONS or _OVERRIDE.match(arg):
+            return argv[:i], argv[i:]
+    return list(argv), []
+
+
+def status_of_exitcode(code: int) -> int:
+    """A worker's exit code as the launcher's status (negative: killed by that signal)."""
+    if code in (2, 130):
+        return code
+    if code == -int(signal.SIGINT):
+        return 130
+    return 0 if code == 0 else 1
+
+
+def main(argv=None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    torch_args, train_args = split_argv(list(sys.argv[1:] if argv is None else argv))
+    args = parse_args([*torch_args, "-m", "hybridrl.train", *train_args])
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(args)  # torchrun's own agent (standalone/static rendezvous set up as torchrun does)
+    except ChildFailedError as err:
+        _, failure = err.get_first_failure()
+        return status_of_exitcode(failure.exitcode)
+    except SignalException as err:
+        return 130 if err.sigval == signal.SIGINT else 128 + int(err.sigval)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

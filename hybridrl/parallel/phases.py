@@ -1,0 +1,89 @@
+"""Where each rank is: phase records in the job's key-value store, read when a collective fails.
+
+Contract:
+- ``PhaseBoard(store, rank, world)``: ``store`` is a ``torch.distributed.Store`` every rank
+  reaches (the default group's, ``PhaseBoard.from_default_group()``; None when there is none);
+  keys live under the ``hybridrl/phase/`` prefix.
+- ``step_timing(step)`` returns a ``StepTiming``: the trainer's per-step timing dict whose
+  ``enter(key)`` records "rank r is in phase ``key`` (a ``timing_s/...`` name) of step ``step``"
+  (one store write per phase, no collective).
+- ``where(rank)`` -> (step, phase) or None (never recorded); ``stragglers(rank)``: the other
+  ranks whose record differs from ``rank``'s (they did not reach the collective it waits in),
+  with their records; ``describe_timeout(rank, timeout_s)`` turns that into one line.
+- ``is_timeout(err)``: whether an exception from a collective is a timeout (gloo and NCCL word
+  it "timed out" / "Timeout").
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+PREFIX = "hybridrl/phase/"
+READ_TIMEOUT_S = 5.0
+
+
+class StepTiming(dict):
+    """The timing dict of one step that also records the current phase on a board."""
+
+    def __init__(self, board: PhaseBoard, step: int) -> None:
+        super().__init__()
+        self.board, self.step = board, step
+
+    def enter(self, key: str) -> None:
+        self.board.record(self.step, key)
+
+
+class PhaseBoard:
+    """Per-rank (step, phase) records in a shared store (see module docstring)."""
+
+    def __init__(self, store, rank: int, world: int) -> None:
+        self.store, self.rank, self.world = store, rank, world
+
+    @classmethod
+    def from_default_group(cls) -> PhaseBoard:
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        return cls(store, dist.get_rank() if store else 0, dist.get_world_size() if store else 1)
+
+    def record(self, step: int, phase: str) -> None:
+        if self.store is not None:
+            self.store.set(f"{PREFIX}{self.rank}", f"{step} {phase}")
+
+    def step_timing(self, step: int) -> StepTiming:
+        return StepTiming(self, step)
+
+    def where(self, rank: int) -> tuple[int, str] | None:
+        key = f"{PREFIX}{rank}"
+        if self.store is None:
+            return None
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=READ_TIMEOUT_S))
+            if not self.store.check([key]):
+                return None
+            step, phase = self.store.get(key).decode().split(" ", 1)
+            return int(step), phase
+        except Exception:  # the store's host is gone: nothing to report
+            return None
+
+    def stragglers(self, rank: int) -> dict[int, tuple[int, str] | None]:
+        mine = self.where(rank)
+        return {r: w for r in range(self.world) if r != rank and (w := self.where(r)) != mine}
+
+    def describe_timeout(self, rank: int, timeout_s: float) -> str:
+        mine = self.where(rank)
+        at = f"in {mine[1]} of step {mine[0]}" if mine else "before the first step"
+        late = self.stragglers(rank)
+        if not late:
+            who = "no rank recorded another phase (a rank may have died)"
+        else:
+            who = "ranks " + str(sorted(late)) + " did not arrive (" + "; ".join(
+                f"rank {r}: " + (f"{w[1]} of step {w[0]}" if w else "no phase recorded")
+                for r, w in sorted(late.items())) + ")"
+        return (f"rank {rank}: a collective timed out after {timeout_s:g} s "
+                f"(trainer.collective_timeout_s) {at}: {who}")
+
+
+def is_timeout(err: BaseException) -> bool:
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and ("timed out" in text or "timeout" in text)

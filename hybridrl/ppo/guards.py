@@ -1,0 +1,160 @@
+"""The step guard: non-finite values and excessive policy KL never reach the kept weights.
+
+Contract:
+- ``StepGuard(trainer_cfg, device, log)``; ``needs_snapshot`` says whether the trainer must copy
+  its state to host memory before each step (KL guard on, or ``trainer.nonfinite`` != ``fail``).
+- ``check_inputs(step, scores, tensors, rb)`` (collective: every rank, once per step) looks for
+  non-finite rewards, advantages and returns; every rank agrees through one all-reduce. Non-finite
+  reward rows are named with their data_source and ``extra_info['index']``. Returns the problem
+  (one line) or None; the trainer then skips the updates. With ``nonfinite=fail`` it raises
+  ``RuntimeError`` instead.
+- ``judge(step, metrics, input_problem, snapshot, restore, models)`` (collective) decides the
+  step once for all ranks with one all-reduce of [non-finite, KL]: non-finite metrics of the
+  updates (loss, grad norm, KL, entropy, ...) or parameters on any rank, or a KL (the largest
+  |actor/ppo_kl| and |actor/ppo_kl_final|, a NaN counts as non-finite, never as "small") above
+  ``trainer.kl_guard.max_kl``. A rejected step is rolled back (``restore(snapshot)``: weights,
+  optimizers and KL controller as before the step, the batch skipped) or raises ``RuntimeError``
+  (``nonfinite=fail``, ``kl_guard.rollback=false``, or more than ``kl_guard.max_rollbacks``
+  consecutive rollbacks; ``nonfinite=skip`` has no such limit for non-finite steps). Returns the
+  metrics ``training/nonfinite_steps`` (running count), ``training/rolled_back`` (0/1) and, with
+  the KL guard on, ``training/kl_guard_rollback``.
+- ``state_dict()`` / ``load_state_dict()``: the counters, saved with checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+# metrics whose non-finite value means the step trained on garbage
+WATCHED_PREFIXES = ("actor/", "critic/", "reward/")
+
+
+def nan_max(values) -> float:
+    """max() that returns NaN when any value is NaN (Python's max() may silently drop it)."""
+    values = [float(v) for v in values]
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return max(values) if values else 0.0
+
+
+def nonfinite_keys(metrics: dict) -> list[str]:
+    """The watched metric keys whose value is NaN or infinite."""
+    return sorted(k for k, v in metrics.items() if k.startswith(WATCHED_PREFIXES)
+                  and isinstance(v, (int, float)) and not math.isfinite(v))
+
+
+def nonfinite_rows(scores: torch.Tensor) -> list[int]:
+    """Indices of the rows of ``scores`` [N] that are NaN or infinite."""
+    return torch.nonzero(~torch.isfinite(scores.float())).flatten().tolist()
+
+
+def describe_rows(rows: list[int], rb, limit: int = 5) -> str:
+    """``row i (data_source 'x', index k)`` for the first ``limit`` rows of a rollout batch."""
+    parts = []
+    for i in rows[:limit]:
+        extra = rb.extra_info[i] if rb.extra_info[i] is not None else {}
+        parts.append(f"row {i} (data_source {rb.data_source[i]!r}, index {extra.get('index')})")
+    more = f" and {len(rows) - limit} more" if len(rows) > limit else ""
+    return ", ".join(parts) + more
+
+
+def params_finite(models) -> bool:
+    """True when every device-resident parameter of this rank's trainable models is finite
+    (parameters offloaded to host memory by hybridrl.ppo.memory are skipped: their storage is
+    empty until their next phase)."""
+    return all(bool(torch.isfinite(p).all()) for m, _ in models for p in m.module.parameters()
+               if p.untyped_storage().nbytes())
+
+
+class StepGuard:
+    """Decides, identically on every rank, whether a step is kept (see module docstring)."""
+
+    def __init__(self, trainer_cfg, device, log) -> None:
+        self.mode, self.kl = trainer_cfg.nonfinite, trainer_cfg.kl_guard
+        self.device, self.log = device, log
+        self.consecutive, self.nonfinite_steps = 0, 0
+
+    @property
+    def needs_snapshot(self) -> bool:
+        return self.kl.max_kl > 0 or self.mode != "fail"
+
+    def _agree_max(self, values: list[float]) -> list[float]:
+        """Element-wise max over every rank (NCCL takes no CPU tensors: on the model device)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def check_inputs(self, step: int, scores: torch.Tensor, tensors: dict, rb) -> str | None:
+        rows = nonfinite_rows(scores)
+        bad = [k for k in ("advantages", "returns") if k in tensors
+               and not bool(torch.isfinite(tensors[k]).all())]
+        (flag,) = self._agree_max([1.0 if rows or bad else 0.0])
+        if not flag:
+            return None
+        if rows:
+            problem = (f"step {step}: the reward is not finite for {len(rows)} of {len(scores)} "
+                       f"rows: {describe_rows(rows, rb)}")
+        elif bad:
+            problem = f"step {step}: non-finite {' and '.join(bad)}"
+        else:
+            problem = f"step {step}: non-finite rewards or advantages on another rank"
+        if self.mode == "fail":
+            raise RuntimeError(f"{problem} (trainer.nonfinite=fail)")
+        return problem
+
+    def judge(self, step: int, metrics: dict, input_problem: str | None, snapshot, restore,
+              models) -> dict:
+        keys = nonfinite_keys(metrics)
+        finite_params = params_finite(models)
+        kl = nan_max([metrics.get("actor/ppo_kl_max", 0.0),
+                      abs(metrics.get("actor/ppo_kl_final", 0.0))]) if self.kl.max_kl > 0 else 0.0
+        local_bad = bool(keys) or not finite_params or not math.isfinite(kl)
+        flag, worst = self._agree_max([1.0 if local_bad else 0.0, kl if math.isfinite(kl) else 0.0])
+        out = {}
+        if self.kl.max_kl > 0:
+            out["training/kl_guard_rollback"] = 0.0
+        problem, is_kl = input_problem, False
+        if problem is None and flag:
+            what = ", ".join(keys) if keys else ("parameters" if not finite_params else "")
+            problem = (f"step {step}: non-finite {what or 'values on another rank'}"
+                       + ("" if math.isfinite(kl) else " (policy KL is NaN)"))
+        if problem is None and worst > self.kl.max_kl > 0:
+            problem, is_kl = f"step {step}: policy KL {worst:.4g} > max_kl {self.kl.max_kl}", True
+        if problem is None:
+            self.consecutive = 0
+            return {**out, "training/nonfinite_steps": float(self.nonfinite_steps),
+                    "training/rolled_back": 0.0}
+        self._refuse_or_count(problem, is_kl)
+        restore(snapshot)
+        self.log.line(f"{problem}: rolled back (rollback {self.consecutive}"
+                      + (f"/{self.kl.max_rollbacks})" if self._limited(is_kl) else ")"))
+        if is_kl:
+            out["training/kl_guard_rollback"] = 1.0
+        return {**out, "training/nonfinite_steps": float(self.nonfinite_steps),
+                "training/rolled_back": 1.0}
+
+    def _limited(self, is_kl: bool) -> bool:
+        return is_kl or self.mode == "rollback"
+
+    def _refuse_or_count(self, problem: str, is_kl: bool) -> None:
+        if is_kl and not self.kl.rollback:
+            raise RuntimeError(f"{problem} (trainer.kl_guard.rollback=false: rollback disabled)")
+        if not is_kl:
+            self.nonfinite_steps += 1
+            if self.mode == "fail":
+                raise RuntimeError(f"{problem} (trainer.nonfinite=fail)")
+        self.consecutive += 1
+        if self._limited(is_kl) and self.consecutive > self.kl.max_rollbacks:
+            raise RuntimeError(f"{problem}; {self.consecutive} consecutive rollbacks: giving up "
+                               "(lower actor.lr, or raise trainer.kl_guard.max_kl / max_rollbacks)")
+
+    def state_dict(self) -> dict:
+        return {"consecutive": self.consecutive, "nonfinite_steps": self.nonfinite_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consecutive = int(state.get("consecutive", 0))
+        self.nonfinite_steps = int(state.get("nonfinite_steps", 0))

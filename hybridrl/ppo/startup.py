@@ -1,0 +1,106 @@
+"""Start-up checks: run on every rank before any collective, each failure one line naming a path or key.
+
+Contract: ``check_startup(cfg, rank)`` returns the list of problems (empty when the run can
+start); it reads but never changes anything except creating ``trainer.checkpoint_dir`` (and the
+synthetic data folder) and removing its own probe file. Checked:
+- ``trainer.checkpoint_dir`` (and ``data.synthetic.dir`` when the data is generated) can be
+  created and written (a folder under a regular file, no permission, ...);
+- every ``model.path``-like folder that is set exists and its ``config.json`` parses;
+- the tokenizer folder (``model.tokenizer_path``, else ``model.path``) holds tokenizer files;
+- with neither ``reward.reward_fn`` nor ``reward.reward_model_path``, every ``data_source`` of
+  the training/validation parquet files has a registered reward function (``REWARD_FNS``), and
+  no prompt has empty content.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _writable(key: str, folder: str, rank: int) -> str | None:
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_probe_{rank}_{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        return f"{key} {folder!r} cannot be created or written ({type(err).__name__}: " \
+               f"{err.strerror or err})"
+    return None
+
+
+def _model_folders(cfg) -> list[tuple[str, str]]:
+    pairs = [("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path),
+             ("ref.model_path", cfg.ref.model_path),
+             ("reward.reward_model_path", cfg.reward.reward_model_path)]
+    return [(k, v) for k, v in pairs if v]
+
+
+def _model_problems(cfg) -> list[str]:
+    problems = []
+    for key, folder in _model_folders(cfg):
+        config = Path(folder) / "config.json"
+        if not Path(folder).is_dir():
+            problems.append(f"{key} {folder!r} is not a folder")
+        elif config.is_file():
+            try:
+                json.loads(config.read_text())
+            except (ValueError, OSError) as err:
+                problems.append(f"{key}: {str(config)!r} is not valid JSON ({err})")
+    tok = cfg.model.tokenizer_path or cfg.model.path
+    if tok and tok not in ("char", "builtin:char") and Path(tok).is_dir() and not any(
+            (Path(tok) / f).is_file() for f in TOKENIZER_FILES):
+        key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+        problems.append(f"{key} {tok!r} has no tokenizer files ({' / '.join(TOKENIZER_FILES)}); "
+                        "set model.tokenizer_path to the folder that has them")
+    return problems
+
+
+def _data_problems(cfg) -> list[str]:
+    import pyarrow.parquet as pq
+
+    from hybridrl.rewards.scoring import REWARD_FNS
+
+    files = [*cfg.data.train_files, *cfg.data.val_files]
+    check_sources = not (cfg.reward.reward_fn or cfg.reward.reward_model_path)
+    problems = []
+    for file in files:
+        if not Path(file).is_file():
+            problems.append(f"data file {file!r} does not exist")
+            continue
+        try:
+            columns = pq.read_schema(file).names
+            wanted = [c for c in ("data_source", cfg.data.prompt_key) if c in columns]
+            table = pq.read_table(file, columns=wanted).to_pydict()
+        except Exception as err:  # pyarrow's errors: not a parquet file, truncated, ...
+            problems.append(f"data file {file!r} cannot be read as parquet ({err})")
+            continue
+        sources = table.get("data_source", [])
+        unknown = sorted({s for s in sources if s not in REWARD_FNS})
+        if check_sources and unknown:
+            rows = [i for i, s in enumerate(sources) if s == unknown[0]][:3]
+            problems.append(f"data file {file!r}: data_source {unknown[0]!r} (rows {rows}) has "
+                            f"no reward function; registered: {', '.join(REWARD_FNS.names())}; "
+                            "set reward.reward_fn or register one")
+        for i, prompt in enumerate(table.get(cfg.data.prompt_key, [])):
+            messages = prompt if isinstance(prompt, list) else [{"content": prompt}]
+            if not any(str((m or {}).get("content") or "").strip() for m in messages):
+                problems.append(f"data file {file!r}: row {i} has an empty prompt "
+                                f"({cfg.data.prompt_key!r} column)")
+                break
+    return problems
+
+
+def check_startup(cfg, rank: int) -> list[str]:
+    """Every problem found (one line each; see module docstring)."""
+    problems = [p for p in [_writable("trainer.checkpoint_dir", cfg.trainer.checkpoint_dir, rank)]
+                if p]
+    if not cfg.data.train_files and cfg.data.synthetic.task != "none":
+        problem = _writable("data.synthetic.dir", cfg.data.synthetic.dir, rank)
+        problems += [problem] if problem else []
+    return problems + _model_problems(cfg) + _data_problems(cfg)

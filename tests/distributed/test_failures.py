@@ -1,0 +1,251 @@
+"""Nothing silently wrong (issue 14): non-finite steps, run identity, one-line failures, timeouts,
+exit statuses that survive torchrun. Each test names the defect it guards against.
+
+Trainer cases run in one process group per world size (``test_failure_cases``); the launcher
+tests start ``python -m hybridrl.launch`` (torchrun's agent) on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from hybridrl.testing.dist import run_on_ranks
+from tests.distributed import test_failure_cases as cases_mod
+from tests.distributed.test_trainer_cases import base_overrides
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GAE = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
+NAN_REWARD = '''
+import math, os
+def nan_on_some(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return math.nan if extra_info and extra_info.get("index", 0) >= 0 else 0.5
+def key_error_on_rank1(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    if os.environ.get("RANK") == "1":
+        return extra_info["no_such_key"]
+    return 0.0
+'''
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    path = tmp_path_factory.mktemp("failures")
+    (path / "rewards.py").write_text(NAN_REWARD)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def world1(root):
+    ck = f"trainer.checkpoint_dir={root}"
+    nan_fn = f"reward.reward_fn={root}/rewards.py:nan_on_some"
+    cases = [
+        # defect 1: a NaN loss is rolled back, counted, never saved
+        ("nan_rollback", [*GAE, f"{ck}/nan_rb", "trainer.total_steps=3"], "nan_loss"),
+        ("nan_fail", [*GAE, f"{ck}/nan_fail", "trainer.nonfinite=fail"], "nan_loss"),
+        # defect 1: the KL guard on: a NaN KL is not "small"
+        ("nan_kl", [*GAE, f"{ck}/nan_kl", "trainer.kl_guard.max_kl=100"], "nan_loss"),
+        # defect 1: NaN rewards name their rows; skip goes on, fail stops
+        ("nan_reward_skip", [*GAE, f"{ck}/rw_skip", nan_fn, "trainer.nonfinite=skip"], "fit"),
+        ("nan_reward_fail", [*GAE, f"{ck}/rw_fail", nan_fn, "trainer.nonfinite=fail"], "fit"),
+        # defect 2: run identity
+        ("seed1", [*GAE, f"{ck}/ident", "trainer.total_steps=1", "trainer.save_freq=1"], "fit"),
+        ("seed7_auto", [*GAE, f"{ck}/ident", "trainer.seed=7"], "fit"),
+        ("seed7_disable", [*GAE, f"{ck}/ident", "trainer.seed=7", "trainer.resume=disable"],
+         "fit"),
+        ("seed7_overwrite", [*GAE, f"{ck}/ident", "trainer.seed=7", "trainer.resume=disable",
+                             "trainer.overwrite=true", "trainer.total_steps=1",
+                             "trainer.save_freq=1"], "fit"),
+        ("missing_path", [*GAE, f"{ck}/ident", "trainer.resume=path",
+                          f"trainer.resume_path={root}/nowhere"], "fit"),
+    ]
+    return run_on_ranks(cases_mod.run_cases, 1, root, cases, timeout=400,
+                        preload=("megatron.core",))[0]
+
+
+def test_nan_loss_is_rolled_back_counted_and_never_saved(world1):
+    got = world1["nan_rollback"]
+    assert got["error"] is None and got["restored"] and got["finite"]
+    rolled = [m["training/rolled_back"] for m in got["history"]]
+    assert rolled == [0.0, 1.0, 0.0]
+    assert [m["training/nonfinite_steps"] for m in got["history"]] == [0.0, 1.0, 1.0]
+    assert got["ckpt_finite"] and all(got["ckpt_finite"])
+    assert any("step 2: non-finite actor/" in line and "rolled back" in line
+               for line in got["lines"])
+    assert any(line.endswith("rolled back: not kept") for line in got["lines"])
+    assert "step 2: non-finite" in world1["nan_fail"]["error"]
+    assert "trainer.nonfinite=fail" in world1["nan_fail"]["error"]
+
+
+def test_nan_kl_is_not_below_max_kl(world1):
+    got = world1["nan_kl"]
+    assert got["history"][1]["training/rolled_back"] == 1.0 and got["finite"]
+
+
+def test_nan_rewards_name_rows_and_skip_or_fail(world1):
+    skip = world1["nan_reward_skip"]
+    assert skip["error"] is None
+    assert all(m["training/rolled_back"] == 1.0 for m in skip["history"])
+    line = next(x for x in skip["lines"] if "reward is not finite" in x)
+    assert "data_source 'hybridrl/arithmetic', index" in line
+    fail = world1["nan_reward_fail"]["error"]
+    assert fail.startswith("RuntimeError: step 1: the reward is not finite") and "row 0" in fail
+
+
+def test_resume_auto_refuses_another_run(world1, root):
+    assert world1["seed1"]["error"] is None
+    err = world1["seed7_auto"]["error"]
+    assert err.startswith("StartupError: trainer.resume=auto") and "global_step_1" in err
+    ids = json.loads(open(f"{root}/ident/previous_0/run.json").read())["run_id"]
+    assert ids in err  # names the folder's run (both ids are in the line)
+    assert "already holds" in world1["seed7_disable"]["error"]
+    over = world1["seed7_overwrite"]
+    assert over["error"] is None and any("aside into" in x for x in over["lines"])
+    assert sorted(os.listdir(f"{root}/ident/previous_0")) == [
+        "global_step_1", "metrics.jsonl", "run.json"]
+    assert "does not exist" in world1["missing_path"]["error"]
+
+
+def test_checkpoint_refuses_nonfinite_state_and_names_bad_files(tmp_path):
+    from hybridrl.ppo.checkpoint import load_checkpoint, save_checkpoint
+
+    meta = {"world": 1, "tp": 1, "pp": 1, "dp": 1, "critic": False}
+    with pytest.raises(RuntimeError, match=r"global_step_1 not written.*rank\(s\) \[0\]"):
+        save_checkpoint(tmp_path, 1, {"optim": [{"m": torch.tensor([1.0, math.nan])}]}, {}, meta)
+    assert list(tmp_path.iterdir()) == []  # no folder, no COMPLETE
+    folder = save_checkpoint(tmp_path, 2, {"x": torch.ones(1)}, {"step": 2}, meta)
+    (folder / "trainer_state.pt").write_bytes(b"")  # empty: EOFError before
+    with pytest.raises(ValueError, match="trainer_state.pt' cannot be read .*truncated"):
+        load_checkpoint(folder, 0, meta)
+    (folder / "meta.json").write_text('{"world": ')
+    with pytest.raises(ValueError, match="meta.json' cannot be read"):
+        load_checkpoint(folder, 0, meta)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_checkpoint(tmp_path / "nowhere", 0, meta)
+
+
+def test_run_dir_plan_and_leftover_tmp(tmp_path):
+    from hybridrl.ppo.run_identity import apply_run_dir, plan_run_dir
+
+    (tmp_path / ".tmp_global_step_4").mkdir()
+    plan = plan_run_dir(tmp_path, "auto", "", "aaaa", False)
+    assert plan.error is None and plan.resume is None
+    apply_run_dir(tmp_path, plan, "aaaa", 1)
+    assert sorted(os.listdir(tmp_path)) == ["run.json"]  # the leftover temp folder is gone
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert "already holds run aaaa" in plan_run_dir(tmp_path, "auto", "", "bbbb", False).error
+
+
+def test_run_id_ignores_run_length_not_seed():
+    from hybridrl.config import load_config
+    from hybridrl.ppo.run_identity import run_id
+
+    base = run_id(load_config([], []))
+    assert run_id(load_config([], ["trainer.total_steps=9", "trainer.resume=disable"])) == base
+    assert run_id(load_config([], ["trainer.seed=7"])) != base
+    assert run_id(load_config([], ["actor.lr=1e-5"])) != base
+
+
+def _parquet(path, sources, prompts):
+    rows = [{"data_source": s, "prompt": [{"role": "user", "content": p}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": "1"},
+             "extra_info": {"split": "train", "index": i}}
+            for i, (s, p) in enumerate(zip(sources, prompts))]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_startup_checks_name_the_path_or_key(tmp_path):
+    from hybridrl.config import load_config
+    from hybridrl.ppo.startup import check_startup
+
+    (tmp_path / "file").write_text("x")
+    data = _parquet(tmp_path / "d.parquet", ["openai/gsm8k", "mystery/src", "gsm8k"],
+                    ["1+1?", "2+2?", "  "])
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"hidden_size": 3')
+    cfg = load_config([], [f"trainer.checkpoint_dir={tmp_path}/file/ck",
+                           f"data.train_files=[{data}]", f"model.path={hf}"])
+    problems = "\n".join(check_startup(cfg, 0))
+    assert f"trainer.checkpoint_dir '{tmp_path}/file/ck' cannot be created" in problems
+    assert "data_source 'mystery/src' (rows [1]) has no reward function" in problems
+    assert "row 2 has an empty prompt" in problems
+    assert f"'{hf}/config.json' is not valid JSON" in problems
+    assert f"model.path '{hf}' has no tokenizer files" in problems
+    ok = load_config([], [f"trainer.checkpoint_dir={tmp_path}/ck", "data.synthetic.dir="
+                          f"{tmp_path}/syn"])
+    assert check_startup(ok, 0) == []
+
+
+def test_timeout_names_the_late_rank_and_its_phase_and_errors_show_once():
+    out = run_on_ranks(cases_mod.phase_timeout, 2, timeout=120)
+    assert out[0]["timeout"], out[0]
+    line = out[0]["line"]
+    assert "timed out after 2 s" in line and "in timing_s/update_actor of step 3" in line
+    assert "ranks [1] did not arrive (rank 1: timing_s/reward of step 3)" in line
+    assert out[0]["stderr"] == "hybridrl.train: error: the same problem everywhere\n"
+    assert out[1]["stderr"] == "hybridrl.train: error (rank 1): only rank 1 hit this\n"
+
+
+def test_launcher_argv_and_status_mapping():
+    from hybridrl.exits import one_line, status_of
+    from hybridrl.launch import split_argv, status_of_exitcode
+    from hybridrl.ppo.run_identity import StartupError
+
+    assert split_argv(["--standalone", "--nproc-per-node", "2", "--config", "a.yaml", "x=1"]) == (
+        ["--standalone", "--nproc-per-node", "2"], ["--config", "a.yaml", "x=1"])
+    assert split_argv(["--nnodes=1", "--", "actor.lr=1"]) == (["--nnodes=1"], ["actor.lr=1"])
+    assert [status_of_exitcode(c) for c in (0, 1, 2, 130, -2, -9)] == [0, 1, 2, 130, 130, 1]
+    assert status_of(ValueError("x"), started=True) == 1  # user code mid-run: not bad config
+    assert status_of(ValueError("x"), started=False) == 2
+    assert status_of(StartupError("x"), started=True) == 2
+    try:
+        {}["k"]
+    except KeyError as err:
+        assert one_line(err).startswith("KeyError: 'k' (at test_failures.py:")
+
+
+def _launch(args, cwd, **kw):
+    cmd = [sys.executable, "-m", "hybridrl.launch", "--standalone", "--nproc-per-node", "2",
+           "--config", os.path.join(REPO, "configs", "demo_cpu.yaml"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+
+
+@pytest.mark.slow
+def test_launcher_exit_statuses(root):
+    """bad config -> 2; a user-code error only rank 1 hits -> 1, one line; Ctrl-C -> 130.
+    None of them prints a traceback (torchrun's or ours)."""
+    tiny = [*base_overrides(root), "algorithm.adv_estimator=grpo", "rollout.temperature=1.0"]
+    bad = _launch(["actor.lr=-1"], root)
+    _, err = bad.communicate(timeout=300)
+    assert bad.returncode == 2 and err.count("hybridrl.train: error") == 1, err[-2000:]
+    user = _launch([*tiny, f"trainer.checkpoint_dir={root}/user",
+                    f"reward.reward_fn={root}/rewards.py:key_error_on_rank1"], root)
+    _, err = user.communicate(timeout=300)
+    assert user.returncode == 1, err[-3000:]
+    lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
+    # the reward error of rank 1 reaches every rank (rewards.distributed): shown once
+    assert len(lines) == 1 and "reward function" in lines[0], err[-3000:]
+    assert "raised KeyError: 'no_such_key' on row " in lines[0] and "(data_source 'hy" in lines[0]
+    assert "Traceback" not in err
+    run = _launch([*tiny, f"trainer.checkpoint_dir={root}/int", "trainer.total_steps=500"], root)
+    deadline, seen = time.monotonic() + 240, ""
+    while time.monotonic() < deadline and "step 2/" not in seen:
+        seen += run.stdout.readline()
+    assert "step 2/" in seen, run.stderr.read()[-2000:] if run.poll() is not None else seen
+    os.killpg(run.pid, signal.SIGINT)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
