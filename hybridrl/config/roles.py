@@ -55,9 +55,10 @@ class TrainedRoleConfig:
                                            "rank); false = every DP rank holds all of it.")
     overlap_grad_reduce: bool = knob(True, "Reduce(-scatter) gradient buckets during the "
                                      "backward instead of after it.")
-    overlap_param_gather: bool = knob(True, "Distributed optimizer: all-gather updated weights "
-                                      "during the next mini-batch's forward (the trainer "
-                                      "completes the gather before reading the weights).")
+    overlap_param_gather: bool = knob(True, "With the distributed optimizer: all-gather updated "
+                                      "weights during the next mini-batch's forward (the "
+                                      "trainer completes the gather before reading the "
+                                      "weights); no effect without it.")
     param_offload: bool = knob(False, "Keep the weights in (pinned) host memory outside the "
                                "phases that use them (colocated with the rollout engine).")
     grad_offload: bool = knob(False, "Keep the fp32 gradient buffers in host memory outside "
@@ -88,10 +89,6 @@ class TrainedRoleConfig:
             raise ValueError(f"{s}.adam_betas must be two numbers in [0, 1); "
                              f"got {list(self.adam_betas)!r}")
         check_non_negative(f"{s}.grad_clip", self.grad_clip)
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError(f"{s}.overlap_param_gather needs {s}.use_distributed_optimizer=true "
-                             "(only the distributed optimizer gathers weights); set "
-                             f"{s}.overlap_param_gather=false")
         for name in ("ppo_epochs", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu",
                      "ppo_max_token_len_per_gpu"):
             check_positive(f"{s}.{name}", getattr(self, name))

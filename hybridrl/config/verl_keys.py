@@ -56,8 +56,7 @@ def _refuse(verl: str, note: str) -> VerlRule:
     return VerlRule(verl, (), note, "refuse")
 
 
-_NO_OFFLOAD = ("training-side CPU offload is not a hybridrl option yet; false is the only value "
-               "(see docs/faq.md for memory: `hybridrl plan`, smaller micro-batches)")
+_OTC = "megatron.override_transformer_config"
 _ACTOR_LAYOUT = "the reference runs on the actor's layout; must equal the actor's {}"
 
 VERL_RULES: tuple[VerlRule, ...] = (
@@ -66,9 +65,9 @@ VERL_RULES: tuple[VerlRule, ...] = (
     _ignore(f"{ARR}.model.use_fused_kernels", "hybridrl's fused KL/GAE kernels run whenever "
             "they are built (kernels.use_compiled=auto)"),
     _ignore(f"{ARR}.model.trust_remote_code", "HF folders load without remote code", (False,)),
-    _refuse(f"{ARR}.model.enable_gradient_checkpointing",
-            "activation recompute is not configurable yet; lower *.ppo_micro_batch_size_per_gpu "
-            "or use *.use_dynamic_bsz with a smaller token budget"),
+    _set(f"{ARR}.model.enable_gradient_checkpointing", "model.recompute_granularity",
+         note="true = full recompute (model.recompute_method/num_layers refine it)",
+         values=((True, "full"), (False, "none"))),
     _refuse(f"{ARR}.model.lora", "LoRA is not supported: hybridrl trains full weights"),
     # ---- actor optimizer, batching, loss
     _set(f"{ARR}.actor.optim.lr", "actor.lr"),
@@ -110,9 +109,16 @@ VERL_RULES: tuple[VerlRule, ...] = (
             "dense models (null or 1)", (None, 1)),
     _ignore(f"{ARR}.actor.megatron.virtual_pipeline_model_parallel_size",
             "interleaved pipelines are not supported (null or 1)", (None, 1)),
-    _ignore(f"{ARR}.actor.megatron.param_offload", _NO_OFFLOAD, (False,)),
-    _ignore(f"{ARR}.actor.megatron.grad_offload", _NO_OFFLOAD, (False,)),
-    _ignore(f"{ARR}.actor.megatron.optimizer_offload", _NO_OFFLOAD, (False,)),
+    _set(f"{ARR}.actor.megatron.param_offload", "actor.param_offload"),
+    _set(f"{ARR}.actor.megatron.grad_offload", "actor.grad_offload"),
+    _set(f"{ARR}.actor.megatron.optimizer_offload", "actor.optimizer_offload"),
+    _set(f"{ARR}.actor.megatron.use_distributed_optimizer", "actor.use_distributed_optimizer",
+         "critic.use_distributed_optimizer", note="megatron's DistributedOptimizer (both roles)"),
+    _set(f"{ARR}.actor.megatron.sequence_parallel", "model.sequence_parallel",
+         note="needs transformer-engine (GPU) and tp > 1"),
+    _set(f"{ARR}.actor.{_OTC}.recompute_granularity", "model.recompute_granularity"),
+    _set(f"{ARR}.actor.{_OTC}.recompute_method", "model.recompute_method"),
+    _set(f"{ARR}.actor.{_OTC}.recompute_num_layers", "model.recompute_num_layers"),
     _ignore(f"{ARR}.actor.megatron.use_mbridge", "HF <-> megatron conversion is built in "
             "(hybridrl.models.hf_io)"),
     _ignore(f"{ARR}.actor.megatron.use_dist_checkpointing", "initial weights come from "
@@ -131,7 +137,7 @@ VERL_RULES: tuple[VerlRule, ...] = (
              _ACTOR_LAYOUT.format("parallel.ep"), "same"),
     _ignore(f"{ARR}.ref.megatron.expert_tensor_parallel_size", "MoE is not supported",
             (None, 1)),
-    _ignore(f"{ARR}.ref.megatron.param_offload", _NO_OFFLOAD, (False,)),
+    _set(f"{ARR}.ref.megatron.param_offload", "ref.param_offload"),
     _ignore(f"{ARR}.ref.megatron.use_dist_checkpointing", "the reference starts from "
             "ref.model_path or the actor's initial weights", (False,)),
     _set(f"{ARR}.ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size_per_gpu"),
@@ -191,7 +197,9 @@ VERL_RULES: tuple[VerlRule, ...] = (
              "the critic runs on the actor's layout; must equal parallel.tp", "same"),
     VerlRule("critic.megatron.pipeline_model_parallel_size", ("parallel.pp",),
              "the critic runs on the actor's layout; must equal parallel.pp", "same"),
-    _ignore("critic.megatron.param_offload", _NO_OFFLOAD, (False,)),
+    _set("critic.megatron.param_offload", "critic.param_offload"),
+    _set("critic.megatron.grad_offload", "critic.grad_offload"),
+    _set("critic.megatron.optimizer_offload", "critic.optimizer_offload"),
     # ---- algorithm
     _ident("algorithm.adv_estimator"),
     _ident("algorithm.gamma"),

@@ -123,10 +123,28 @@ def test_ignored_keys_refuse_other_values(rule):
 
 def test_refusals_from_real_verl_examples():
     # examples/grpo_trainer/run_deepseek671b_math_megatron_80gb.sh style lines
-    _fails([f"{ARR}.actor.megatron.param_offload=True"], "param_offload", "offload")
-    _fails([f"+{ARR}.actor.megatron.override_transformer_config.recompute_method=uniform"],
+    _fails([f"+{ARR}.actor.megatron.override_transformer_config.apply_rope_fusion=True"],
            "override_transformer_config", "HF config.json")
     _fails(["trainer.critic_warmup=5"], "critic_warmup=5", "drop the key or set 0")
+
+
+def test_memory_keys_of_verl_megatron_examples_translate():
+    otc = f"+{ARR}.actor.megatron.override_transformer_config"
+    cfg = load_config([], [f"{ARR}.actor.megatron.param_offload=True",
+                           f"{ARR}.actor.megatron.grad_offload=True",
+                           f"{ARR}.actor.megatron.optimizer_offload=True",
+                           f"{ARR}.ref.megatron.param_offload=True",
+                           "critic.megatron.optimizer_offload=True",
+                           f"{ARR}.actor.megatron.use_distributed_optimizer=False",
+                           f"{otc}.recompute_granularity=full",
+                           f"{otc}.recompute_method=block", f"{otc}.recompute_num_layers=2"])
+    assert cfg.actor.offload_parts == {"params", "grads", "optim"}
+    assert cfg.ref.param_offload and cfg.critic.offload_parts == {"optim"}
+    assert not cfg.actor.use_distributed_optimizer and not cfg.critic.use_distributed_optimizer
+    assert (cfg.model.recompute_granularity, cfg.model.recompute_method,
+            cfg.model.recompute_num_layers) == ("full", "block", 2)
+    on = load_config([], [f"{ARR}.model.enable_gradient_checkpointing=True"])
+    assert on.model.recompute_granularity == "full"
 
 
 def test_reference_layout_must_equal_the_actors():
