@@ -60,10 +60,13 @@ class TrainerConfig:
     seed: int = knob(1, "Seed of model initialization and sampling.")
     device: str = knob("auto", "auto (cuda when available) | cpu | cuda.")
     kl_guard: KLGuardConfig = section(KLGuardConfig, "Rollback on excessive policy KL.")
-    nonfinite: str = knob("rollback", "A NaN/inf reward, advantage, loss, grad norm, KL or "
-                          "parameter: rollback (restore the pre-step state, skip the batch; "
-                          "kl_guard.max_rollbacks consecutive at most) | skip (the same, no "
-                          "limit) | fail (stop with exit status 1; no per-step host copy).")
+    nonfinite: str = knob("skip", "A NaN/inf reward, advantage, loss, grad norm, KL or "
+                          "parameter: skip (the optimizer refuses every non-finite update, the "
+                          "weights stay finite, the step's other updates are kept; no per-step "
+                          "host copy) | rollback (restore the pre-step state from a per-step "
+                          "host copy of the optimizer shards, skip the batch; "
+                          "kl_guard.max_rollbacks consecutive at most) | fail (stop with exit "
+                          "status 1).")
     overwrite: bool = knob(False, "With resume=disable, move the checkpoints and metrics of a "
                            "previous run in checkpoint_dir aside (never deleted) instead of "
                            "refusing to start.")

@@ -2,7 +2,11 @@
 
 Contract:
 - ``StepGuard(trainer_cfg, device, log)``; ``needs_snapshot`` says whether the trainer must copy
-  its state to host memory before each step (KL guard on, or ``trainer.nonfinite`` != ``fail``).
+  its state (each rank's optimizer shard) to host memory before each step: KL guard on, or
+  ``trainer.nonfinite=rollback``. With the default ``skip`` no copy is made: the optimizer itself
+  refuses any update whose gradient norm is not finite (``ModelOptimizer.step``), so non-finite
+  values never reach the weights; the step is counted and its finite updates are kept (rolled
+  back instead when a KL-guard snapshot exists).
 - ``check_inputs(step, scores, tensors, rb)`` (collective: every rank, once per step) looks for
   non-finite rewards, advantages and returns; every rank agrees through one all-reduce. Non-finite
   reward rows are named with their data_source and ``extra_info['index']``. Returns the problem
@@ -12,12 +16,14 @@ Contract:
   step once for all ranks with one all-reduce of [non-finite, KL]: non-finite metrics of the
   updates (loss, grad norm, KL, entropy, ...) or parameters on any rank, or a KL (the largest
   |actor/ppo_kl| and |actor/ppo_kl_final|, a NaN counts as non-finite, never as "small") above
-  ``trainer.kl_guard.max_kl``. A rejected step is rolled back (``restore(snapshot)``: weights,
-  optimizers and KL controller as before the step, the batch skipped) or raises ``RuntimeError``
-  (``nonfinite=fail``, ``kl_guard.rollback=false``, or more than ``kl_guard.max_rollbacks``
-  consecutive rollbacks; ``nonfinite=skip`` has no such limit for non-finite steps). Returns the
-  metrics ``training/nonfinite_steps`` (running count), ``training/rolled_back`` (0/1) and, with
-  the KL guard on, ``training/kl_guard_rollback``.
+  ``trainer.kl_guard.max_kl``. A rejected step is rolled back when there is a snapshot
+  (``restore(snapshot)``: weights, optimizers and KL controller as before the step, the batch
+  skipped), kept minus its refused updates when there is none (``skip``), or raises
+  ``RuntimeError`` (``nonfinite=fail``, ``kl_guard.rollback=false``, more than
+  ``kl_guard.max_rollbacks`` consecutive rollbacks (``nonfinite=skip`` has no such limit for
+  non-finite steps), or non-finite weights with no snapshot). Returns the metrics
+  ``training/nonfinite_steps`` (running count), ``training/rolled_back`` (1 when the step's
+  updates were not kept) and, with the KL guard on, ``training/kl_guard_rollback``.
 - ``state_dict()`` / ``load_state_dict()``: the counters, saved with checkpoints.
 """
 
@@ -79,7 +85,9 @@ class StepGuard:
 
     @property
     def needs_snapshot(self) -> bool:
-        return self.kl.max_kl > 0 or self.mode != "fail"
+        """A per-step host copy of the optimizer shards: only for the KL guard and
+        ``nonfinite=rollback`` (``skip`` relies on the optimizer refusing non-finite updates)."""
+        return self.kl.max_kl > 0 or self.mode == "rollback"
 
     def _agree_max(self, values: list[float]) -> list[float]:
         """Element-wise max over every rank (NCCL takes no CPU tensors: on the model device)."""
@@ -129,6 +137,15 @@ class StepGuard:
             return {**out, "training/nonfinite_steps": float(self.nonfinite_steps),
                     "training/rolled_back": 0.0}
         self._refuse_or_count(problem, is_kl)
+        if snapshot is None:  # skip: the optimizer refused every non-finite update
+            if not finite_params:
+                raise RuntimeError(f"{problem}: the weights are not finite and there is no "
+                                   "snapshot to restore (trainer.nonfinite=rollback keeps one)")
+            kept = input_problem is None  # bad inputs: no update ran at all
+            self.log.line(f"{problem}: " + ("non-finite updates skipped by the optimizer, the "
+                                            "others kept" if kept else "updates skipped"))
+            return {**out, "training/nonfinite_steps": float(self.nonfinite_steps),
+                    "training/rolled_back": 0.0 if kept else 1.0}
         restore(snapshot)
         self.log.line(f"{problem}: rolled back (rollback {self.consecutive}"
                       + (f"/{self.kl.max_rollbacks})" if self._limited(is_kl) else ")"))

@@ -75,6 +75,7 @@ from hybridrl.ppo.dist_advantages import compute_advantage_dp, needs_groups
 from hybridrl.ppo.guards import StepGuard
 from hybridrl.ppo.kl_control import apply_kl_in_reward, build_kl_controller
 from hybridrl.ppo.losses import actor_loss, value_loss
+from hybridrl.ppo.memory import NEEDS, PhaseMemory
 from hybridrl.ppo.metrics_log import MetricsLog
 from hybridrl.ppo.run_identity import StartupError, apply_run_dir, plan_run_dir, run_id
 from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
@@ -95,6 +96,8 @@ def _timer(timing: dict, key: str):
     yield
     timing[f"timing_s/{key}"] = timing.get(f"timing_s/{key}", 0.0) + time.perf_counter() - start
 
+
+MEMORY_PHASE = {"kl_guard": "old_log_prob"}  # timing key -> hybridrl.ppo.memory phase, if other
 
 class PPOTrainer:
     """The loop (see module docstring); ``groups`` come from ``hybridrl.parallel.build_groups``."""
@@ -141,8 +144,22 @@ class PPOTrainer:
         self.temperature = cfg.rollout.temperature or 1.0
         self.step, self.run_id = 0, run_id(cfg)
         self.log = MetricsLog(self.rank, cfg.trainer.checkpoint_dir, cfg.trainer.logger, print_fn)
+        ref_offload = {"params"} if cfg.ref.param_offload else set()
+        self.memory = PhaseMemory({
+            "actor": (self.actor, self.actor_opt, cfg.actor.offload_parts),
+            "critic": (self.critic, self.critic_opt, cfg.critic.offload_parts),
+            "reference": (self.ref, None, ref_offload),
+            "reward": (self.reward_model, None, ref_offload)})
         self.guard = StepGuard(cfg.trainer, self.actor.device, self.log)
         self.phases = None  # a hybridrl.parallel.phases.PhaseBoard, when the entrypoint sets one
+
+    @contextlib.contextmanager
+    def _phase(self, timing: dict, key: str):
+        """Time one phase of the step, with exactly its models' parts on the device."""
+        moved = self.memory.enter(MEMORY_PHASE.get(key, key if key in NEEDS else "gen"))
+        timing["timing_s/offload"] = timing.get("timing_s/offload", 0.0) + moved["offload_s"]
+        with _timer(timing, key):
+            yield
 
     def _optimizer(self, model, role_cfg) -> ModelOptimizer:
         per_step = role_cfg.ppo_epochs * (self.cfg.data.train_batch_size // role_cfg.ppo_mini_batch_size)
@@ -284,27 +301,27 @@ class PPOTrainer:
         timing = self.phases.step_timing(self.step + 1) if self.phases else {}
         snapshot = self._snapshot() if self.guard.needs_snapshot else None
         prompts = self.loader.next_batch()
-        with _timer(timing, "reshard"):
+        with self._phase(timing, "reshard"):
             self.worker.sync_weights(self.actor)
-        with _timer(timing, "gen"):
+        with self._phase(timing, "gen"):
             rb = self._rollout(prompts)
             self.worker.release()  # SGLang gives its GPU memory back before training
         mask = rb.response_mask
         a = cfg.actor
-        with _timer(timing, "old_log_prob"):
+        with self._phase(timing, "old_log_prob"):
             old = self._logprobs(self.actor, rb)
         tensors = {"old_log_probs": old}
         if self.ref is not None:
-            with _timer(timing, "ref"):
+            with self._phase(timing, "ref"):
                 tensors["ref_log_probs"] = self._logprobs(self.ref, rb)
         if self.critic is not None:
             c = cfg.critic
-            with _timer(timing, "values"):
+            with self._phase(timing, "values"):
                 tensors["values"] = self._forward(self.critic, rb, "values",
                                                   c.ppo_micro_batch_size_per_gpu,
                                                   c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu)
         metrics = {}
-        with _timer(timing, "reward"):
+        with self._phase(timing, "reward"):
             if self.reward_model is not None:
                 scores, reward_metrics = self._reward_model_scores(rb, mask)
             else:
@@ -313,7 +330,7 @@ class PPOTrainer:
                     rb.rows, rb.response_ids, mask, rb.ground_truth, rb.data_source,
                     rb.extra_info, g.tp_rank + g.tp_size * g.pp_rank, g.tp_size * g.pp_size)
         metrics.update(reward_metrics)
-        with _timer(timing, "adv"):
+        with self._phase(timing, "adv"):
             rewards = place_on_last_token(scores, mask).float()
             if cfg.algorithm.use_kl_in_reward:
                 rewards, kl_metrics = apply_kl_in_reward(rewards, old, tensors["ref_log_probs"],
@@ -328,14 +345,14 @@ class PPOTrainer:
                 norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
         skip = self.guard.check_inputs(self.step + 1, scores, tensors, rb)  # every rank agrees
         if self.critic is not None and not skip:
-            with _timer(timing, "update_critic"):
+            with self._phase(timing, "update_critic"):
                 metrics.update(self._update(self.critic, self.critic_opt, cfg.critic, rb, tensors,
                                             self._critic_loss, "critic"))
-        with _timer(timing, "update_actor"):
+        with self._phase(timing, "update_actor"):
             metrics.update({} if skip else self._update(self.actor, self.actor_opt, a, rb,
                                                         tensors, self._actor_loss, "actor"))
         if cfg.trainer.kl_guard.max_kl > 0 and not skip:  # the weights it would keep: a forward
-            with _timer(timing, "kl_guard"):
+            with self._phase(timing, "kl_guard"):
                 new = self._logprobs(self.actor, rb)
                 m = mask.float()
                 kl = torch.stack([((old - new) * m).sum().double(), m.sum().double()])
@@ -355,9 +372,11 @@ class PPOTrainer:
         return [(m, o) for m, o in pairs if m is not None]
 
     def _snapshot(self) -> dict:
+        self.memory.enter("snapshot")  # the optimizer state is read where it lives: the device
         return capture_state(self._models(), self.kl_ctrl)
 
     def _restore(self, snap: dict) -> None:
+        self.memory.enter("snapshot")  # the optimizer state (and the weights it rebuilds)
         restore_state(self._models(), snap, self.kl_ctrl)
 
     # ------------------------------------------------------------------ validation
@@ -365,7 +384,9 @@ class PPOTrainer:
         """Greedy (``rollout.val_temperature``) responses on the validation prompts."""
         if self.val_loader is None:
             return {}
+        self.memory.enter("reshard")
         self.worker.sync_weights(self.actor)
+        self.memory.enter("gen")
         r, total, count, g = self.cfg.rollout, 0.0, 0, self.groups
         params = self.worker.sampling_params(r.response_length, r.val_temperature, r.top_k, r.top_p)
         for prompts in self.val_loader:  # each DP replica receives and scores its rows only
@@ -392,6 +413,7 @@ class PPOTrainer:
         return f"model_tp{self.groups.tp_rank:03d}_pp{self.groups.pp_rank:03d}.pt"
 
     def save(self) -> Path:
+        self.memory.enter("all")
         shard = None
         if self.groups.dp_rank == 0:  # DP replicas hold the same weights: one of them writes
             shard = {"params": capture_params(self._models())}
@@ -471,7 +493,8 @@ def ddp_options(role_cfg) -> DDPOptions:
     """How megatron's DDP and optimizer hold a trained role (its config section)."""
     return DDPOptions(use_distributed_optimizer=role_cfg.use_distributed_optimizer,
                       overlap_grad_reduce=role_cfg.overlap_grad_reduce,
-                      overlap_param_gather=role_cfg.overlap_param_gather)
+                      overlap_param_gather=(role_cfg.overlap_param_gather
+                                            and role_cfg.use_distributed_optimizer))
 
 
 def _undo_megatron_mean(loss, metrics: dict, k: int):

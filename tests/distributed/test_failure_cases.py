@@ -40,6 +40,13 @@ def _nan_loss(rank, world, overrides, nan_at=2):
         return loss, metrics
 
     trainer._actor_loss = poisoned
+    snapshots, take = [0], trainer._snapshot
+
+    def counted_snapshot():
+        snapshots[0] += 1
+        return take()
+
+    trainer._snapshot = counted_snapshot
     history, error, before, restored = [], None, None, None
     try:
         while trainer.step < trainer.total_steps:
@@ -55,7 +62,7 @@ def _nan_loss(rank, world, overrides, nan_at=2):
     except RuntimeError as err:
         error = str(err)
     return {"history": history, "error": error, "lines": lines,
-            "restored": restored,
+            "restored": restored, "snapshots": snapshots[0],
             "finite": all(bool(torch.isfinite(p).all()) for p in _params(trainer).values()),
             "ckpt_finite": _finite_checkpoints(trainer.cfg.trainer.checkpoint_dir)}
 

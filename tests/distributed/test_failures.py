@@ -50,7 +50,10 @@ def world1(root):
     nan_fn = f"reward.reward_fn={root}/rewards.py:nan_on_some"
     cases = [
         # defect 1: a NaN loss is rolled back, counted, never saved
-        ("nan_rollback", [*GAE, f"{ck}/nan_rb", "trainer.total_steps=3"], "nan_loss"),
+        ("nan_rollback", [*GAE, f"{ck}/nan_rb", "trainer.total_steps=3",
+                          "trainer.nonfinite=rollback"], "nan_loss"),
+        # the default (skip): no snapshot, the optimizer refuses the NaN updates
+        ("nan_skip", [*GAE, f"{ck}/nan_skip", "trainer.total_steps=3"], "nan_loss"),
         ("nan_fail", [*GAE, f"{ck}/nan_fail", "trainer.nonfinite=fail"], "nan_loss"),
         # defect 1: the KL guard on: a NaN KL is not "small"
         ("nan_kl", [*GAE, f"{ck}/nan_kl", "trainer.kl_guard.max_kl=100"], "nan_loss"),
@@ -84,6 +87,16 @@ def test_nan_loss_is_rolled_back_counted_and_never_saved(world1):
     assert any(line.endswith("rolled back: not kept") for line in got["lines"])
     assert "step 2: non-finite" in world1["nan_fail"]["error"]
     assert "trainer.nonfinite=fail" in world1["nan_fail"]["error"]
+
+
+def test_nan_loss_by_default_is_refused_by_the_optimizer_without_a_snapshot(world1):
+    got = world1["nan_skip"]
+    assert got["error"] is None and got["finite"] and got["snapshots"] == 0
+    assert [m["training/nonfinite_steps"] for m in got["history"]] == [0.0, 1.0, 1.0]
+    assert [m["training/rolled_back"] for m in got["history"]] == [0.0, 0.0, 0.0]
+    assert any("step 2: non-finite" in line and "skipped by the optimizer" in line
+               for line in got["lines"])
+    assert world1["nan_rollback"]["snapshots"] == 3  # rollback mode copies every step
 
 
 def test_nan_kl_is_not_below_max_kl(world1):

@@ -35,6 +35,8 @@ from tests.distributed import test_trainer_cases as cases_mod
 GAE = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
 GRPO = ["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true", "rollout.temperature=1.0"]
 GUARD = ["trainer.kl_guard.max_kl=1e-12"]
+OFFLOAD = [f"{role}.{part}_offload=true" for role in ("actor", "critic")
+           for part in ("param", "grad", "optimizer")] + ["ref.param_offload=true"]
 NOT_COMPARED = ("actor/lr", "critic/lr")
 
 
@@ -134,6 +136,7 @@ def world2(root):
         ("dp2_full3", _hf(root, "dp2f3", ["trainer.total_steps=3"]), "fit"),
         ("dp2_save2", _hf(root, "dp2r", ["trainer.save_freq=1"]), "fit"),
         ("dp2_resume", _hf(root, "dp2r", ["trainer.total_steps=3"]), "fit"),
+        ("dp2_offload", _hf(root, "dp2off", [*OFFLOAD]), "offload"),
     ]
     return run_on_ranks(cases_mod.run_cases, 2, r, cases, timeout=400,
                         preload=("megatron.core",))
@@ -283,6 +286,26 @@ def test_dp2_checkpoint_writes_each_shard_once_and_resumes(world2, root):
         assert set(rank_file) == {"rng", "optim"}
         mains.append(sum(t.numel() for o in rank_file["optim"] for t in o["main_params"]))
     assert sum(mains) == stage and max(mains) < 0.55 * stage
+
+
+@pytest.mark.slow
+def test_offload_keeps_the_numbers_and_frees_the_device(world2):
+    """actor/critic params, grads, optimizer state and the reference's params live in host
+    memory outside their phases; the run's metrics equal the run without offload bit for bit."""
+    for rank in (0, 1):
+        got = world2[rank]["dp2_offload"]
+        assert got["metrics"] == world2[rank]["dp2"]["metrics"]
+        full, seen, optim = got["full"], got["seen"], got["optim"]
+        assert full["actor/params"] > 0 and full["reference/params"] > 0 and optim["actor"] > 0
+        assert set(seen["gen"].values()) == {0}  # nothing of the training side while generating
+        assert {"actor/optim", "critic/optim"} <= set(seen["gen"])
+        for role, other in (("actor", "critic"), ("critic", "actor")):
+            during = seen[f"update_{role}"]
+            for part in ("params", "grads"):
+                assert during[f"{role}/{part}"] == full[f"{role}/{part}"]  # all back, whole
+                assert during[f"{other}/{part}"] == 0
+            assert during[f"{role}/optim"] == optim[role] and during[f"{other}/optim"] == 0
+            assert during["reference/params"] == 0
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

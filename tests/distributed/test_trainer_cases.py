@@ -126,7 +126,28 @@ def _reward_model(rank, world, overrides):
             "lengths": rb.response_mask.sum(1).tolist()}
 
 
-ACTIONS = {"fit": _fit, "guard": _guard, "error": _error, "rm": _reward_model}
+def _offload(rank, world, overrides):
+    """Run to the end with offload flags set, recording which model bytes sit on the device
+    while the engine generates and while each model updates (measured from the storages)."""
+    trainer, _ = _trainer(rank, world, overrides)
+    full, seen = trainer.memory.resident_bytes(), {}
+    generate, update = trainer.worker.generate_partitioned, trainer._update
+
+    def spy_generate(*args, **kwargs):  # the last step's view is kept (optimizer state exists)
+        seen["gen"] = trainer.memory.resident_bytes()
+        return generate(*args, **kwargs)
+
+    def spy_update(model, *args, **kwargs):
+        seen[f"update_{model.role}"] = trainer.memory.resident_bytes()
+        return update(model, *args, **kwargs)
+
+    trainer.worker.generate_partitioned, trainer._update = spy_generate, spy_update
+    history = trainer.fit()
+    optim = {"actor": trainer.actor_opt.state_bytes(), "critic": trainer.critic_opt.state_bytes()}
+    return {"metrics": _clean(history), "full": full, "seen": seen, "optim": optim}
+
+
+ACTIONS = {"fit": _fit, "offload": _offload, "guard": _guard, "error": _error, "rm": _reward_model}
 
 
 def run_cases(rank: int, world: int, root: str, cases: list) -> dict:
