@@ -106,7 +106,8 @@ def main(argv=None) -> int:
 
         problems = check_startup(cfg, rank)  # every rank, before any collective
     except Exception as err:  # config files, overrides, layout: bad input, one line
-        return _fail(rank, 2, one_line(err))
+        listed = isinstance(err, ValueError) and " bad overrides:" in str(err).split("\n")[0]
+        return _fail(rank, 2, str(err).strip() if listed else one_line(err))  # every bad one
     if problems:
         return _fail(rank, 2, problems[0] if len(problems) == 1 else
                      f"{len(problems)} problems: " + "; ".join(problems))
