@@ -8,7 +8,9 @@ it imports, else megatron's local spec (both are reported).
   weights equal transformers + torch AdamW within 2e-4 (up to sign flips of ~0 gradients);
 - a ~1.1B llama shape (hidden 2048, 20 layers, 16 heads / 8 query groups, SwiGLU 5632,
   vocab 32000) runs bf16 forward/backward + AdamW over 4 micro-batches of [2, 1024] tokens:
-  tokens/s and peak memory are printed.
+  tokens/s and peak memory are printed;
+- the same model with the distributed optimizer and full recompute: CUDA peak memory within
+  0.75-1.35x of `hybridrl plan --memory`'s train phase, tokens/s and MFU printed.
 """
 
 from __future__ import annotations
@@ -109,3 +111,49 @@ def test_1b_llama_forward_backward_throughput(groups):
           f"{'TE' if model.uses_te else 'local'} spec): {tokens_per_s:,.0f} tokens/s "
           f"(fwd+bwd+AdamW), peak memory {peak_gib:.1f} GiB, loss {metrics['loss']:.4f}")
     assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0
+
+
+def test_1b_llama_memory_matches_the_plan(groups):
+    """The ~1B llama with the distributed optimizer and full recompute, one bf16 step: CUDA's
+    peak allocated memory against ``hybridrl plan --memory``'s train phase (weights, fp32 grads,
+    optimizer, activations; no reserve), and MFU against the H200's 989 dense bf16 TFLOP/s."""
+    from hybridrl.config.model import ModelConfig
+    from hybridrl.models.hf_io import build_from_config
+    from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
+    from hybridrl.planning.memory import MemoryJob, activation_bytes, model_state_bytes
+    from hybridrl.reshard.specs import LlamaShape
+    from tests.distributed import test_models_cases as cases
+
+    sizes = dict(hidden_size=2048, num_layers=20, num_attention_heads=16, num_query_groups=8,
+                 ffn_hidden_size=5632, vocab_size=32000, max_position_embeddings=4096)
+    b, t, n_micro = 2, 1024, 4
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model = build_from_config(ModelConfig(dtype="bf16", recompute_granularity="full", **sizes),
+                              groups, "actor")
+    opt = ModelOptimizer(model, OptimConfig(lr=1e-5))
+    batch = cases.make_batch(0, b * n_micro, t, sizes["vocab_size"])
+    mbs = cases.split_microbatches(batch, 1, 0, n_micro)
+    train_step(model, opt, mbs, cases.actor_loss)
+    torch.cuda.synchronize()
+    start, steps = time.perf_counter(), 3
+    for _ in range(steps):
+        train_step(model, opt, mbs, cases.actor_loss)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    measured = torch.cuda.max_memory_allocated() - base
+    shape = LlamaShape(hidden=2048, ffn=5632, heads=16, num_query_groups=8, layers=20,
+                       vocab=32000)
+    job = MemoryJob(shape, world=1, dtype="bf16", max_tokens_per_gpu=b * t, seq_len=t,
+                    recompute="full", critic=False, ref=False,
+                    spec="te" if model.uses_te else "local")
+    state = model_state_bytes(job, "actor", 0)
+    planned = sum(state.values()) + activation_bytes(job, 0)
+    n_params = sum(p.numel() for p in model.module.parameters())
+    tokens_per_s = steps * b * t * n_micro / elapsed
+    mfu = 6 * n_params * tokens_per_s / 989e12  # recompute's extra forward not counted
+    print(f"\n~1B llama, distributed optimizer + full recompute ({'TE' if model.uses_te else 'local'}"
+          f" spec): peak {measured / 2**30:.2f} GiB vs plan {planned / 2**30:.2f} GiB "
+          f"(ratio {measured / planned:.2f}), {tokens_per_s:,.0f} tokens/s, MFU {mfu:.1%}")
+    assert 0.75 * planned <= measured <= 1.35 * planned
