@@ -16,6 +16,11 @@ Contract:
   Bytes are those of the point-to-point send / receive buffers every strategy posts. The gen
   placement pads the vocab to ``--vocab-pad`` (default 64, the rollout engine's padding, which
   the trainer's reshard uses); ``--vocab-pad 0`` keeps megatron's padded training vocab instead.
+- The gen placement is the one the trainer uses (``default_gen_placement``: HybridFlow grouping
+  when tg | t and pg | p, else the placement-optimal one). ``gen.replicas`` lists each gen
+  replica's ranks in (gen_pp, gen_tp) order (the text shows the first few); when the grouping is
+  ``optimal``, ``gen.consecutive_p2p_max_bytes_received_per_rank`` is what the plain
+  rank-order grouping would receive, for comparison.
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ def plan_report(args: argparse.Namespace) -> dict:
     dg = (args.tp * args.pp) // (args.gen_tp * args.gen_pp) if nested_gen.grouping == "hybridflow" else None
     out = {"model": args.model, "model_bytes": model_bytes, "dtype": args.dtype,
            "world": args.world, "train": {"tp": args.tp, "pp": args.pp, "dp": layout.dp},
-           "gen": {"tp": args.gen_tp, "pp": args.gen_pp, "dg": dg, "grouping": nested_gen.grouping},
+           "gen": {"tp": args.gen_tp, "pp": args.gen_pp, "dg": dg, "grouping": nested_gen.grouping,
+                   "replicas": _replicas(nested_gen)},
            "bucket_mb": args.bucket_mb, "gbps": args.gbps, "strategies": {}}
     for strategy in STRATEGIES:
         gen = nested_gen
@@ -90,7 +96,18 @@ def plan_report(args: argparse.Namespace) -> dict:
             entry["table2_bytes_received"] = float(
                 table2(strategy, args.tp, args.pp, layout.dp, dg, model_bytes))
         out["strategies"][strategy] = entry
+    if nested_gen.grouping == "optimal":
+        plain = gen_placement(layout, shape, args.gen_tp, args.gen_pp, "consecutive", vocab_pad)
+        out["gen"]["consecutive_p2p_max_bytes_received_per_rank"] = max(
+            summarize(train, plain, specs, "p2p", itemsize).recv)
     return out
+
+
+def _replicas(gen) -> list[list[int]]:
+    """Each gen replica's ranks in (gen_pp, gen_tp) order."""
+    n = gen.world // (gen.tp * gen.pp)
+    return [[gen.rank_at(b, a, rep) for a in range(gen.pp) for b in range(gen.tp)]
+            for rep in range(n)]
 
 
 def _text(rep: dict) -> str:
@@ -102,6 +119,14 @@ def _text(rep: dict) -> str:
         f"{'strategy':<16} {'recv/rank GB':>12} {'sent/rank GB':>12} {'peak/rank GB':>12} "
         f"{'est s @' + str(rep['gbps']) + 'Gb/s':>16}",
     ]
+    reps = g["replicas"]
+    shown = ", ".join(str(r) for r in reps[:4]) + (f", ... ({len(reps)} in all)" if len(reps) > 4
+                                                    else "")
+    head = [f"gen replicas, ranks in (gen_pp, gen_tp) order: {shown}"]
+    if "consecutive_p2p_max_bytes_received_per_rank" in g:
+        head.append(f"placement-optimal: p2p with the consecutive grouping would receive "
+                    f"{g['consecutive_p2p_max_bytes_received_per_rank'] / 1e9:.3f} GB/rank")
+    lines[1:1] = head
     for name, e in rep["strategies"].items():
         if "reason" in e:
             lines.append(f"{name:<16} n/a: {e['reason']}")

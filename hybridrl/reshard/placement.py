@@ -14,6 +14,10 @@ Contract:
   gen_tp = i % tg, gen_pp = (i // tg) % pg, replica = i // (tg * pg). When tg*pg | t*p every gen
   replica lies inside one training DP replica, so every replica does the same work and no rank
   serves more than its share (a plain rank-order placement made some ranks send 2-4x more).
+  ``grouping="optimal"`` (any (tg, pg) as well) chooses which rank takes which gen shard so that
+  the ranks keep the most of what they hold (``hybridrl.reshard.assignment``): the fewest bytes
+  moved by the p2p reshard; ties, and blocks too large to solve, fall back to ``consecutive``.
+  ``default_gen_placement`` (and the trainer's rollout worker) use it when the shards do not nest.
   ``vocab_pad=None`` keeps megatron's padded vocab of the TRAINING model split tg ways (not the
   padding of a GPTModel built at tp = tg); an int (SGLang: 64) pads the real vocab to that multiple first, as
   the rollout engine does (``ENGINE_VOCAB_PAD``, what the trainer uses). Either way a chunk is
@@ -26,9 +30,10 @@ from __future__ import annotations
 import dataclasses
 
 from hybridrl.parallel.layout import GenLayout, TrainLayout
-from hybridrl.reshard.specs import LlamaShape, ParamSpec, check_split
+from hybridrl.reshard.assignment import optimal_coords
+from hybridrl.reshard.specs import LlamaShape, ParamSpec, build_specs, check_split
 
-GROUPINGS = ("hybridflow", "vanilla", "consecutive")
+GROUPINGS = ("hybridflow", "vanilla", "consecutive", "optimal")
 
 ENGINE_VOCAB_PAD = 64  # vocab padding of the rollout engines: SGLang's, and the builtin one's
 
@@ -136,22 +141,25 @@ def gen_placement(
         raise ValueError(f"vocab_pad must be a positive integer or None, got {vocab_pad!r}")
     if train.world % (tp * pp):
         raise ValueError(f"gen tp*pp={tp}*{pp} must divide world={train.world}")
+    padded = shape.padded_vocab(train.tp) if vocab_pad is None else -(-shape.vocab // vocab_pad) * vocab_pad
+    chunk = -(-padded // tp)
+    if grouping == "optimal":
+        coords = optimal_coords(train_placement(train, shape), build_specs(shape), tp, pp, chunk)
+        grouping = "optimal" if coords is not None else "consecutive"
     if grouping == "consecutive":
         coords = _consecutive(train, tp, pp)
-    else:
+    elif grouping != "optimal":
         gen = GenLayout(train, tp=tp, pp=pp, grouping=grouping)  # raises unless tg | t, pg | p
         coords = []
         for r in range(train.world):
             gc = gen.coords(r)
             coords.append((gc.gen_tp, gc.gen_pp, gc.dp * gen.dg + gc.micro_dp))
         coords = tuple(coords)
-    padded = shape.padded_vocab(train.tp) if vocab_pad is None else -(-shape.vocab // vocab_pad) * vocab_pad
-    chunk = -(-padded // tp)
     return Placement(tp, pp, shape.layers, chunk, coords, grouping)
 
 
 def default_gen_placement(train: TrainLayout, shape: LlamaShape, tp: int, pp: int = 1,
                           vocab_pad: int | None = None) -> Placement:
-    """HybridFlow grouping when the gen shards nest in the training shards, else consecutive."""
+    """HybridFlow grouping when the gen shards nest in the training shards, else optimal."""
     nested = train.tp % tp == 0 and train.pp % pp == 0
-    return gen_placement(train, shape, tp, pp, "hybridflow" if nested else "consecutive", vocab_pad)
+    return gen_placement(train, shape, tp, pp, "hybridflow" if nested else "optimal", vocab_pad)

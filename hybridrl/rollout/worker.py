@@ -2,8 +2,9 @@
 
 Contract:
 - ``RolloutWorker(cfg, groups, actor, tokenizer)`` (collective: every rank, same arguments)
-  places the generation layout on the training ranks (``parallel.gen``: the HybridFlow grouping
-  when the shards nest, else consecutive gen TP groups), plans the reshard once (strategy
+  places the generation layout on the training ranks (``rollout_gen_placement``: ``parallel.gen``'s
+  grouping when the shards nest, else the placement-optimal one of hybridrl.reshard.assignment,
+  which keeps the most of what each rank holds), plans the reshard once (strategy
   ``reshard.strategy``; ``auto`` = zero_redundancy when nested, else p2p), takes this rank's gen
   TP group (``groups.groups["gen_tp"]`` when ``groups`` holds the same gen layout, else one new
   group per gen TP group with a finite timeout) and builds the engine (``rollout.engine``:
@@ -85,6 +86,16 @@ def _gen_tp_groups(gen, rank: int, groups, grouping: str):
     return mine, members
 
 
+def rollout_gen_placement(layout, shape: LlamaShape, gen_cfg):
+    """(gen ``Placement`` with the engines' vocab padding, its grouping) of the rollout engines:
+    ``gen_cfg.grouping`` when tg | t and pg | p, else ``optimal`` (pure)."""
+    nested = layout.tp % gen_cfg.tp == 0 and layout.pp % gen_cfg.pp == 0
+    grouping = gen_cfg.grouping if nested else "optimal"
+    gen = gen_placement(layout, shape, gen_cfg.tp, gen_cfg.pp, grouping,
+                        vocab_pad=ENGINE_VOCAB_PAD)
+    return gen, gen.grouping
+
+
 @torch.no_grad()
 def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, device="cpu"):
     """Run ``plan`` from this rank's training tensors ``named`` into ``engine`` (collective):
@@ -112,13 +123,10 @@ class RolloutWorker:
         self.rank, layout, gen_cfg = groups.rank, groups.train, cfg.parallel.gen
         self.layout = layout
         self.shape = LlamaShape.from_model(actor.spec)  # q/k/v biases move too
-        nested = layout.tp % gen_cfg.tp == 0 and layout.pp % gen_cfg.pp == 0
-        grouping = gen_cfg.grouping if nested else "consecutive"
-        self.gen = gen_placement(layout, self.shape, gen_cfg.tp, gen_cfg.pp, grouping,
-                                 vocab_pad=ENGINE_VOCAB_PAD)
+        self.gen, grouping = rollout_gen_placement(layout, self.shape, gen_cfg)
         strategy = cfg.reshard.strategy
         if strategy == "auto":
-            strategy = "zero_redundancy" if nested and grouping == "hybridflow" else "p2p"
+            strategy = "zero_redundancy" if grouping == "hybridflow" else "p2p"
         itemsize = torch.empty((), dtype=actor.config.params_dtype).element_size()
         specs = build_specs(self.shape, "te" if actor.uses_te else "local")
         self.plan = plan_reshard(train_placement(layout, self.shape), self.gen, specs, strategy,

@@ -45,8 +45,9 @@ LLAMA_CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
 def test_plan_text_and_reason(capsys, tmp_path):
     cfg = {**LLAMA_CFG, "tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    # pp 2 -> gen tp 2 at pp 1 (t = 2 -> tg = 4 would nest the other way round: nothing moves)
     rc, out, _ = _run(capsys, "--model", str(tmp_path / "config.json"), "--world", "8",
-                      "--tp", "2", "--gen-tp", "4", "--dtype", "fp32", "--json")
+                      "--pp", "2", "--gen-tp", "2", "--dtype", "fp32", "--json")
     assert rc == 0
     rep = json.loads(out)
     assert "use p2p" in rep["strategies"]["zero_redundancy"]["reason"]
