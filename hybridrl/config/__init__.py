@@ -19,6 +19,7 @@ from hybridrl.config.parallel import (
 from hybridrl.config.roles import ActorConfig, CriticConfig, RefConfig
 from hybridrl.config.rollout import RolloutConfig
 from hybridrl.config.root import HybridRLConfig
+from hybridrl.config.sft import SFTConfig
 from hybridrl.config.trainer import KLGuardConfig, TrainerConfig
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "ReshardConfig",
     "RewardConfig",
     "RolloutConfig",
+    "SFTConfig",
     "SyntheticDataConfig",
     "TrainerConfig",
     "dump_config",

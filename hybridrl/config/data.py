@@ -21,6 +21,8 @@ class SyntheticDataConfig:
     task: str = knob("arithmetic", "none | arithmetic (multi-digit addition, answer after "
                      "'####').")
     max_digits: int = knob(2, "Arithmetic: operands are drawn from [0, 10**max_digits).")
+    second_digits: int = knob(0, "Arithmetic: the second operand is drawn from "
+                              "[0, 10**second_digits); 0 = max_digits.")
     train_size: int = knob(2048, "Number of generated training prompts.")
     val_size: int = knob(64, "Number of generated validation prompts.")
     dir: str = knob("outputs/data", "Folder the generated parquet files are written to.")
@@ -29,6 +31,8 @@ class SyntheticDataConfig:
         check_choice("data.synthetic.task", self.task, SYNTHETIC_TASKS)
         for name in ("max_digits", "train_size", "val_size"):
             check_positive(f"data.synthetic.{name}", getattr(self, name))
+        if not 0 <= self.second_digits <= 9:
+            raise ValueError(f"data.synthetic.second_digits must be in 0..9; got {self.second_digits!r}")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from hybridrl.config.model import ModelConfig
 from hybridrl.config.parallel import KernelsConfig, ParallelConfig, ReshardConfig
 from hybridrl.config.roles import ActorConfig, CriticConfig, RefConfig, TrainedRoleConfig
 from hybridrl.config.rollout import RolloutConfig
+from hybridrl.config.sft import SFTConfig
 from hybridrl.config.trainer import TrainerConfig
 
 
@@ -35,6 +36,7 @@ class HybridRLConfig:
     parallel: ParallelConfig = section(ParallelConfig, "Training and generation layouts.")
     reshard: ReshardConfig = section(ReshardConfig, "Train -> generation weight movement.")
     kernels: KernelsConfig = section(KernelsConfig, "Compiled kernels or torch references.")
+    sft: SFTConfig = section(SFTConfig, "Supervised warm start (torchrun -m hybridrl.sft).")
 
     def __post_init__(self) -> None:
         self._check_model_fits_layout()

@@ -1,11 +1,14 @@
 """Synthetic arithmetic task (multi-digit addition) in verl's parquet schema, for the CPU demo.
 
 Contract. ``make_rows(n, seed, split, max_digits)`` returns ``n`` :class:`PromptRow` whose prompt
-asks for ``a + b`` with ``0 <= a, b < 10**max_digits`` and says to write the answer after "####";
+asks for ``a + b`` with ``0 <= a < 10**max_digits`` and ``0 <= b < 10**second_digits``
+(``second_digits`` 0: ``max_digits``) and says to write the answer after "####";
 ``reward_model.ground_truth`` is ``str(a + b)`` and ``data_source`` is :data:`DATA_SOURCE`, which the
 reward registry scores (exact answer, see hybridrl.rewards.arithmetic). ``write_dataset(out_dir,
 n_train, n_test, seed)`` writes ``train.parquet`` and ``test.parquet`` with no (a, b) pair shared
-between them, and is also the CLI:
+between them, and is also the CLI. ``write_sft_dataset(out_dir, n_train, n_sft, seed, max_digits)``
+writes ``sft_train.parquet`` in verl's SFT layout (hybridrl.data.sft): the first ``n_sft`` of the
+``n_train`` training prompts with the response ``"#### <a + b>"`` (never a test problem):
 
     python -m hybridrl.data.arithmetic --out DIR --n-train N --n-test N --seed S [--max-digits D]
 """
@@ -34,16 +37,18 @@ def _row(a: int, b: int, split: str, index: int) -> PromptRow:
     )
 
 
-def _sample_pairs(n: int, rng: np.random.Generator, high: int, taken: set) -> list[tuple[int, int]]:
+def _sample_pairs(n: int, rng: np.random.Generator, high: int, taken: set,
+                  high_b: int | None = None) -> list[tuple[int, int]]:
     """``n`` distinct (a, b) pairs not in ``taken`` (which is updated)."""
-    if n + len(taken) > high * high:
+    high_b = high_b or high
+    if n + len(taken) > high * high_b:
         raise ValueError(
-            f"asked for {n} more addition problems but only {high * high - len(taken)} distinct "
-            f"pairs with operands < {high} remain; raise max_digits"
+            f"asked for {n} more addition problems but only {high * high_b - len(taken)} distinct "
+            f"pairs with operands < {high}, {high_b} remain; raise max_digits"
         )
     pairs: list[tuple[int, int]] = []
     while len(pairs) < n:
-        a, b = (int(x) for x in rng.integers(0, high, size=2))
+        a, b = (int(x) for x in rng.integers(0, (high, high_b), size=2))
         if (a, b) not in taken:
             taken.add((a, b))
             pairs.append((a, b))
@@ -51,29 +56,46 @@ def _sample_pairs(n: int, rng: np.random.Generator, high: int, taken: set) -> li
 
 
 def make_rows(
-    n: int, seed: int, split: str = "train", max_digits: int = 2, exclude: set | None = None
+    n: int, seed: int, split: str = "train", max_digits: int = 2, exclude: set | None = None,
+    second_digits: int = 0,
 ) -> list[PromptRow]:
-    """``n`` distinct addition problems (operands < 10**max_digits), none of them in ``exclude``."""
+    """``n`` distinct addition problems (a < 10**max_digits, b < 10**(second_digits or
+    max_digits)), none of them in ``exclude``."""
     if n < 1:
         raise ValueError(f"n={n}; allowed: >= 1")
-    if not 1 <= max_digits <= 9:
-        raise ValueError(f"max_digits={max_digits}; allowed: 1..9")
+    if not 1 <= max_digits <= 9 or not 0 <= second_digits <= 9:
+        raise ValueError(f"max_digits={max_digits}, second_digits={second_digits}; allowed: "
+                         "1..9 and 0..9")
     taken = set() if exclude is None else exclude
-    pairs = _sample_pairs(n, np.random.default_rng(seed), 10**max_digits, taken)
+    pairs = _sample_pairs(n, np.random.default_rng(seed), 10**max_digits, taken,
+                          10**(second_digits or max_digits))
     return [_row(a, b, split, i) for i, (a, b) in enumerate(pairs)]
 
 
 def write_dataset(
-    out_dir: str, n_train: int, n_test: int, seed: int = 0, max_digits: int = 2
+    out_dir: str, n_train: int, n_test: int, seed: int = 0, max_digits: int = 2,
+    second_digits: int = 0,
 ) -> tuple[str, str]:
     """Write ``train.parquet`` and ``test.parquet`` (disjoint problems); returns both paths."""
     taken: set = set()
-    train = make_rows(n_train, seed, "train", max_digits, taken)
-    test = make_rows(n_test, seed + 1, "test", max_digits, taken)
+    train = make_rows(n_train, seed, "train", max_digits, taken, second_digits)
+    test = make_rows(n_test, seed + 1, "test", max_digits, taken, second_digits)
     return (
         write_rows(os.path.join(out_dir, "train.parquet"), train),
         write_rows(os.path.join(out_dir, "test.parquet"), test),
     )
+
+
+def write_sft_dataset(out_dir: str, n_train: int, n_sft: int, seed: int = 0,
+                      max_digits: int = 2, second_digits: int = 0) -> str:
+    """Write ``sft_train.parquet``: (prompt, "#### <sum>") of the first ``n_sft`` training rows."""
+    from hybridrl.data.sft import write_pairs
+
+    if not 1 <= n_sft <= n_train:
+        raise ValueError(f"n_sft={n_sft}; allowed: 1..n_train ({n_train})")
+    rows = make_rows(n_train, seed, "train", max_digits, set(), second_digits)[:n_sft]
+    return write_pairs(os.path.join(out_dir, "sft_train.parquet"), [r.messages for r in rows],
+                       [f"#### {r.ground_truth}" for r in rows])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,8 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-test", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-digits", type=int, default=2)
+    parser.add_argument("--second-digits", type=int, default=0, help="0: --max-digits")
     args = parser.parse_args(argv)
-    paths = write_dataset(args.out, args.n_train, args.n_test, args.seed, args.max_digits)
+    paths = write_dataset(args.out, args.n_train, args.n_test, args.seed, args.max_digits,
+                          args.second_digits)
     print("wrote", *paths)
 
 

@@ -32,7 +32,7 @@ def resolve_files(data_cfg) -> tuple[list[str], list[str]]:
             "parquet files in data.train_files or data.synthetic.task=arithmetic"
         )
     train_path, test_path = write_dataset(
-        syn.dir, syn.train_size, syn.val_size, data_cfg.seed, syn.max_digits
+        syn.dir, syn.train_size, syn.val_size, data_cfg.seed, syn.max_digits, syn.second_digits
     )
     return [train_path], val or [test_path]
 
