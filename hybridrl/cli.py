@@ -7,6 +7,7 @@ Subcommands:
 - ``layout``: the training layout p x t x d in megatron order and the generation layout
   pg x tg x dg x d (HybridFlow or vanilla grouping): groups and per-rank shards, or ``--json``.
 - ``plan``: the reshard dry run (registered by ``hybridrl.reshard.cli``).
+- ``export``: a checkpoint's actor or critic as an HF folder (``hybridrl.ppo.export``).
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridrl.reshard.cli import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from hybridrl.ppo.export import add_parser as add_export_parser
+
+    add_export_parser(sub)
     return parser
 
 

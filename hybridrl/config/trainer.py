@@ -20,6 +20,7 @@ from hybridrl.config._fields import (
 )
 
 RESUME_MODES = ("auto", "disable", "path")
+KL_GUARD_MODES = ("step", "checkpoint")
 NONFINITE_MODES = ("rollback", "skip", "fail")
 LOGGERS = ("console", "jsonl")  # wandb / tensorboard / mlflow sinks are not implemented yet
 DEVICES = ("auto", "cpu", "cuda")
@@ -32,11 +33,21 @@ class KLGuardConfig:
     max_kl: float = knob(0.0, "Threshold on the step's actor/ppo_kl; 0 = guard off.")
     rollback: bool = knob(True, "Over the threshold: restore the pre-step weights and skip the "
                           "batch (True) or stop training with an error (False).")
-    max_rollbacks: int = knob(3, "Consecutive rollbacks allowed before training stops.")
+    max_rollbacks: int = knob(3, "Consecutive rollbacks (mode step) or rollbacks of the run "
+                              "(mode checkpoint) allowed before training stops.")
+    mode: str = knob("step", "step (restore the state from before the step: a per-step host "
+                     "copy of the optimizer shards) | checkpoint (restore the latest checkpoint "
+                     "and multiply the actor and critic lr by lr_factor; no per-step copy; "
+                     "saves global_step_0 when there is no checkpoint yet).")
+    lr_factor: float = knob(0.5, "mode checkpoint: lr multiplier applied at each rollback "
+                            "(logged as training/kl_guard_lr).")
 
     def __post_init__(self) -> None:
         check_non_negative("trainer.kl_guard.max_kl", self.max_kl)
         check_positive("trainer.kl_guard.max_rollbacks", self.max_rollbacks)
+        check_choice("trainer.kl_guard.mode", self.mode, KL_GUARD_MODES)
+        if not 0 < self.lr_factor <= 1:
+            raise ValueError(f"trainer.kl_guard.lr_factor must be in (0, 1]; got {self.lr_factor}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,11 @@ class TrainerConfig:
     overwrite: bool = knob(False, "With resume=disable, move the checkpoints and metrics of a "
                            "previous run in checkpoint_dir aside (never deleted) instead of "
                            "refusing to start.")
+    max_ckpt_to_keep: int = knob(3, "Complete checkpoints kept in checkpoint_dir (the oldest "
+                                 "are deleted after each save); 0 = keep all.")
+    async_save: bool | str = knob("auto", "Write checkpoints in a background thread while "
+                                  "training continues: auto (on when the models are on CUDA) "
+                                  "| true | false.")
     collective_timeout_s: float = knob(600.0, "Timeout of every process group (seconds): a rank "
                                        "that does not reach a collective in time fails the job "
                                        "with a line naming it and its phase.")
@@ -90,3 +106,7 @@ class TrainerConfig:
         check_choice("trainer.device", self.device, DEVICES)
         check_choice("trainer.nonfinite", self.nonfinite, NONFINITE_MODES)
         check_positive("trainer.collective_timeout_s", self.collective_timeout_s)
+        check_non_negative("trainer.max_ckpt_to_keep", self.max_ckpt_to_keep)
+        if self.async_save not in ("auto", True, False):
+            raise ValueError("trainer.async_save must be auto, true or false; got "
+                             f"{self.async_save!r}")

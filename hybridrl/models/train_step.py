@@ -22,10 +22,12 @@ Contract:
      non-finite norm skips the update on every rank (``skipped`` = 1: NaN/inf never reach the
      weights or the optimizer state); if ``grad_clip`` > 0 and the norm exceeds it, gradients
      are scaled by ``grad_clip / (norm + 1e-6)``;
-  3. Adam with the learning rate ``lr_at(cfg, step_count)``.
+  3. Adam with the learning rate ``lr_at(cfg, step_count) * lr_scale`` (``lr_scale`` = 1
+     unless the KL guard's checkpoint mode lowered it).
   ``state_dict()`` / ``load_state_dict()`` copy and restore this rank's optimizer state (its DP
   shard); restoring also rebuilds the model's parameters from the fp32 main parameters, so the
-  pair is a complete snapshot of a trained model at a fixed layout. ``state_bytes()`` counts the
+  pair is a complete snapshot of a trained model at a fixed layout (``rebuild_params()`` is
+  that second half: parameters from the main parameters). ``state_bytes()`` counts the
   optimizer-owned bytes on this rank (moments + separate masters).
 - ``train_step(model, optimizer, microbatches, loss_fn)`` runs ``forward.run_microbatches`` with
   the loss callback, then ``optimizer.step()``; it returns the metrics of the step on every rank:
@@ -108,6 +110,7 @@ class ModelOptimizer:
         if model.ddp is None:
             raise ValueError(f"the {model.role} model is frozen; it has no optimizer")
         self.model, self.cfg, self.step_count = model, cfg, 0
+        self.lr_scale = 1.0  # the KL guard's checkpoint mode lowers it (times lr_factor)
         self.distributed = model.ddp_options.use_distributed_optimizer
         mcfg = OptimizerConfig(
             optimizer="adam", lr=lr_at(cfg, 0), weight_decay=cfg.weight_decay,
@@ -173,6 +176,12 @@ class ModelOptimizer:
         for main, value in zip(mains, saved):
             main.copy_(value)
         self.step_count = int(state["step_count"])
+        self.rebuild_params()
+
+    @torch.no_grad()
+    def rebuild_params(self) -> None:
+        """The model's parameters from the fp32 main parameters (collective over DP when the
+        optimizer is distributed: the other ranks' shards arrive by all-gather)."""
         for part in self._parts:  # fp32 models: the main params are the model's own
             if hasattr(part, "_copy_main_params_to_model_params"):
                 part._copy_main_params_to_model_params()
@@ -205,7 +214,7 @@ class ModelOptimizer:
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         self.finalize_grads()
-        lr = lr_at(self.cfg, self.step_count)
+        lr = lr_at(self.cfg, self.step_count) * self.lr_scale
         for group in self.optimizer.param_groups:  # what megatron's OptimizerParamScheduler sets
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)

@@ -1,33 +1,28 @@
-"""Atomic, resumable PPO checkpoints: ``<checkpoint_dir>/global_step_<N>/``.
+"""Checkpoint folders on disk: ``<checkpoint_dir>/global_step_<N>/``, atomic and checked.
 
-Contract:
-- ``save_checkpoint(root, step, rank_state, trainer_state, meta, shared=None)`` is collective
-  (every rank of the default group calls it; ``root`` must be on storage every rank sees). Every
-  rank writes ``rank_<r>.pt`` (``rank_state``: what only it holds, e.g. RNG states) into
-  ``.tmp_global_step_<N>/``; ``shared = (name, state)`` is written as ``<name>`` by the ranks
-  whose ``state`` is not None: the trainer names one file per (tp, pp) model shard and only DP
-  rank 0 passes it, since its DP replicas hold the same parameters (a dp = 32 run writes each
-  shard once, not 32 times); the optimizer state, sharded over DP, goes into each rank's file. Rank 0 adds ``trainer_state.pt`` (step, KL
-  controller, data loader position, ...) and ``meta.json``; after a barrier rank 0 writes the
-  ``COMPLETE`` marker and
-  renames the folder to ``global_step_<N>`` (an existing one is replaced). Each file is written
-  to a temporary name and ``os.replace``d, so a crash at any point leaves either no new
+Contract (the files; what goes in them is ``hybridrl.ppo.checkpointing``):
+- A checkpoint is written into ``.tmp_global_step_<N>/`` (``begin_folder``, collective: rank 0
+  creates it, then a barrier). Every rank writes its own ``rank_<r>.pt`` in parallel
+  (``write_file``: ``torch.save`` to a temporary name, ``fsync``, ``os.replace``; returns its
+  size and CRC-32). ``finish_folder`` (rank 0 only, after every rank's file is written) writes
+  ``index.json`` (what each file holds, with its size and CRC-32), ``meta.json``,
+  ``trainer_state.pt``, then the ``COMPLETE`` marker, fsyncs the folder and renames it to
+  ``global_step_<N>`` (an existing one is replaced). A crash at any point leaves either no new
   checkpoint or a complete one, never a half-written ``global_step_<N>``.
-- ``latest_checkpoint(root)`` is the complete ``global_step_<N>`` with the largest N (None when
-  there is none); incomplete or temporary folders are ignored.
+- ``complete_checkpoints(root)``: the complete ``global_step_<N>`` folders, newest first;
+  ``latest_checkpoint(root)`` the first (None when there is none). Incomplete and temporary
+  folders are ignored. ``prune(root, keep)`` deletes all but the ``keep`` newest complete ones
+  (``keep`` <= 0: none deleted).
+- ``read_json(path, name)`` / ``read_file(path, name, info=None)``: a file of a checkpoint;
+  with ``info`` (its ``index.json`` entry) the size and CRC-32 are checked first and the tensors
+  are memory-mapped. Any failure (missing, truncated, corrupt) is one ``ValueError`` naming the
+  file.
 - ``capture_state(models, kl_ctrl)`` / ``restore_state(models, state, kl_ctrl)``: host copies
   of this rank's optimizer states (1/dp shards with the distributed optimizer; they determine the
-  parameters) and the KL controller, and putting them back (the KL guard's rollback and the
-  per-rank part of checkpoints); ``capture_params(models)`` copies the parameters by module name
-  (the shared model file). ``models`` = [(ShardedModel, ModelOptimizer)].
-- ``load_checkpoint(path, rank, meta, shared_name=None)`` returns ``(state, trainer_state)``,
-  ``state`` = this rank's ``rank_state`` merged over the shared file ``shared_name`` (when given);
-  a checkpoint written by a different world size or layout (``meta`` differs) raises
-  ``ValueError`` naming the fields, as does a missing folder or file, and a file that cannot be
-  read (truncated, corrupt: one line naming the file).
-- ``save_checkpoint`` first agrees over every rank that no floating-point value in any rank's
-  state is NaN/inf; otherwise every rank raises ``RuntimeError`` naming the ranks, and nothing is
-  written (no folder, no ``COMPLETE``).
+  parameters) and the KL controller, and putting them back (the KL guard's per-step rollback).
+  ``models`` = [(ShardedModel, ModelOptimizer)].
+- ``refuse_nonfinite(step, rank, state)`` (collective) raises ``RuntimeError`` on every rank,
+  before anything is written, when any rank's state holds NaN/inf, naming the ranks.
 """
 
 from __future__ import annotations
@@ -37,19 +32,16 @@ import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 COMPLETE = "COMPLETE"
+INDEX, META, TRAINER_STATE = "index.json", "meta.json", "trainer_state.pt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-
-
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+_CHUNK = 1 << 24
 
 
 def _barrier() -> None:
@@ -57,77 +49,113 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(root: str | Path, step: int, rank_state: dict, trainer_state: dict,
-                    meta: dict, shared: tuple[str, dict | None] | None = None) -> Path:
-    """Write this rank's part of checkpoint ``step`` (collective; see module docstring)."""
-    root = Path(root)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    _refuse_nonfinite(step, rank, rank_state, shared[1] if shared is not None else None)
-    final, tmp = root / f"global_step_{step}", root / f".tmp_global_step_{step}"
-    if rank == 0:
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def crc32_of(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_file(obj, path: Path) -> dict:
+    """``torch.save`` + fsync + rename; returns ``{"bytes", "crc32"}`` of the file."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"bytes": path.stat().st_size, "crc32": crc32_of(path)}
+
+
+def step_folder(root: str | Path, step: int, tmp: bool = False) -> Path:
+    return Path(root) / (f".tmp_global_step_{step}" if tmp else f"global_step_{step}")
+
+
+def begin_folder(root: str | Path, step: int) -> Path:
+    """Collective: rank 0 creates an empty ``.tmp_global_step_<step>``; every rank gets it."""
+    tmp = step_folder(root, step, tmp=True)
+    if not dist.is_initialized() or dist.get_rank() == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    _atomic_save(rank_state, tmp / f"rank_{rank:05d}.pt")
-    if shared is not None and shared[1] is not None:
-        _atomic_save(shared[1], tmp / shared[0])
-    if rank == 0:
-        _atomic_save(trainer_state, tmp / "trainer_state.pt")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    _barrier()
-    if rank == 0:
-        (tmp / COMPLETE).write_text(f"step {step}\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    _barrier()
+    return tmp
+
+
+def finish_folder(root: str | Path, step: int, index: dict, meta: dict,
+                  trainer_state: dict) -> Path:
+    """Rank 0, once every rank's file is on disk: index, meta, trainer state, COMPLETE, rename."""
+    tmp, final = step_folder(root, step, tmp=True), step_folder(root, step)
+    index = {**index, "files": {**index["files"],
+                                TRAINER_STATE: write_file(trainer_state, tmp / TRAINER_STATE)}}
+    for name, data in ((INDEX, index), (META, meta)):
+        with open(tmp / name, "w") as f:
+            f.write(json.dumps(data, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+    (tmp / COMPLETE).write_text(f"step {step}\n")
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
     return final
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint folder with the highest step under ``root`` (or None)."""
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The complete checkpoint folders under ``root``, newest (highest step) first."""
     root = Path(root)
     if not root.is_dir():
-        return None
+        return []
     found = []
     for child in root.iterdir():
         match = _STEP_DIR.match(child.name)
         if match and (child / COMPLETE).is_file():
             found.append((int(match.group(1)), child))
-    return max(found)[1] if found else None
+    return [path for _, path in sorted(found, reverse=True)]
 
 
-def load_checkpoint(path: str | Path, rank: int, meta: dict,
-                    shared_name: str | None = None) -> tuple[dict, dict]:
-    """(this rank's state over its shared file's, the trainer state) of checkpoint ``path``."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"checkpoint {str(path)!r} does not exist (or is not a folder)")
-    if not (path / COMPLETE).is_file():
-        raise ValueError(f"checkpoint {str(path)!r} is not a complete checkpoint "
-                         f"(no {COMPLETE} marker)")
-    saved = _read(path / "meta.json", lambda f: json.loads(f.read_text()))
-    diff = {k: (saved.get(k), v) for k, v in meta.items() if saved.get(k) != v}
-    if diff:
-        detail = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-        raise ValueError(f"checkpoint {str(path)!r} was written by a different run layout "
-                         f"({detail}); resume with the same world size and parallel config")
-    rank_file = path / f"rank_{rank:05d}.pt"
-    if not rank_file.is_file():
-        raise ValueError(f"checkpoint {str(path)!r} has no {rank_file.name}")
-    state = {}
-    if shared_name is not None:
-        if not (path / shared_name).is_file():
-            raise ValueError(f"checkpoint {str(path)!r} has no {shared_name}")
-        state = _read(path / shared_name, _torch_load)
-    state.update(_read(rank_file, _torch_load))
-    trainer_state = _read(path / "trainer_state.pt", _torch_load)
-    return state, trainer_state
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint folder with the highest step under ``root`` (or None)."""
+    found = complete_checkpoints(root)
+    return found[0] if found else None
 
 
-def _torch_load(file: Path):
-    return torch.load(file, map_location="cpu", weights_only=False)
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints; returns the deleted folders."""
+    old = complete_checkpoints(root)[keep:] if keep > 0 else []
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
+
+
+def read_json(path: Path, name: str) -> dict:
+    return _read(path / name, lambda f: json.loads(f.read_text()))
+
+
+def read_file(path: Path, name: str, info: dict | None = None):
+    """A ``.pt`` file of checkpoint ``path`` (checked against its ``index.json`` entry)."""
+    file = path / name
+
+    def load(f: Path):
+        if info is not None:
+            size = f.stat().st_size
+            if size != info["bytes"]:
+                raise OSError(f"{size} bytes, index.json says {info['bytes']}")
+            if crc32_of(f) != info["crc32"]:
+                raise OSError("CRC-32 differs from index.json")
+        return torch.load(f, map_location="cpu", weights_only=True, mmap=info is not None)
+
+    return _read(file, load)
 
 
 def _read(file: Path, load):
@@ -137,8 +165,8 @@ def _read(file: Path, load):
     except Exception as err:  # EOFError, UnpicklingError, JSONDecodeError, OSError, ...
         detail = str(err).splitlines()[0] if str(err) else ""
         raise ValueError(f"checkpoint file {str(file)!r} cannot be read ({type(err).__name__}"
-                         f"{': ' + detail if detail else ''}); it is truncated or corrupt: "
-                         "resume from an older global_step_* (trainer.resume=path)") from None
+                         f"{': ' + detail if detail else ''}); it is missing, truncated or "
+                         "corrupt") from None
 
 
 def nonfinite_paths(obj, prefix: str = "") -> list[str]:
@@ -154,10 +182,10 @@ def nonfinite_paths(obj, prefix: str = "") -> list[str]:
     return []
 
 
-def _refuse_nonfinite(step: int, rank: int, rank_state: dict, shared: dict | None) -> None:
+def refuse_nonfinite(step: int, rank: int, state: dict) -> None:
     """Collective: raise RuntimeError on every rank (before anything is written) when any rank's
     state holds a non-finite value; the message names the ranks and the first bad entry."""
-    bad = nonfinite_paths({"rank": rank_state, "shared": shared or {}})
+    bad = nonfinite_paths(state)
     flags = torch.zeros(dist.get_world_size() if dist.is_initialized() else 1)
     flags[rank] = 1.0 if bad else 0.0
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -182,11 +210,6 @@ def _cpu_copy(obj):
     return copy.deepcopy(obj)
 
 
-def capture_params(models) -> list[dict]:
-    """Host copies of each trainable model's parameters, by module name (this rank's shard)."""
-    return [{n: _cpu_copy(p) for n, p in m.module.named_parameters()} for m, _ in models]
-
-
 def capture_state(models, kl_ctrl) -> dict:
     """Host copies of each optimizer's state on this rank (its DP shard with the distributed
     optimizer) and of the KL controller: enough to restore the models too, since an optimizer's
@@ -197,17 +220,11 @@ def capture_state(models, kl_ctrl) -> dict:
 
 @torch.no_grad()
 def restore_state(models, state: dict, kl_ctrl) -> None:
-    """Put back what ``capture_state`` took (and ``capture_params``' parameters, under
-    ``"params"``, when given): parameters are copied in place, then each optimizer's state is
-    loaded, which rebuilds the parameters from its main parameters."""
+    """Put back what ``capture_state`` took: each optimizer's state is loaded, which rebuilds
+    the parameters from its main parameters."""
     if len(state["optim"]) != len(models):
         raise ValueError(f"saved state holds {len(state['optim'])} models, this run has "
                          f"{len(models)} (a critic in one and not the other?)")
-    for i, ((model, opt), optim) in enumerate(zip(models, state["optim"])):
-        params = state["params"][i] if "params" in state else None
-        for name, p in model.module.named_parameters() if params is not None else ():
-            if name not in params:
-                raise ValueError(f"saved state lacks parameter {name!r}")
-            p.copy_(params[name])
+    for (_, opt), optim in zip(models, state["optim"]):
         opt.load_state_dict(copy.deepcopy(optim))
     kl_ctrl.load_state_dict(state["kl_ctrl"])

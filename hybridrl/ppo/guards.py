@@ -24,6 +24,11 @@ Contract:
   non-finite steps), or non-finite weights with no snapshot). Returns the metrics
   ``training/nonfinite_steps`` (running count), ``training/rolled_back`` (1 when the step's
   updates were not kept) and, with the KL guard on, ``training/kl_guard_rollback``.
+  With ``kl_guard.mode=checkpoint`` a KL over ``max_kl`` takes no per-step snapshot: ``judge``
+  sets ``restore_checkpoint`` (the problem line) and the trainer's checkpointer restores the
+  latest checkpoint with a lower lr (``hybridrl.ppo.checkpointing``); the
+  ``kl_guard.max_rollbacks``-th + 1 such rollback of the run raises ``RuntimeError`` naming
+  the step, the KL and the limit.
 - ``state_dict()`` / ``load_state_dict()``: the counters, saved with checkpoints.
 """
 
@@ -82,12 +87,13 @@ class StepGuard:
         self.mode, self.kl = trainer_cfg.nonfinite, trainer_cfg.kl_guard
         self.device, self.log = device, log
         self.consecutive, self.nonfinite_steps = 0, 0
+        self.checkpoint_rollbacks, self.restore_checkpoint = 0, None
 
     @property
     def needs_snapshot(self) -> bool:
         """A per-step host copy of the optimizer shards: only for the KL guard and
         ``nonfinite=rollback`` (``skip`` relies on the optimizer refusing non-finite updates)."""
-        return self.kl.max_kl > 0 or self.mode == "rollback"
+        return (self.kl.max_kl > 0 and self.kl.mode == "step") or self.mode == "rollback"
 
     def _agree_max(self, values: list[float]) -> list[float]:
         """Element-wise max over every rank (NCCL takes no CPU tensors: on the model device)."""
@@ -136,6 +142,16 @@ class StepGuard:
             self.consecutive = 0
             return {**out, "training/nonfinite_steps": float(self.nonfinite_steps),
                     "training/rolled_back": 0.0}
+        if is_kl and self.kl.mode == "checkpoint" and self.kl.rollback:
+            self.checkpoint_rollbacks += 1
+            if self.checkpoint_rollbacks > self.kl.max_rollbacks:
+                raise RuntimeError(f"{problem}: trainer.kl_guard.max_rollbacks="
+                                   f"{self.kl.max_rollbacks} checkpoint rollbacks already done, "
+                                   "stopping")
+            self.restore_checkpoint = problem
+            return {**out, "training/kl_guard_rollback": 1.0,
+                    "training/nonfinite_steps": float(self.nonfinite_steps),
+                    "training/rolled_back": 1.0}
         self._refuse_or_count(problem, is_kl)
         if snapshot is None:  # skip: the optimizer refused every non-finite update
             if not finite_params:
@@ -170,8 +186,10 @@ class StepGuard:
                                "(lower actor.lr, or raise trainer.kl_guard.max_kl / max_rollbacks)")
 
     def state_dict(self) -> dict:
-        return {"consecutive": self.consecutive, "nonfinite_steps": self.nonfinite_steps}
+        return {"consecutive": self.consecutive, "nonfinite_steps": self.nonfinite_steps,
+                "checkpoint_rollbacks": self.checkpoint_rollbacks}
 
     def load_state_dict(self, state: dict) -> None:
         self.consecutive = int(state.get("consecutive", 0))
         self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
+        self.checkpoint_rollbacks = int(state.get("checkpoint_rollbacks", 0))

@@ -3,8 +3,9 @@
 Contract:
 - ``run_id(cfg)`` is a 16-hex-digit hash of the resolved config (seed included) without the keys
   in ``NOT_IDENTITY`` (how long to run, where and how often to save/log, how to resume, timeouts,
-  guards): the same experiment continued with more steps keeps its id, any other change (lr,
-  data, model, seed, layout, ...) makes another run.
+  guards, the parallel layout: a checkpoint resumes at another layout): the same experiment
+  continued with more steps or on other (tp, pp, dp) keeps its id, any other change (lr, data,
+  model, seed, ...) makes another run.
 - ``plan_run_dir(root, mode, resume_path, run, overwrite)`` (pure apart from reading ``root``)
   decides, on rank 0, what an existing ``checkpoint_dir`` means and returns a ``RunDirPlan``:
   the checkpoint to resume (or None), folders to move aside, a notice line, or the error line.
@@ -35,7 +36,8 @@ RUN_FILE = "run.json"
 NOT_IDENTITY = {"trainer": ("resume", "resume_path", "total_steps", "total_epochs", "overwrite",
                             "save_freq", "test_freq", "val_before_train", "logger",
                             "checkpoint_dir", "collective_timeout_s", "nonfinite", "kl_guard",
-                            "device")}
+                            "device", "max_ckpt_to_keep", "async_save"),
+                "parallel": ("tp", "pp", "dp", "cp", "ep", "order", "gen")}
 
 
 class StartupError(ValueError):

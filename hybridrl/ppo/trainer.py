@@ -31,7 +31,8 @@ Contract:
      (``trainer.nonfinite=fail``, ``kl_guard.rollback: false``, too many in a row);
   7. metrics (DESIGN.md key names; reductions over every sequence of the step) on rank 0 (``MetricsLog``): one line per step to stdout, one
      JSON line to ``<checkpoint_dir>/metrics.jsonl`` when ``jsonl`` is a logger; checkpoints
-     every ``trainer.save_freq`` steps and after the last (``hybridrl.ppo.checkpoint``).
+     every ``trainer.save_freq`` steps and after the last, sharded, resumable at another layout
+     (``hybridrl.ppo.checkpointing``; also the KL guard's checkpoint-mode rollback).
 - Log-probs are those of ``log_softmax(logits / T)`` with T = ``rollout.temperature`` (1 when
   greedy), as the engine reports them.
 """
@@ -41,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import random
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -64,20 +64,15 @@ from hybridrl.models.forward import broadcast_from_last_stage, run_microbatches
 from hybridrl.models.hf_io import build_from_config
 from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
 from hybridrl.ppo.agg import compute_agg_normalizers
-from hybridrl.ppo.checkpoint import (
-    capture_params,
-    capture_state,
-    load_checkpoint,
-    restore_state,
-    save_checkpoint,
-)
+from hybridrl.ppo.checkpoint import capture_state, restore_state
+from hybridrl.ppo.checkpointing import Checkpointer
 from hybridrl.ppo.dist_advantages import compute_advantage_dp, needs_groups
 from hybridrl.ppo.guards import StepGuard
 from hybridrl.ppo.kl_control import apply_kl_in_reward, build_kl_controller
 from hybridrl.ppo.losses import actor_loss, value_loss
 from hybridrl.ppo.memory import NEEDS, PhaseMemory
 from hybridrl.ppo.metrics_log import MetricsLog
-from hybridrl.ppo.run_identity import StartupError, apply_run_dir, plan_run_dir, run_id
+from hybridrl.ppo.run_identity import run_id
 from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
 from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
 from hybridrl.rewards.scoring import build_reward_scorer
@@ -152,6 +147,7 @@ class PPOTrainer:
             "reward": (self.reward_model, None, ref_offload)})
         self.guard = StepGuard(cfg.trainer, self.actor.device, self.log)
         self.phases = None  # a hybridrl.parallel.phases.PhaseBoard, when the entrypoint sets one
+        self.ckpt = Checkpointer(self)
 
     @contextlib.contextmanager
     def _phase(self, timing: dict, key: str):
@@ -403,67 +399,15 @@ class PPOTrainer:
         return {"val/score/mean": total / max(count, 1)}
 
     # ------------------------------------------------------------------ checkpoints
-    def _meta(self) -> dict:
-        t = self.groups.train
-        return {"world": self.world, "tp": t.tp, "pp": t.pp, "dp": t.dp,
-                "critic": self.critic is not None}  # must match to resume (run_id: see resume)
-
-    def _shard_file(self) -> str:
-        """The checkpoint file of this rank's model shard, shared by its DP replicas."""
-        return f"model_tp{self.groups.tp_rank:03d}_pp{self.groups.pp_rank:03d}.pt"
-
     def save(self) -> Path:
-        self.memory.enter("all")
-        shard = None
-        if self.groups.dp_rank == 0:  # DP replicas hold the same weights: one of them writes
-            shard = {"params": capture_params(self._models())}
-        rank_state = {"rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                              "python": random.getstate()},
-                      "optim": capture_state(self._models(), self.kl_ctrl)["optim"]}
-        trainer_state = {"step": self.step, "guard": self.guard.state_dict(),
-                         "kl_ctrl": self.kl_ctrl.state_dict(), "loader": self.loader.state_dict()}
-        return save_checkpoint(self.cfg.trainer.checkpoint_dir, self.step, rank_state,
-                               trainer_state, {**self._meta(), "run_id": self.run_id},
-                               shared=(self._shard_file(), shard))
-
-    def resume(self) -> Path | None:
-        t, plan = self.cfg.trainer, [None]
-        if self.rank == 0:  # rank 0's view of the folder decides for all (run_identity)
-            plan[0] = plan_run_dir(t.checkpoint_dir, t.resume, t.resume_path, self.run_id,
-                                   t.overwrite)
-            if plan[0].error is None:
-                apply_run_dir(t.checkpoint_dir, plan[0], self.run_id, t.seed)
-        dist.broadcast_object_list(plan, src=0)
-        if plan[0].error:
-            raise StartupError(plan[0].error)
-        if plan[0].notice:
-            self.log.line(f"hybridrl: {plan[0].notice}")
-        if plan[0].resume is None:
-            return None
-        path, error = Path(plan[0].resume), None
-        try:
-            rank_state, state = load_checkpoint(path, self.rank, self._meta(), self._shard_file())
-        except Exception as err:  # missing/corrupt file on this rank
-            error = f"rank {self.rank}: {err}"
-        failed = torch.tensor([0.0 if error is None else 1.0], device=self.actor.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # all ranks fail together, none waits
-        if failed.item():
-            raise StartupError(error or f"resuming from {str(path)!r} failed on another rank")
-        self._restore({**rank_state, "kl_ctrl": state["kl_ctrl"]})
-        self.loader.load_state_dict(state["loader"])
-        self.step = int(state["step"])
-        self.guard.load_state_dict(state.get("guard", {"consecutive": state.get("rollbacks", 0)}))
-        rng = rank_state["rng"]
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-        return path
+        """Checkpoint ``global_step_<step>`` (``hybridrl.ppo.checkpointing``)."""
+        return self.ckpt.save()
 
     # ------------------------------------------------------------------ driver
     def fit(self) -> list[dict]:
         """Resume if configured, then train to ``total_steps``; per-step metrics."""
         t = self.cfg.trainer
-        resumed = self.resume()
+        resumed = self.ckpt.start()
         self.log.resume_at(self.step)
         g = self.groups.train
         self.log.line(f"hybridrl: world {self.world}, train tp {g.tp} pp {g.pp} dp {g.dp}, "
@@ -482,10 +426,11 @@ class PPOTrainer:
             self.step += 1
             if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == self.total_steps):
                 metrics.update(self.validate())
-            self.log.step(self.step, self.total_steps, metrics)
+            done = self.step
+            metrics.update(self.ckpt.after_step())  # saves, or a KL-guard checkpoint rollback
+            self.log.step(done, self.total_steps, metrics)
             history.append(metrics)
-            if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == self.total_steps):
-                self.save()
+        self.ckpt.wait()
         return history
 
 

@@ -129,21 +129,32 @@ def test_resume_auto_refuses_another_run(world1, root):
 
 
 def test_checkpoint_refuses_nonfinite_state_and_names_bad_files(tmp_path):
-    from hybridrl.ppo.checkpoint import load_checkpoint, save_checkpoint
+    from hybridrl.ppo.checkpoint import (
+        begin_folder,
+        finish_folder,
+        read_file,
+        read_json,
+        refuse_nonfinite,
+        write_file,
+    )
 
-    meta = {"world": 1, "tp": 1, "pp": 1, "dp": 1, "critic": False}
     with pytest.raises(RuntimeError, match=r"global_step_1 not written.*rank\(s\) \[0\]"):
-        save_checkpoint(tmp_path, 1, {"optim": [{"m": torch.tensor([1.0, math.nan])}]}, {}, meta)
-    assert list(tmp_path.iterdir()) == []  # no folder, no COMPLETE
-    folder = save_checkpoint(tmp_path, 2, {"x": torch.ones(1)}, {"step": 2}, meta)
-    (folder / "trainer_state.pt").write_bytes(b"")  # empty: EOFError before
+        refuse_nonfinite(1, 0, {"actor": {"x/exp_avg": torch.tensor([1.0, math.nan])}})
+    tmp = begin_folder(tmp_path, 2)
+    info = write_file({"x": torch.arange(1000.0)}, tmp / "rank_00000.pt")
+    folder = finish_folder(tmp_path, 2, {"files": {"rank_00000.pt": info}}, {}, {"step": 2})
+    index = read_json(folder, "index.json")
+    data = bytearray((folder / "rank_00000.pt").read_bytes())
+    data[len(data) // 2] ^= 1  # one bit: only the CRC sees it
+    (folder / "rank_00000.pt").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="rank_00000.pt' cannot be read .*CRC-32"):
+        read_file(folder, "rank_00000.pt", index["files"]["rank_00000.pt"])
+    (folder / "trainer_state.pt").write_bytes(b"")  # empty
     with pytest.raises(ValueError, match="trainer_state.pt' cannot be read .*truncated"):
-        load_checkpoint(folder, 0, meta)
+        read_file(folder, "trainer_state.pt", index["files"]["trainer_state.pt"])
     (folder / "meta.json").write_text('{"world": ')
     with pytest.raises(ValueError, match="meta.json' cannot be read"):
-        load_checkpoint(folder, 0, meta)
-    with pytest.raises(ValueError, match="does not exist"):
-        load_checkpoint(tmp_path / "nowhere", 0, meta)
+        read_json(folder, "meta.json")
 
 
 def test_run_dir_plan_and_leftover_tmp(tmp_path):

@@ -16,7 +16,7 @@ Checked here, in the parent:
   tp = 2 (gen tp 2: engine TP all-reduces), tp = 2 with gen tp 1 (two micro-DP replicas; also
   with the HybridFlow-V grouping, which the p2p reshard serves) and,
   on 4 ranks, tp = 2 x pp = 2 with gen tp 2 (dynamic micro-batches) give the single-process
-  metrics of both steps within float tolerance; dp = 2 kill-and-resume writes each model shard
+  metrics of both steps within float tolerance; dp = 2 kill-and-resume writes each optimizer range
   once and resumes exactly.
 """
 
@@ -268,23 +268,23 @@ def test_two_ranks_match_one(world1, world2):
     assert world2[1]["tp2"]["lines"] == []  # only rank 0 prints
 
 
-def test_dp2_checkpoint_writes_each_shard_once_and_resumes(world2, root):
+def test_dp2_checkpoint_writes_each_part_once_and_resumes(world2, root):
     for rank in (0, 1):
         full, resumed = world2[rank]["dp2_full3"]["metrics"], world2[rank]["dp2_resume"]["metrics"]
         assert world2[rank]["dp2_save2"]["metrics"] == full[:2]
         assert len(resumed) == 1 and resumed[0] == full[2]
-    files = sorted(os.listdir(f"{root[0]}/dp2r/global_step_2"))
-    assert files == ["COMPLETE", "meta.json", "model_tp000_pp000.pt", "rank_00000.pt",
-                     "rank_00001.pt", "trainer_state.pt"]
     ckpt = f"{root[0]}/dp2r/global_step_2"
-    shard = torch.load(f"{ckpt}/model_tp000_pp000.pt", weights_only=False)
-    assert set(shard) == {"params"}  # the weights, once per (tp, pp)
-    stage = sum(t.numel() for model in shard["params"] for t in model.values())
+    assert sorted(os.listdir(ckpt)) == ["COMPLETE", "index.json", "meta.json",
+                                        "rank_00000.pt", "rank_00001.pt", "trainer_state.pt"]
+    index = json.load(open(f"{ckpt}/index.json"))
     mains = []  # each rank's file holds its DP half of the distributed optimizer's state
     for r in (0, 1):
-        rank_file = torch.load(f"{ckpt}/rank_{r:05d}.pt", weights_only=False)
-        assert set(rank_file) == {"rng", "optim"}
-        mains.append(sum(t.numel() for o in rank_file["optim"] for t in o["main_params"]))
+        part = torch.load(f"{ckpt}/rank_{r:05d}.pt", weights_only=True)
+        assert set(part) == {"format", "rng", "models"}
+        mains.append(sum(t.numel() for role in part["models"].values()
+                         for k, t in role.items() if k.endswith("/param")))
+    stage = sum(math.prod(p[0]["shape"]) for role in index["models"].values()
+                for p in role.values())
     assert sum(mains) == stage and max(mains) < 0.55 * stage
 
 
@@ -339,32 +339,43 @@ def test_entrypoint_runs_and_rejects_bad_config(root):
 
 
 def test_checkpoint_folder_is_atomic_and_checked(tmp_path):
-    from hybridrl.ppo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from hybridrl.ppo.checkpoint import (
+        begin_folder,
+        complete_checkpoints,
+        finish_folder,
+        latest_checkpoint,
+        prune,
+        read_file,
+        read_json,
+        write_file,
+    )
+
+    def save(step, value):
+        tmp = begin_folder(tmp_path, step)
+        info = write_file({"x": value}, tmp / "rank_00000.pt")
+        return finish_folder(tmp_path, step, {"files": {"rank_00000.pt": info}}, {"step": step},
+                             {"step": step})
 
     assert latest_checkpoint(tmp_path / "none") is None
-    meta = {"world": 1, "tp": 1, "pp": 1, "dp": 1, "critic": False}
-    save_checkpoint(tmp_path, 2, {"x": torch.ones(2)}, {"step": 2}, meta)
+    save(2, torch.ones(2))
     (tmp_path / "global_step_5").mkdir()  # a crash before COMPLETE: ignored
     (tmp_path / ".tmp_global_step_6").mkdir()
     latest = latest_checkpoint(tmp_path)
     assert latest == tmp_path / "global_step_2"
-    rank_state, state = load_checkpoint(latest, 0, meta)
-    assert torch.equal(rank_state["x"], torch.ones(2)) and state == {"step": 2}
-    with pytest.raises(ValueError, match="tp: saved 1 vs now 2"):
-        load_checkpoint(latest, 0, {**meta, "tp": 2})
-    with pytest.raises(ValueError, match="not a complete checkpoint"):
-        load_checkpoint(tmp_path / "global_step_5", 0, meta)
-    save_checkpoint(tmp_path, 2, {"x": torch.zeros(2)}, {"step": 2}, meta)  # replaced whole
-    assert torch.equal(load_checkpoint(latest, 0, meta)[0]["x"], torch.zeros(2))
+    index = read_json(latest, "index.json")
+    assert torch.equal(read_file(latest, "rank_00000.pt", index["files"]["rank_00000.pt"])["x"],
+                       torch.ones(2))
+    assert read_file(latest, "trainer_state.pt", index["files"]["trainer_state.pt"]) == {"step": 2}
+    save(2, torch.zeros(2))  # replaced whole
+    assert torch.equal(read_file(latest, "rank_00000.pt")["x"], torch.zeros(2))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".tmp_global_step_6", "global_step_2", "global_step_5"]
-    # a shared file (one model shard, written by one of its DP replicas) under the rank's state
-    save_checkpoint(tmp_path, 3, {"rng": 7}, {"step": 3}, meta,
-                    shared=("model_tp000_pp000.pt", {"params": torch.ones(3), "rng": 0}))
-    merged, _ = load_checkpoint(tmp_path / "global_step_3", 0, meta, "model_tp000_pp000.pt")
-    assert torch.equal(merged["params"], torch.ones(3)) and merged["rng"] == 7
-    with pytest.raises(ValueError, match="has no model_tp001_pp000.pt"):
-        load_checkpoint(tmp_path / "global_step_3", 0, meta, "model_tp001_pp000.pt")
+    save(3, torch.ones(1))
+    save(4, torch.ones(1))
+    assert [p.name for p in complete_checkpoints(tmp_path)] == [
+        "global_step_4", "global_step_3", "global_step_2"]
+    assert [p.name for p in prune(tmp_path, 2)] == ["global_step_2"]
+    assert prune(tmp_path, 0) == []  # 0 keeps all
 
 
 @pytest.mark.slow
