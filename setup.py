@@ -89,7 +89,11 @@ setup(
         "hf": ["transformers>=4.40"],
         # (+ the Makefile installs sglang==TEST_PIN with --no-deps: its source for the contract
         # tests, without its CUDA dependencies or its torch)
-        "test": ["pytest>=7", "ruff>=0.5", "transformers>=4.40", "einops", "ninja"],
+        # experiment tracking sinks (trainer.logger) and `hybridrl plot`, imported only when chosen
+        "tracking": ["wandb", "mlflow-skinny", "tensorboard"],
+        "plot": ["matplotlib"],
+        "test": ["pytest>=7", "ruff>=0.5", "transformers>=4.40", "einops", "ninja",
+                 "wandb", "mlflow-skinny", "tensorboard", "matplotlib"],
     },
     entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},
     ext_modules=ext_modules,

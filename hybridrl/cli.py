@@ -8,6 +8,7 @@ Subcommands:
   pg x tg x dg x d (HybridFlow or vanilla grouping): groups and per-rank shards, or ``--json``.
 - ``plan``: the reshard dry run (registered by ``hybridrl.reshard.cli``).
 - ``export``: a checkpoint's actor or critic as an HF folder (``hybridrl.ppo.export``).
+- ``plot``: a PNG of a run's curves from its metrics.jsonl (``hybridrl.plot``, matplotlib).
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridrl.ppo.export import add_parser as add_export_parser
 
     add_export_parser(sub)
+    from hybridrl.plot import add_parser as add_plot_parser
+
+    add_plot_parser(sub)
     return parser
 
 

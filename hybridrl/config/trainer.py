@@ -22,7 +22,7 @@ from hybridrl.config._fields import (
 RESUME_MODES = ("auto", "disable", "path")
 KL_GUARD_MODES = ("step", "checkpoint")
 NONFINITE_MODES = ("rollback", "skip", "fail")
-LOGGERS = ("console", "jsonl")  # wandb / tensorboard / mlflow sinks are not implemented yet
+LOGGERS = ("console", "jsonl", "wandb", "mlflow", "tensorboard")  # hybridrl.ppo.tracking
 DEVICES = ("auto", "cpu", "cuda")
 
 

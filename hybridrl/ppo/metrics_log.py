@@ -3,18 +3,26 @@
 Contract:
 - ``MetricsLog(rank, folder, loggers, print_fn)``: every method is a no-op on ranks other than 0.
 - ``line(text)`` prints ``text`` (flushed).
-- ``step(step, total, metrics)`` prints ``step <step>/<total> | score .. | pg_loss .. | ...`` (the
-  keys of ``SUMMARY`` that ``metrics`` has; ``| rolled back: not kept`` when the step guard
-  undid it, ``training/rolled_back``) and, when ``"jsonl"`` is in ``loggers``, appends
-  ``{"step": step, "kept": bool, **metrics}`` as one line to ``<folder>/metrics.jsonl``.
+- ``step(step, total, metrics)`` prints ``step <step>/<total> | score .. | pg_loss .. | ... |
+  eta <m>m<ss>s`` (the keys of ``SUMMARY`` that ``metrics`` has; ``| rolled back: not kept``
+  when the step guard undid it, ``training/rolled_back``; the ETA is the mean time per step
+  since ``resume_at`` times the steps left) and, when ``"jsonl"`` is in ``loggers``, appends
+  ``{"step": step, "kept": bool, **metrics}`` as one line to ``<folder>/metrics.jsonl``; the
+  ``tracker`` (``hybridrl.ppo.tracking``, when set) receives the metrics too.
 - ``resume_at(step)`` rewrites ``metrics.jsonl`` to hold exactly the lines of steps <= ``step``
   (none for a fresh run, step 0), so a resumed run appends without duplicates.
+- ``samples(step, samples)`` prints a few validation generations and appends all of them to
+  ``<folder>/generations.jsonl``; ``phase(name)`` prints a start-up phase with its time
+  (``hybridrl.ppo.progress``; the first step line is preceded by the first weight sync's
+  time); ``close()`` closes the tracker.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from hybridrl.ppo.progress import Progress
 
 # (short name on the console, metric key)
 SUMMARY = (("score", "critic/score/mean"), ("pg_loss", "actor/pg_loss"),
@@ -32,6 +40,8 @@ class MetricsLog:
         self.active, self.print = rank == 0, print_fn
         self.path = Path(folder) / "metrics.jsonl"
         self.jsonl = "jsonl" in loggers
+        self.progress = Progress(rank, folder, print_fn)
+        self.tracker = None  # a hybridrl.ppo.tracking.Tracker on rank 0, when one is chosen
 
     def line(self, text: str) -> None:
         if self.active:
@@ -42,14 +52,33 @@ class MetricsLog:
             return
         parts = [f"{short} {metrics[k]:.4g}" for short, k in SUMMARY if k in metrics]
         kept = not metrics.get("training/rolled_back")
+        if self.progress.total == 0 and "timing_s/reshard" in metrics:  # the run's first step
+            self.print(f"hybridrl: first weight sync {metrics['timing_s/reshard']:.2f} s, first "
+                       f"step {metrics.get('timing_s/step', float('nan')):.1f} s", flush=True)
+        self.progress.total = total
         self.print(f"step {step}/{total} | " + " | ".join(parts)
-                   + ("" if kept else " | rolled back: not kept"), flush=True)
+                   + ("" if kept else " | rolled back: not kept")
+                   + f" | eta {self.progress.eta(step)}", flush=True)
+        if self.tracker is not None:
+            self.tracker.log(metrics, step)
         if self.jsonl:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": step, "kept": kept, **metrics}) + "\n")
 
+    def samples(self, step: int, samples: list[dict]) -> None:
+        self.progress.samples(step, samples)
+
+    def phase(self, name: str) -> None:
+        self.progress.phase(name)
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
+
     def resume_at(self, step: int) -> None:
+        self.progress.start(0, first_step=step)
         if not (self.active and self.jsonl):
             return
         kept = [] if step == 0 or not self.path.exists() else [

@@ -52,7 +52,6 @@ import torch.distributed as dist
 
 from hybridrl.data.batching import (
     inverse_order,
-    karmarkar_karp,
     plan_dp_micro_batches,
     plan_micro_batches,
     split_mini_batches,
@@ -73,6 +72,8 @@ from hybridrl.ppo.losses import actor_loss, value_loss
 from hybridrl.ppo.memory import NEEDS, PhaseMemory
 from hybridrl.ppo.metrics_log import MetricsLog
 from hybridrl.ppo.run_identity import run_id
+from hybridrl.ppo.tracking import build_tracker
+from hybridrl.ppo.validation import validate_prompts
 from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
 from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
 from hybridrl.rewards.scoring import build_reward_scorer
@@ -98,6 +99,7 @@ class PPOTrainer:
     """The loop (see module docstring); ``groups`` come from ``hybridrl.parallel.build_groups``."""
 
     def __init__(self, cfg, groups, *, print_fn=print):
+        t_start = time.perf_counter()  # start-up phases are printed once the log exists
         self.cfg, self.groups = cfg, groups
         self.rank, self.world = groups.rank, dist.get_world_size()
         self.tokenizer = build_tokenizer(cfg.model)
@@ -131,6 +133,7 @@ class PPOTrainer:
                     f"reward model vocab_size {self.reward_model.spec.vocab_size} != the actor's "
                     f"{self.actor.spec.vocab_size}: the reward model reads the actor's token "
                     "ids, so both must use the same tokenizer")
+        t_models = time.perf_counter()
         self.scorer = build_reward_scorer(cfg.reward)
         self.dist_scorer = DistributedScorer(self.scorer, self.tokenizer, cfg.reward,
                                              cfg.rollout.response_length)
@@ -139,6 +142,9 @@ class PPOTrainer:
         self.temperature = cfg.rollout.temperature or 1.0
         self.step, self.run_id = 0, run_id(cfg)
         self.log = MetricsLog(self.rank, cfg.trainer.checkpoint_dir, cfg.trainer.logger, print_fn)
+        self.log.tracker = build_tracker(cfg, self.rank, cfg.trainer.checkpoint_dir)
+        self.log.line(f"hybridrl: models built and weights loaded ({t_models - t_start:.1f} s), "
+                      f"engine ready ({time.perf_counter() - t_models:.1f} s)")
         ref_offload = {"params"} if cfg.ref.param_offload else set()
         self.memory = PhaseMemory({
             "actor": (self.actor, self.actor_opt, cfg.actor.offload_parts),
@@ -383,20 +389,14 @@ class PPOTrainer:
         self.memory.enter("reshard")
         self.worker.sync_weights(self.actor)
         self.memory.enter("gen")
-        r, total, count, g = self.cfg.rollout, 0.0, 0, self.groups
+        r = self.cfg.rollout
         params = self.worker.sampling_params(r.response_length, r.val_temperature, r.top_k, r.top_p)
-        for prompts in self.val_loader:  # each DP replica receives and scores its rows only
-            rows, out, _ = self.worker.generate_partitioned(
-                prompts.prompt_ids, params, seed=self.cfg.trainer.seed,
-                plan_parts=lambda lens: karmarkar_karp(lens, g.dp_size, equal_size=True))
-            _, m = self.dist_scorer.score(
-                rows, out.response_ids, out.response_mask,
-                *([getattr(prompts, k)[i] for i in rows]
-                  for k in ("ground_truth", "data_source", "extra_info")),
-                g.tp_rank + g.tp_size * g.pp_rank, g.tp_size * g.pp_size)
-            total, count = total + m["critic/score/mean"] * len(prompts), count + len(prompts)
+        metrics, samples = validate_prompts(self.worker, self.dist_scorer, self.val_loader,
+                                            self.groups, params, self.cfg.trainer.seed,
+                                            self.tokenizer)  # each DP replica scores its rows
         self.worker.release()
-        return {"val/score/mean": total / max(count, 1)}
+        self.log.samples(self.step, samples)  # a few printed, all in generations.jsonl
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
@@ -431,6 +431,7 @@ class PPOTrainer:
             self.log.step(done, self.total_steps, metrics)
             history.append(metrics)
         self.ckpt.wait()
+        self.log.close()
         return history
 
 
