@@ -29,8 +29,10 @@ Contract (``Checkpointer(trainer)``; every method is collective: every rank call
 - ``after_step()`` (after ``trainer.step`` was advanced): completes finished async saves, rolls
   back to the latest checkpoint when the step guard asked for it (KL guard ``mode=checkpoint``:
   every trained model's ``lr_scale`` times ``kl_guard.lr_factor``) or saves on the
-  ``trainer.save_freq`` cadence and after the last step. Returns ``training/kl_guard_lr``
-  (the actor's ``lr_scale``) when the KL guard runs in checkpoint mode.
+  ``trainer.save_freq`` cadence and after the last step. ``step_metrics()``, called before it
+  (the trainer logs a step before saving it, so no checkpoint ever lacks its metrics line),
+  returns ``training/kl_guard_lr`` (the actor's ``lr_scale`` the step trained with) when the KL
+  guard runs in checkpoint mode.
 """
 
 from __future__ import annotations
@@ -291,16 +293,22 @@ class Checkpointer:
         return resumed
 
     # ------------------------------------------------------------------ per step
-    def after_step(self) -> dict:
-        tr, t, out = self.tr, self.cfg, {}
+    def step_metrics(self) -> dict:
+        """Metrics of the step just taken, logged BEFORE ``after_step`` saves it: a kill between
+        the two leaves a metrics line whose step resume re-runs, never a checkpoint whose
+        metrics line is missing. ``training/kl_guard_lr``: the lr multiplier it trained with."""
+        t = self.cfg
+        if t.kl_guard.mode == "checkpoint" and t.kl_guard.max_kl > 0:
+            return {"training/kl_guard_lr": self.tr.actor_opt.lr_scale}
+        return {}
+
+    def after_step(self) -> None:
+        tr, t = self.tr, self.cfg
         self.poll()
         if tr.guard.restore_checkpoint:
             self.rollback(tr.guard.restore_checkpoint)
         elif t.save_freq > 0 and (tr.step % t.save_freq == 0 or tr.step == tr.total_steps):
             self.save()
-        if t.kl_guard.mode == "checkpoint" and t.kl_guard.max_kl > 0:
-            out["training/kl_guard_lr"] = tr.actor_opt.lr_scale
-        return out
 
     def rollback(self, problem: str) -> None:
         """Restore the latest checkpoint, lr times ``kl_guard.lr_factor`` (KL guard)."""

@@ -5,7 +5,8 @@ Contract:
   in ``NOT_IDENTITY`` (how long to run, where and how often to save/log, how to resume, timeouts,
   guards, the parallel layout: a checkpoint resumes at another layout): the same experiment
   continued with more steps or on other (tp, pp, dp) keeps its id, any other change (lr, data,
-  model, seed, ...) makes another run.
+  model, seed, ...) makes another run. Only values that differ from the defaults are hashed: a
+  knob added by a newer hybridrl (with its default) does not change the id of an older run.
 - ``plan_run_dir(root, mode, resume_path, run, overwrite)`` (pure apart from reading ``root``)
   decides, on rank 0, what an existing ``checkpoint_dir`` means and returns a ``RunDirPlan``:
   the checkpoint to resume (or None), folders to move aside, a notice line, or the error line.
@@ -44,12 +45,29 @@ class StartupError(ValueError):
     """A problem found before the first step (bad input, not a training failure)."""
 
 
+def _non_default(data: dict, default: dict) -> dict:
+    """The entries of ``data`` that differ from ``default`` (recursively, by section)."""
+    out = {}
+    for key, value in data.items():
+        base = default.get(key)
+        if isinstance(value, dict) and isinstance(base, dict):
+            sub = _non_default(value, base)
+            if sub:
+                out[key] = sub
+        elif value != base:
+            out[key] = value
+    return out
+
+
 def run_id(cfg) -> str:
-    """Hash of the resolved config without ``NOT_IDENTITY`` (see module docstring)."""
+    """Hash of the resolved config without ``NOT_IDENTITY`` (see module docstring). Only the
+    values that differ from the defaults count, so a newer hybridrl that adds a knob (with a
+    default) still resumes the runs of an older one."""
     data = dataclasses.asdict(cfg)
     for section, keys in NOT_IDENTITY.items():
         for key in keys:
             data[section].pop(key, None)
+    data = _non_default(data, dataclasses.asdict(type(cfg)()))
     text = json.dumps(data, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -426,10 +426,10 @@ class PPOTrainer:
             self.step += 1
             if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == self.total_steps):
                 metrics.update(self.validate())
-            done = self.step
-            metrics.update(self.ckpt.after_step())  # saves, or a KL-guard checkpoint rollback
-            self.log.step(done, self.total_steps, metrics)
+            metrics.update(self.ckpt.step_metrics())
+            self.log.step(self.step, self.total_steps, metrics)  # logged before it is saved
             history.append(metrics)
+            self.ckpt.after_step()  # saves, or a KL-guard checkpoint rollback
         self.ckpt.wait()
         self.log.close()
         return history

@@ -82,7 +82,7 @@ def test_resume_at_other_layouts_continues_the_run(world8, root):
             got = world8[rank][name]["metrics"]
             assert len(got) == 1 and got[0] != full[2], name  # really another layout
             _close(got[0], full[2])
-    assert "resharded onto this layout" in world8[0]["at11"]["lines"][0]
+    assert any("resharded onto this layout" in line for line in world8[0]["at11"]["lines"])
 
 
 @pytest.mark.slow
@@ -177,7 +177,8 @@ def test_kl_guard_modes(world1):
     assert "training/kl_guard_lr" not in step["metrics"][0] and step["lr"] == 1.0
     ck = world1["ckpt_mode"]
     assert ck["error"] is None and len(ck["metrics"]) == 4  # step 2 spiked, then replayed
-    assert [m["training/kl_guard_lr"] for m in ck["metrics"]] == [1.0, 0.5, 0.5, 0.5]
+    # the multiplier each step trained with: step 2 spiked at 1.0, the replays ran at 0.5
+    assert [m["training/kl_guard_lr"] for m in ck["metrics"]] == [1.0, 1.0, 0.5, 0.5]
     assert ck["lr"] == ck["critic_lr"] == 0.5
     assert ck["metrics"][2]["actor/lr"] == pytest.approx(0.5 * ck["metrics"][0]["actor/lr"])
     assert any("restored global_step_1, lr x 0.5" in line for line in ck["lines"])

@@ -179,6 +179,30 @@ def test_run_id_ignores_run_length_not_seed():
     assert run_id(load_config([], ["actor.lr=1e-5"])) != base
 
 
+def test_run_id_survives_a_new_knob_with_its_default():
+    """A newer hybridrl adds a config field: runs of the older one keep their id (and resume)."""
+    import dataclasses
+
+    from hybridrl.config import HybridRLConfig, load_config
+    from hybridrl.config.model import ModelConfig
+    from hybridrl.ppo.run_identity import run_id
+
+    @dataclasses.dataclass(frozen=True)
+    class NewerModel(ModelConfig):
+        brand_new_knob: int = 3
+
+    @dataclasses.dataclass(frozen=True)
+    class NewerConfig(HybridRLConfig):
+        model: NewerModel = dataclasses.field(default_factory=NewerModel)
+
+    cfg = load_config([], ["trainer.seed=7", "actor.lr=1e-5"])
+    newer = NewerConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                           if f.name != "model"}, model=NewerModel(**dataclasses.asdict(cfg.model)))
+    assert run_id(newer) == run_id(cfg)
+    changed = dataclasses.replace(newer, model=dataclasses.replace(newer.model, brand_new_knob=4))
+    assert run_id(changed) != run_id(cfg)
+
+
 def _parquet(path, sources, prompts):
     rows = [{"data_source": s, "prompt": [{"role": "user", "content": p}], "ability": "math",
              "reward_model": {"style": "rule", "ground_truth": "1"},
