@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridrl.config.root import HybridRLConfig
@@ -123,9 +123,27 @@ def _merge(base: DictConfig, layer: DictConfig, kinds: Mapping[str, str], source
     if problems:
         raise ValueError(f"in {source}: " + "; ".join(problems))
     try:
-        return OmegaConf.merge(base, OmegaConf.create(raw))
+        merged = OmegaConf.merge(base, OmegaConf.create(raw))
+        for key in _empty_mappings(raw, kinds, prefix=""):  # `key={}` clears, merging would not
+            parent, _, name = key.rpartition(".")
+            node = OmegaConf.select(merged, parent) if parent else merged
+            with read_write(node):  # a frozen dataclass's node is read-only
+                setattr(node, name, {})
+        return merged
     except OmegaConfBaseException as err:
         raise ValueError(f"{err.full_key or '<top level>'}: {_first_line(err)} (in {source})") from None
+
+
+def _empty_mappings(raw: dict, kinds: Mapping[str, str], prefix: str) -> list[str]:
+    """Dotted keys of mapping-valued knobs (e.g. reward.reward_fn_kwargs) given as ``{}``."""
+    out = []
+    for name, value in raw.items():
+        key = f"{prefix}{name}"
+        if kinds.get(key) == "section" and isinstance(value, dict):
+            out += _empty_mappings(value, kinds, key + ".")
+        elif value == {} and kinds.get(key) != "section":
+            out.append(key)
+    return out
 
 
 def _drop_empty_sections(raw: dict, kinds: Mapping[str, str], prefix: str) -> dict:

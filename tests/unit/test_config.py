@@ -264,3 +264,18 @@ def test_sequence_parallel_without_tp_is_refused_at_load():
         HybridRLConfig(model=ModelConfig(sequence_parallel=True))
     with pytest.raises(ValueError, match="model.recompute_granularity"):
         ModelConfig(recompute_granularity="sometimes")
+
+
+def test_empty_mapping_override_clears_the_yaml_dict(tmp_path):
+    """`reward.reward_fn_kwargs={}` clears what a YAML file set (a merge would keep it);
+    a dotted key still adds one entry."""
+    from hybridrl.config import load_config
+
+    path = tmp_path / "kw.yaml"
+    path.write_text("reward:\n  reward_fn: r.py:score\n  reward_fn_kwargs:\n    scale: 2\n"
+                    "rollout:\n  engine_kwargs:\n    mem_fraction_static: 0.5\n")
+    assert load_config([str(path)], []).reward.reward_fn_kwargs == {"scale": 2}
+    cleared = load_config([str(path)], ["reward.reward_fn_kwargs={}", "rollout.engine_kwargs={}"])
+    assert cleared.reward.reward_fn_kwargs == {} and cleared.rollout.engine_kwargs == {}
+    added = load_config([str(path)], ["reward.reward_fn_kwargs.other=1"])
+    assert added.reward.reward_fn_kwargs == {"scale": 2, "other": 1}
