@@ -21,6 +21,11 @@ Contract:
   [B, hk, P + max_new, hd] per layer; positions count real tokens only; a row stops after its
   eos; generation stops when every row stopped or after ``max_new_tokens``.
 - Gen pipeline parallelism is not supported: ``pp_size != 1`` raises ``ValueError``.
+- Per decode step the work is the matmuls plus a fixed, small number of ops per layer: RoPE
+  tables and the additive attention mask are built once per forward and shared by every layer,
+  q and k are rotated together, GQA stacks a KV head's query heads instead of repeating K/V,
+  and ``generate`` runs under ``inference_mode`` (it returns ordinary tensors).
+  benchmarks/rollout_engine.py measures it against transformers' ``generate``.
 """
 
 from __future__ import annotations
@@ -66,9 +71,10 @@ class EngineSpec:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """weight * (x / sqrt(mean(x^2) + eps)), computed in fp32 and cast back first (HF llama)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)  # the same product, one op
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -154,39 +160,47 @@ class BuiltinEngine:
         return x
 
     def _embed(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids_BS, self._w("model.embed_tokens.weight"))
         local_BS = ids_BS - self.tp_rank * self.spec.vocab_chunk
         mine_BS = (local_BS >= 0) & (local_BS < self.spec.vocab_chunk)
         h_BSH = F.embedding(local_BS.clamp(0, self.spec.vocab_chunk - 1),
                             self._w("model.embed_tokens.weight"))
         return self._all_reduce(h_BSH * mine_BS.unsqueeze(-1).to(h_BSH.dtype))
 
-    def _rope(self, x_BNSD: torch.Tensor, pos_BS: torch.Tensor) -> torch.Tensor:
+    def _rope_tables(self, pos_BS: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, 1, S, D] of the positions, once per forward (shared by every layer)."""
         freqs_BSd = pos_BS.double().unsqueeze(-1) * self.inv_freq.to(pos_BS.device)
         emb_BSD = torch.cat((freqs_BSd, freqs_BSd), dim=-1).unsqueeze(1)  # [B, 1, S, D]
-        cos, sin = emb_BSD.cos().to(x_BNSD.dtype), emb_BSD.sin().to(x_BNSD.dtype)
+        return emb_BSD.cos().to(dtype), emb_BSD.sin().to(dtype)
+
+    @staticmethod
+    def _rope(x_BNSD: torch.Tensor, rope) -> torch.Tensor:
+        cos, sin = rope
         return x_BNSD * cos + _rotate_half(x_BNSD) * sin
 
-    def _attention(self, L: int, h_BSH, pos_BS, cache, start: int, allowed_BSK):
+    def _attention(self, L: int, h_BSH, rope, cache, start: int, allowed_BSK):
         hd = self.spec.head_dim
         p = f"model.layers.{L}."
         B, S, _ = h_BSH.shape
         qkv = h_BSH @ self._w(p + "self_attn.qkv_proj.weight").T
         if self.spec.qkv_bias:
             qkv = qkv + self._w(p + "self_attn.qkv_proj.bias")
-        q, k, v = qkv.split([self.hq * hd, self.hk * hd, self.hk * hd], dim=-1)
-        q_BNSD = self._rope(q.view(B, S, self.hq, hd).transpose(1, 2), pos_BS)
-        k_BNSD = self._rope(k.view(B, S, self.hk, hd).transpose(1, 2), pos_BS)
+        qk, v = qkv.split([(self.hq + self.hk) * hd, self.hk * hd], dim=-1)
+        qk_BNSD = self._rope(qk.view(B, S, self.hq + self.hk, hd).transpose(1, 2), rope)  # q, k
+        q_BNSD, k_BNSD = qk_BNSD[:, :self.hq], qk_BNSD[:, self.hq:]
         keys, values = cache[L]
         keys[:, :, start:start + S] = k_BNSD
         values[:, :, start:start + S] = v.view(B, S, self.hk, hd).transpose(1, 2)
         K = start + S
+        # GQA without repeating K/V: the rep = hq/hk query heads of a KV head are stacked as
+        # rep*S rows against that head's keys; allowed_BSK is the additive fp32 mask [B, 1, rep*S, K]
         rep = self.hq // self.hk
-        k_all = keys[:, :, :K].repeat_interleave(rep, dim=1)  # [B, hq, K, D]
-        v_all = values[:, :, :K].repeat_interleave(rep, dim=1)
-        scores = (q_BNSD @ k_all.transpose(-1, -2)).float() / math.sqrt(hd)  # [B, hq, S, K]
-        scores = scores.masked_fill(~allowed_BSK.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v_all.dtype)
-        out_BSX = (probs @ v_all).transpose(1, 2).reshape(B, S, self.hq * hd)
+        q_BGRD = q_BNSD.reshape(B, self.hk, rep * S, hd)
+        scores = (q_BGRD @ keys[:, :, :K].transpose(-1, -2)).float() / math.sqrt(hd)
+        probs = torch.softmax(scores + allowed_BSK, dim=-1).to(values.dtype)  # [B, hk, rep*S, K]
+        out_BNSD = (probs @ values[:, :, :K]).view(B, self.hq, S, hd)
+        out_BSX = out_BNSD.transpose(1, 2).reshape(B, S, self.hq * hd)
         return self._all_reduce(out_BSX @ self._w(p + "self_attn.o_proj.weight").T)
 
     def _mlp(self, L: int, h_BSH: torch.Tensor) -> torch.Tensor:
@@ -198,10 +212,18 @@ class BuiltinEngine:
         """Hidden states [B, S, H] after the final norm; fills ``cache`` columns [start, start+S)."""
         eps = self.spec.norm_eps
         h = self._embed(ids_BS)
+        rope = self._rope_tables(pos_BS, h.dtype)
+        # additive fp32 mask built once for every layer: 0 allowed, -inf not, [B, 1, rep*S, K]
+        # (rows repeated for the rep query heads of a KV head; the diagonal is always allowed)
+        B, S, K = allowed_BSK.shape
+        rep = self.hq // self.hk
+        allowed_BSK = torch.zeros((B, S, K), device=h.device).masked_fill_(
+            ~allowed_BSK, float("-inf"))[:, None, None].expand(B, 1, rep, S, K).reshape(
+            B, 1, rep * S, K)
         for L in range(self.spec.num_layers):
             p = f"model.layers.{L}."
             h = h + self._attention(L, _rms_norm(h, self._w(p + "input_layernorm.weight"), eps),
-                                    pos_BS, cache, start, allowed_BSK)
+                                    rope, cache, start, allowed_BSK)
             h = h + self._mlp(L, _rms_norm(h, self._w(p + "post_attention_layernorm.weight"), eps))
         return _rms_norm(h, self._w("model.norm.weight"), eps)
 
@@ -231,9 +253,13 @@ class BuiltinEngine:
             dist.broadcast(tokens_B, src=src, group=self.tp_group)
         return tokens_B
 
-    @torch.no_grad()
     def generate(self, prompt_ids, params: SamplingParams) -> GenerationOutput:
         """Sample responses for ``prompt_ids`` (see ``hybridrl.rollout.base``)."""
+        with torch.inference_mode():  # less per-op bookkeeping than no_grad
+            ids, mask, logp = self._generate(prompt_ids, params)
+        return GenerationOutput(ids.clone(), mask.clone(), logp.clone())  # ordinary tensors
+
+    def _generate(self, prompt_ids, params: SamplingParams):
         missing = self.missing_weights()
         if missing:
             raise ValueError(f"builtin engine: weights not loaded yet: {missing[:4]} "
@@ -284,5 +310,5 @@ class BuiltinEngine:
             h = self.forward(tokens_B[:, None], next_pos_B[:, None], cache, c, allowed)[:, -1]
             next_pos_B = next_pos_B + 1
         mask = valid_BT[:, P:P + steps].long()
-        return GenerationOutput(out_ids[:, :steps] * mask + params.pad_token_id * (1 - mask),
-                                mask, out_logp[:, :steps] * mask)
+        return (out_ids[:, :steps] * mask + params.pad_token_id * (1 - mask), mask,
+                out_logp[:, :steps] * mask)
