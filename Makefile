@@ -27,8 +27,11 @@ lint: .venv
 test: .venv lint
 	$(PY) -m pytest
 
+# SFT warm start, then PPO with a critic (ALGO=grpo: GRPO) on 4 gloo ranks, tp 2 x pp 2, gen tp 1
+ALGO ?= gae
 demo: .venv
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m hybridrl.train --config configs/demo_cpu.yaml
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m hybridrl.demo --config configs/demo.yaml \
+		algorithm.adv_estimator=$(ALGO)
 
 # the layouts of a 256-GPU job, then every group built on 8 real gloo ranks
 layout-demo: .venv

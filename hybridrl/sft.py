@@ -27,7 +27,7 @@ def run_sft(cfg, groups, print_fn=print):
     from hybridrl.ppo.sft_loop import SFTTrainer
 
     trainer = SFTTrainer(cfg, groups, print_fn=print_fn)
-    trainer.progress.phase(f"sft: models built, {len(trainer.data)} pairs")
+    trainer.progress.phase(f"sft: {len(trainer.data)} pairs, model built, engine ready")
     if groups.rank == 0:
         os.makedirs(cfg.sft.output_dir, exist_ok=True)
         with open(os.path.join(cfg.sft.output_dir, "config.yaml"), "w") as f:

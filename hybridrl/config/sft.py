@@ -27,6 +27,9 @@ class SFTConfig:
     response_key: str = knob("response", "Column holding the target response string.")
     synthetic_size: int = knob(0, "Synthetic pairs to write (the first of the task's training "
                                "prompts); 0 = all of data.synthetic.train_size.")
+    synthetic_format_fraction: float = knob(1.0, "Synthetic pairs: share of responses written "
+                                            "'#### <sum>' as the prompt asks; the others "
+                                            "answer '<sum>' alone.")
     max_length: int = knob(128, "Longest prompt + response (+ EOS) in tokens; longer pairs fail "
                            "naming the row.")
     train_batch_size: int = knob(32, "Sequences per optimizer step, over all DP ranks.")
@@ -48,6 +51,9 @@ class SFTConfig:
         for name in ("synthetic_size", "warmup_steps", "weight_decay", "grad_clip"):
             check_non_negative(f"sft.{name}", getattr(self, name))
         check_freq("sft.test_freq", self.test_freq)
+        if not 0.0 <= self.synthetic_format_fraction <= 1.0:
+            raise ValueError("sft.synthetic_format_fraction must be in [0, 1]; got "
+                             f"{self.synthetic_format_fraction!r}")
         for name in ("prompt_key", "response_key", "output_dir"):
             if not getattr(self, name):
                 raise ValueError(f"sft.{name} must not be empty; got ''")

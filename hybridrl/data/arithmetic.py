@@ -8,7 +8,8 @@ reward registry scores (exact answer, see hybridrl.rewards.arithmetic). ``write_
 n_train, n_test, seed)`` writes ``train.parquet`` and ``test.parquet`` with no (a, b) pair shared
 between them, and is also the CLI. ``write_sft_dataset(out_dir, n_train, n_sft, seed, max_digits)``
 writes ``sft_train.parquet`` in verl's SFT layout (hybridrl.data.sft): the first ``n_sft`` of the
-``n_train`` training prompts with the response ``"#### <a + b>"`` (never a test problem):
+``n_train`` training prompts with the response ``"#### <a + b>"`` (never a test problem; with
+``format_fraction`` < 1 only that share of them uses the "####" marker):
 
     python -m hybridrl.data.arithmetic --out DIR --n-train N --n-test N --seed S [--max-digits D]
 """
@@ -87,15 +88,22 @@ def write_dataset(
 
 
 def write_sft_dataset(out_dir: str, n_train: int, n_sft: int, seed: int = 0,
-                      max_digits: int = 2, second_digits: int = 0) -> str:
-    """Write ``sft_train.parquet``: (prompt, "#### <sum>") of the first ``n_sft`` training rows."""
+                      max_digits: int = 2, second_digits: int = 0,
+                      format_fraction: float = 1.0) -> str:
+    """Write ``sft_train.parquet``: (prompt, "#### <sum>") of the first ``n_sft`` training rows;
+    only every row i with ``frac(i * format_fraction) < format_fraction`` (the first
+    ``round(n_sft * format_fraction)`` in an even spread) uses the marker, the others answer
+    "<sum>" alone (demonstrations that ignore the prompt's answer format)."""
     from hybridrl.data.sft import write_pairs
 
     if not 1 <= n_sft <= n_train:
         raise ValueError(f"n_sft={n_sft}; allowed: 1..n_train ({n_train})")
+    if not 0.0 <= format_fraction <= 1.0:
+        raise ValueError(f"format_fraction={format_fraction}; allowed: 0..1")
     rows = make_rows(n_train, seed, "train", max_digits, set(), second_digits)[:n_sft]
+    marked = [int((i + 1) * format_fraction) > int(i * format_fraction) for i in range(n_sft)]
     return write_pairs(os.path.join(out_dir, "sft_train.parquet"), [r.messages for r in rows],
-                       [f"#### {r.ground_truth}" for r in rows])
+                       [("#### " if m else "") + str(r.ground_truth) for r, m in zip(rows, marked)])
 
 
 def main(argv: list[str] | None = None) -> None:

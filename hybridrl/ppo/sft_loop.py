@@ -54,7 +54,8 @@ def sft_files(cfg) -> list[str]:
 
     n = cfg.sft.synthetic_size or syn.train_size
     return [write_sft_dataset(syn.dir, syn.train_size, min(n, syn.train_size), cfg.data.seed,
-                              syn.max_digits, syn.second_digits)]
+                              syn.max_digits, syn.second_digits,
+                              cfg.sft.synthetic_format_fraction)]
 
 
 def sft_loss(outputs: dict, batch: dict, *, n_tokens: float, scale: float):
@@ -75,6 +76,7 @@ class SFTTrainer:
 
         s = cfg.sft
         s.check_dp(groups.dp_size)
+        self.progress = Progress(groups.rank, s.output_dir, print_fn, prefix="sft ")
         self.cfg, self.groups = cfg, groups
         self.tokenizer = build_tokenizer(cfg.model)
         self.data = SFTDataset(sft_files(cfg), self.tokenizer, s.max_length, s.prompt_key,
@@ -88,7 +90,6 @@ class SFTTrainer:
         self.opt = ModelOptimizer(self.actor, OptimConfig(
             lr=s.lr, lr_schedule=schedule, warmup_steps=s.warmup_steps,
             weight_decay=s.weight_decay, grad_clip=s.grad_clip))
-        self.progress = Progress(groups.rank, s.output_dir, print_fn, prefix="sft ")
         self.worker = self.val_loader = None
         val_files = resolve_files(cfg.data)[1] if not cfg.data.train_files else cfg.data.val_files
         if val_files:

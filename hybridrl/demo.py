@@ -1,0 +1,98 @@
+"""The demo: SFT warm start, then PPO (or GRPO) from it, in one torchrun job.
+
+    torchrun --standalone --nproc-per-node 4 -m hybridrl.demo --config configs/demo_cpu.yaml [k=v]
+
+Contract: every rank loads the config (``hybridrl.train``'s loading and start-up checks, every
+rank before any collective; a bad config exits 2 with one line), builds the groups once, runs
+``hybridrl.sft.run_sft`` (data written, SFT, greedy validation, HF export to
+``<sft.output_dir>/hf``), then builds a ``PPOTrainer`` from that export (``model.path``; the
+critic's trunk and the reference start from it too) with the same groups and fits
+``trainer.total_steps`` steps. Rank 0 then writes the plot (``hybridrl.plot``, when matplotlib
+is installed) and prints exactly one closing line:
+
+    demo: val/score/mean SFT <a> -> RL <b> (metrics: <path>, plot: <path>)
+
+where ``a`` is the SFT model's greedy validation score and ``b`` the RL run's last one; ``plot``
+is ``none`` without matplotlib. ``run_demo(cfg_loader, groups)`` returns ``(a, b)``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+from hybridrl.exits import die_with_parent, one_line
+
+
+def run_demo(load, groups, print_fn=print) -> tuple[float, float, str, str]:
+    """``load(extra_overrides)`` -> config. Returns (SFT score, RL score, metrics, plot)."""
+    from hybridrl.ppo.trainer import PPOTrainer
+    from hybridrl.sft import run_sft
+
+    cfg = load([])
+    history, folder = run_sft(cfg, groups, print_fn=print_fn)
+    sft_score = history[-1].get("val/score/mean", float("nan"))
+    rl_cfg = load([f"model.path={folder}", "model.tokenizer_path=char"])
+    trainer = PPOTrainer(rl_cfg, groups, print_fn=print_fn)
+    rl = trainer.fit()
+    scores = [m["val/score/mean"] for m in rl if "val/score/mean" in m]
+    run_dir = rl_cfg.trainer.checkpoint_dir
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    plot = "none"
+    if groups.rank == 0:
+        try:
+            from hybridrl.plot import plot_run
+
+            plot = plot_run(run_dir, sft_metrics=os.path.join(cfg.sft.output_dir, "metrics.jsonl"))
+        except ImportError as err:
+            print_fn(f"hybridrl.demo: no plot ({err})", flush=True)
+    return sft_score, (scores[-1] if scores else float("nan")), metrics, plot
+
+
+def main(argv=None) -> int:
+    from hybridrl.train import _fail, build_layout, parse_args
+
+    args = parse_args(argv)
+    for pattern in (".*Transformer Engine and Apex.*", ".*Apex is not installed.*",
+                    ".*full scope is deprecated.*", ".*is deprecated.*", ".*non-leaf Tensor.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    die_with_parent()
+    try:
+        from hybridrl.config.loader import load_config
+        from hybridrl.ppo.startup import check_startup
+
+        def load(extra):
+            return load_config(args.config, [*args.overrides, *extra], world_size=world)
+
+        cfg = load([])
+        cfg.check_world(world)
+        train, gen = build_layout(cfg, world)
+        cfg.sft.check_dp(train.dp)
+        problems = check_startup(cfg, rank)
+    except Exception as err:
+        return _fail(rank, 2, one_line(err))
+    if problems:
+        return _fail(rank, 2, "; ".join(problems))
+    import torch
+
+    from hybridrl.parallel.groups import build_groups, init_distributed
+
+    timeout_s = cfg.trainer.collective_timeout_s
+    init_distributed("gloo" if cfg.trainer.device == "cpu" else None, timeout_s=timeout_s)
+    torch.manual_seed(cfg.trainer.seed)
+    try:
+        a, b, metrics, plot = run_demo(load, build_groups(train, gen, timeout_s=timeout_s))
+    except (Exception, KeyboardInterrupt) as err:
+        return _fail(rank, 130 if isinstance(err, KeyboardInterrupt) else 1, one_line(err))
+    if rank == 0:
+        print(f"demo: val/score/mean SFT {a:.3f} -> RL {b:.3f} (metrics: {metrics}, plot: {plot})",
+              flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
