@@ -41,3 +41,9 @@ layout-demo: .venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info hybridrl/*.so
+
+# the benchmark suite: every table with both sides and the ratio, figures written into
+# docs/benchmarks.md (BENCH_ARGS: e.g. --quick, --only reshard, --no-write)
+.PHONY: bench
+bench: .venv
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)

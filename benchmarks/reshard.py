@@ -7,7 +7,9 @@ For each layout "t,p,tg,pg" of the ~100M-parameter llama shape below (fp32), eve
 megatron training shard (random values) and the script times, each as the max over ranks of the
 median of ``--repeats`` runs after one warm-up:
 - hybridrl's four strategies (plan once, then ``run_plan`` into gen-layout megatron shards);
-- the wire limit: one bare ``all_gather`` of the same bytes in the same (micro-DP) groups;
+- the wire limit: one bare ``all_gather`` of the same bytes in the same (micro-DP) groups, one
+  bare p2p batch of them, and that batch plus one plain copy of the rows the rank keeps (what any
+  reshard into separate engine tensors must also do);
 - megatron-core's ``swap_model_weights`` (``megatron.core.resharding``) between a GPTModel on the
   training layout and one on the generation layout, over its gloo copy service; the first call
   (which plans) is reported apart from the steady state, and its result is compared bit for bit
@@ -145,8 +147,10 @@ def _megatron_check(groups, shape, dst, ours):
     return recv, same
 
 
-def _wire_methods(groups, zr_recv_bytes):
-    """The same bytes in the same micro-DP groups, bare: one all_gather; one p2p batch."""
+def _wire_methods(groups, zr_recv_bytes, local_bytes=0):
+    """The same bytes in the same micro-DP groups, bare: one all_gather; one p2p batch; and that
+    batch plus one plain copy of the ``local_bytes`` a rank keeps (its own training rows, which
+    every reshard into separate engine tensors must copy: the floor of what a reshard does)."""
     import torch
     import torch.distributed as dist
 
@@ -161,8 +165,15 @@ def _wire_methods(groups, zr_recv_bytes):
         for w in dist.batch_isend_irecv(ops) if ops else []:
             w.wait()
 
+    own, own_dst = torch.randn(local_bytes // 4), torch.empty(local_bytes // 4)
+
+    def p2p_and_copy():
+        p2p()
+        own_dst.copy_(own)
+
     return {"wire: bare all_gather": lambda: dist.all_gather_into_tensor(y, x, group=groups.micro_dp),
-            "wire: bare p2p batch": p2p}, per * (dg - 1) * 4
+            "wire: bare p2p batch": p2p,
+            "wire: p2p batch + own-row copy": p2p_and_copy}, per * (dg - 1) * 4
 
 
 def _strategy_method(rank, cfg, layout, train, specs, named, strategy, info, results):
@@ -236,7 +247,9 @@ def _bench_rank(rank, world, cfg):
     for strategy in STRATEGIES:
         methods[strategy], plans[strategy] = _strategy_method(
             rank, cfg, layout, train, specs, named, strategy, info, results)
-    wire, wire_bytes = _wire_methods(groups, plans["zero_redundancy"].recv_bytes(rank))
+    zr = plans["zero_redundancy"]
+    local = sum((hi - lo) * zr.spec(k).row_numel * zr.itemsize for k, lo, hi in zr.locals[rank])
+    wire, wire_bytes = _wire_methods(groups, zr.recv_bytes(rank), local)
     methods.update(wire)
     for name in wire:
         info[name] = {"recv": wire_bytes, "planned": wire_bytes}
@@ -265,7 +278,7 @@ def _report(layout, res, world):
         lines.append(f"{name:<30}{e['s']:>9.3f}{e['recv'] / 1e6:>14.1f}{e['planned'] / 1e6:>12.1f}"
                      f"{e.get('peak', 0) / 1e6:>10.1f}{e.get('plan_s', 0):>8.3f}")
     zr = res["zero_redundancy"]["s"]
-    for name in ("wire: bare all_gather", "wire: bare p2p batch"):
+    for name in ("wire: bare all_gather", "wire: bare p2p batch", "wire: p2p batch + own-row copy"):
         lines.append(f"ratio zero_redundancy / {name} = {zr / res[name]['s']:.2f}")
     for name in ("allgather", "vanilla", "p2p"):
         lines.append(f"ratio {name} / zero_redundancy = {res[name]['s'] / zr:.2f}")

@@ -1,0 +1,236 @@
+"""End to end vs TRL: hybridrl GRPO and TRL's GRPOTrainer on the same model, data and batch.
+
+    .venv/bin/python -m pip install trl==1.16.0      # once (not a hybridrl dependency)
+    .venv/bin/python benchmarks/trl_compare.py [--worlds 1 2] [--prompts short long] [--steps 4]
+
+Both sides load ONE folder: a llama of the CPU demo's size (4 layers, hidden 64, GQA 4/2, vocab
+100, random weights from a fixed seed) with an HF tokenizer whose ids and chat template are those
+of hybridrl's character tokenizer, so both see the same token ids. Same data: the 100 one-digit
+``a+b=`` problems (22 tokens; ``long``: prefixed by an instruction, 68 tokens), 12 prompts x 8
+samples per step, 3 new tokens at temperature 1, one optimizer step per batch in micro-batches of
+4 sequences, KL 0.001 (low_var_kl / TRL's k3) against the initial model, lr 3e-3, the GSM8K
+flexible reward; hybridrl's KL guard off. Per (processes, prompt) cell: seconds per step (mean
+after one warm-up step), generated tokens/s, the ratio TRL / hybridrl of seconds per step, and
+where hybridrl's step goes (its ``timing_s/*``); TRL's step is timed by a callback around each
+optimizer step. TRL at 2 processes runs under ``torchrun --nproc-per-node 2`` (gloo); hybridrl on
+2 gloo ranks (data parallel). Side by side in one run, but not interleaved step by step: rerun
+when the load average (printed) moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEMO = str(ROOT / "configs" / "demo_cpu.yaml")
+PROMPTS, N, NEW, MICRO, STEPS = 12, 8, 3, 4, 4
+LONG_PREFIX = "Add the two numbers; reply with just the sum. "  # prompts of 68 tokens
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def make_folder(path: Path) -> None:
+    """The shared model + tokenizer folder (same ids as hybridrl's CharTokenizer)."""
+    import torch
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from hybridrl.data.tokenizer import CharTokenizer
+
+    char = CharTokenizer()
+    vocab = {char.decode([i], skip_special_tokens=False) if i >= 4 else tok: i
+             for i, tok in enumerate(["<pad>", "<bos>", "<eos>", "<unk>"] + [None] * 96)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                 eos_token="<eos>", unk_token="<unk>")
+    hf.chat_template = TEMPLATE
+    text = "user: 3+4=\nassistant: "
+    assert hf.encode(text, add_special_tokens=False) == char.encode(text), "tokenizer ids differ"
+    hf.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=4, vocab_size=100,
+                      max_position_embeddings=128, tie_word_embeddings=False,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+def rows(long: bool) -> list[dict]:
+    """The 100 problems in the verl parquet schema (hybridrl reads them; TRL gets the messages)."""
+    out = []
+    for a in range(10):
+        for b in range(10):
+            content = (LONG_PREFIX if long else "") + f"{a}+{b}="
+            out.append({"data_source": "arithmetic", "prompt": [{"role": "user", "content": content}],
+                        "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                        "extra_info": {"split": "train", "index": len(out)}})
+    return out
+
+
+def _score(completion: str, truth: str) -> float:
+    from hybridrl.rewards.gsm8k import compute_score
+
+    return float(compute_score("arithmetic", completion, truth, method="flexible"))
+
+
+# ----------------------------------------------------------------------------------- hybridrl
+def _hybridrl_rank(rank, world, folder, data, steps, tmp):
+    import warnings
+
+    import torch
+
+    from hybridrl.config import load_config
+    from hybridrl.parallel.groups import build_groups
+    from hybridrl.ppo.trainer import PPOTrainer
+    from hybridrl.train import build_layout
+
+    warnings.filterwarnings("ignore")
+    cfg = load_config([DEMO], [
+        f"model.path={folder}", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
+        f"data.train_batch_size={PROMPTS}", f"rollout.n={N}", f"rollout.response_length={NEW}",
+        f"actor.ppo_mini_batch_size={PROMPTS}", f"actor.ppo_micro_batch_size_per_gpu={MICRO}",
+        f"ref.log_prob_micro_batch_size_per_gpu={MICRO}", "trainer.kl_guard.max_kl=0",
+        "data.max_prompt_length=96",
+        f"trainer.total_steps={steps}", "trainer.save_freq=-1", "trainer.test_freq=-1",
+        "trainer.logger=[console]", f"trainer.checkpoint_dir={tmp}/ckpt"])
+    cfg.check_world(world)
+    train, gen = build_layout(cfg, world)
+    torch.manual_seed(cfg.trainer.seed)
+    return PPOTrainer(cfg, build_groups(train, gen), print_fn=lambda *a, **k: None).fit()
+
+
+def run_hybridrl(world, folder, data, steps, tmp) -> dict:
+    from hybridrl.testing.dist import run_on_ranks
+
+    hist = run_on_ranks(_hybridrl_rank, world, str(folder), str(data), steps, tmp, timeout=1800,
+                        preload=("megatron.core",))[0]
+    kept = hist[1:] or hist
+    phases = sorted({k for m in kept for k in m if k.startswith("timing_s/")})
+    mean = {k: statistics.mean(m[k] for m in kept) for k in phases}
+    gen_tokens = statistics.mean(m["response_length/mean"] for m in kept) * PROMPTS * N
+    return {"step_s": mean["timing_s/step"], "tokens_per_s": gen_tokens / mean["timing_s/step"],
+            "phases": {k[9:]: v for k, v in mean.items() if k != "timing_s/step"}}
+
+
+# ---------------------------------------------------------------------------------------- TRL
+def trl_worker(folder: str, long: bool, steps: int, world: int, out: str) -> None:
+    """One TRL process (under torchrun when world > 1): writes per-step seconds to ``out``."""
+    import warnings
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    data = Dataset.from_list([{"prompt": r["prompt"], "truth": r["reward_model"]["ground_truth"]}
+                              for r in rows(long)])
+
+    def reward(completions, truth, **_):
+        return [_score(c[-1]["content"] if isinstance(c, list) else c, t)
+                for c, t in zip(completions, truth)]
+
+    times, tokens = [], []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t0)
+
+    seqs = PROMPTS * N // world  # per process; one optimizer step per generation batch
+    args = GRPOConfig(
+        output_dir=os.path.join(os.path.dirname(out), "trl"), use_cpu=True, seed=0,
+        per_device_train_batch_size=MICRO, gradient_accumulation_steps=seqs // MICRO,
+        num_generations=N, max_completion_length=NEW, temperature=1.0, beta=0.001,
+        learning_rate=3e-3, max_steps=steps, num_iterations=1, logging_steps=1,
+        save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=data,
+                          processing_class=AutoTokenizer.from_pretrained(folder),
+                          callbacks=[Timer()])
+    trainer.train()
+    for log in trainer.state.log_history:
+        if "completions/mean_length" in log:
+            tokens.append(log["completions/mean_length"])
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(out, "w") as f:
+            json.dump({"times": times, "mean_length": tokens}, f)
+
+
+def run_trl(world, folder, long, steps, tmp) -> dict:
+    out = os.path.join(tmp, f"trl_{world}_{int(long)}.json")
+    me = [str(Path(__file__).resolve()), "--trl-worker", str(folder), str(int(long)), str(steps),
+          str(world), out]
+    if world == 1:
+        cmd = [sys.executable, *me]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world}", *me]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"TRL run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    with open(out) as f:
+        res = json.load(f)
+    step = statistics.mean(res["times"][1:] or res["times"])
+    length = statistics.mean(res["mean_length"]) if res["mean_length"] else NEW
+    return {"step_s": step, "tokens_per_s": length * PROMPTS * N / step}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--trl-worker"]:
+        folder, long, steps, world, out = argv[1:6]
+        trl_worker(folder, long == "1", int(steps), int(world), out)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--prompts", nargs="+", choices=("short", "long"), default=["short", "long"])
+    ap.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (first is warm-up)")
+    args = ap.parse_args(argv)
+    try:
+        import trl
+    except ImportError:
+        print("TRL is not installed: .venv/bin/python -m pip install trl==1.16.0 (then rerun)")
+        return 0
+    import pandas as pd
+
+    print(f"hybridrl vs TRL {trl.__version__} GRPO: {PROMPTS} prompts x {N}, {NEW} new tokens, "
+          f"micro-batch {MICRO}, one optimizer step per batch, {args.steps} steps (first left "
+          f"out); load average {os.getloadavg()[0]:.1f}")
+    print(f"{'procs':>5} {'prompt':>6} {'hybridrl s/step':>15} {'TRL s/step':>11} "
+          f"{'TRL/hybridrl':>12} {'hybridrl tok/s':>14} {'TRL tok/s':>10}")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        make_folder(folder)
+        for kind in args.prompts:
+            data = Path(tmp) / f"{kind}.parquet"
+            pd.DataFrame(rows(kind == "long")).to_parquet(data)
+            for world in args.worlds:
+                ours = run_hybridrl(world, folder, data, args.steps, f"{tmp}/h{world}{kind}")
+                theirs = run_trl(world, folder, kind == "long", args.steps, tmp)
+                print(f"{world:>5} {kind:>6} {ours['step_s']:>15.3f} {theirs['step_s']:>11.3f} "
+                      f"{theirs['step_s'] / ours['step_s']:>12.2f} {ours['tokens_per_s']:>14.0f} "
+                      f"{theirs['tokens_per_s']:>10.0f}   (load {os.getloadavg()[0]:.1f})",
+                      flush=True)
+                print("      hybridrl step: " + ", ".join(
+                    f"{k} {v * 1e3:.0f} ms" for k, v in ours["phases"].items() if v > 5e-4))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
