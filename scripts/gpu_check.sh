@@ -9,12 +9,20 @@
 #   2. tests      tests/gpu/test_kernels_cuda.py (each test has its own watchdog)   tests.log
 #   3. bandwidth  benchmarks.kernels at 1024x4096 and 4096x8192 (fp32; KL also bf16) against
 #                 the 4.8 TB/s HBM3e peak; goal >= 50% for GAE and KL at 4096x8192  bench.log
-#   4. sanitizer  compute-sanitizer memcheck, synccheck, initcheck, racecheck on
+#   4. models     tests/gpu/test_models_gpu.py -s: models on NCCL vs transformers, the ~1B
+#                 llama step (tokens/s, MFU, peak memory vs plan --memory)        models.log
+#   5. engine     benchmarks/rollout_engine.py: builtin engine vs transformers' generate,
+#                 ~1B llama, bf16, batch 32, 128 + 128 tokens (tokens/s, ratio)   engine.log
+#   6. ppo_step   scripts/gpu_ppo_step.py: world-1 GRPO steps on CUDA, builtin engine, ~1B
+#                 llama (step phases, tokens/s, MFU estimate, peak memory)         ppo_step.log
+#   7. sanitizer  compute-sanitizer memcheck, synccheck, initcheck, racecheck on
 #                 scripts/kernel_sanitizer_cases.py (small sizes, every kernel and
 #                 launch shape), caching allocator off so memcheck sees each tensor
 #                                                                       sanitizer_<tool>.log
 # A step that would start with < 15 s of budget left is skipped and reported as such. Logs and
-# summary.txt go to $OUT (the device tool brings them back) or ./gpu_out. Exit status: 0 when
+# summary.txt go to $OUT (the device tool brings them back) or ./gpu_out. megatron-core, omegaconf
+# and the other Python 3.12 wheels the GPU image lacks come from .whl/ (scripts/gpu_wheels.sh
+# fetches them on a machine with network; pass .whl with the device tool's carry). Exit status: 0 when
 # every step that ran passed (the bandwidth goal is reported, not enforced), else 1.
 # Sections added later should follow the same `step` pattern and keep the budget.
 set -uo pipefail
@@ -107,7 +115,20 @@ grep -E "^(gae|kl|whiten)" "$out/bench.log" | grep "4096x8192" |
     echo "bandwidth 4096x8192 $name: ${pct}% of 4800 GB/s ($goal)" | tee -a "$summary"
   done
 
-# ---- 4. compute-sanitizer, small sizes
+# ---- 4. models on NCCL and the ~1B llama training step
+step models 150 "$py" -m pytest -q -s -p no:cacheprovider tests/gpu/test_models_gpu.py
+grep -E "tokens/s|MFU|peak|layer spec|passed|failed|skipped" "$out/models.log" | tail -12
+
+# ---- 5. rollout engine: builtin vs transformers' generate on the same ~1B model
+step engine 60 "$py" benchmarks/rollout_engine.py --device cuda --dtype bf16 --size 1b \
+  --batch 32 --prompt 128 --new 128 --rounds 3
+tail -5 "$out/engine.log"
+
+# ---- 6. world-1 PPO steps on CUDA with the builtin engine, ~1B llama
+step ppo_step 150 "$py" scripts/gpu_ppo_step.py --device cuda --size 1b --steps 3
+tail -6 "$out/ppo_step.log"
+
+# ---- 7. compute-sanitizer, small sizes
 sanitizer="$(command -v compute-sanitizer ||
   echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")"
 if [ -x "$sanitizer" ]; then
