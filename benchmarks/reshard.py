@@ -38,12 +38,15 @@ STRATEGIES = ("allgather", "vanilla", "zero_redundancy", "p2p")
 
 def _rounds(methods, repeats, barrier):
     """Warm every method up, then ``repeats`` rounds running each method once (interleaved, so
-    background load hits all methods alike). {name: median seconds on this rank}."""
+    background load hits all methods alike; round k starts at the k-th method, so no method
+    always runs right after the allocation-heavy baselines). {name: median seconds on this rank}."""
     for fn in methods.values():
         fn()
     times = {name: [] for name in methods}
-    for _ in range(repeats):
-        for name, fn in methods.items():
+    names = list(methods)
+    for k in range(repeats):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            fn = methods[name]
             barrier()
             t0 = time.perf_counter()
             fn()

@@ -44,6 +44,9 @@ def make_folder(path: Path) -> None:
     import torch
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" would land in the tables
 
     from hybridrl.data.tokenizer import CharTokenizer
 
