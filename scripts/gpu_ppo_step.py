@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         seqs = cfg.data.train_batch_size * cfg.rollout.n
         seq_tokens = tokens_per_s * step  # prompt + response tokens of the batch
         flops = 2 * n_params * resp * seqs + 10 * n_params * seq_tokens
-        print(f"parameters {n_params / 1e9:.3f} B; MFU estimate {flops / step / 1e12:.1f} "
+        print(f"parameters {n_params / 1e6:.1f} M; MFU estimate {flops / step / 1e12:.1f} "
               f"TFLOP/s = {100 * flops / step / (args.peak_tflops * 1e12):.1f}% of "
               f"{args.peak_tflops:.0f}")
     finite = all(math.isfinite(v) for m in history for v in m.values()
