@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     die_with_parent()
     try:
         from hybridrl.config.loader import load_config
-        from hybridrl.ppo.startup import check_startup
+        from hybridrl.ppo.startup import _writable, check_startup
 
         def load(extra):
             return load_config(args.config, [*args.overrides, *extra], world_size=world)
@@ -71,6 +71,8 @@ def main(argv=None) -> int:
         train, gen = build_layout(cfg, world)
         cfg.sft.check_dp(train.dp)
         problems = check_startup(cfg, rank)
+        problem = _writable("sft.output_dir", cfg.sft.output_dir, rank)
+        problems += [problem] if problem else []
     except Exception as err:
         return _fail(rank, 2, one_line(err))
     if problems:

@@ -10,11 +10,14 @@ Contract:
   ``{"step": step, "kept": bool, **metrics}`` as one line to ``<folder>/metrics.jsonl``; the
   ``tracker`` (``hybridrl.ppo.tracking``, when set) receives the metrics too.
 - ``resume_at(step)`` rewrites ``metrics.jsonl`` to hold exactly the lines of steps <= ``step``
-  (none for a fresh run, step 0), so a resumed run appends without duplicates.
+  (none for a fresh run, step 0), so a resumed run appends without duplicates; it also calls
+  ``open_tracker`` when set (so ``config.yaml`` and the sinks start only once the run folder
+  was accepted).
 - ``samples(step, samples)`` prints a few validation generations and appends all of them to
   ``<folder>/generations.jsonl``; ``phase(name)`` prints a start-up phase with its time
-  (``hybridrl.ppo.progress``; the first step line is preceded by the first weight sync's
-  time); ``close()`` closes the tracker.
+  (``hybridrl.ppo.progress``); ``startup(text)`` queues a start-up line (models built,
+  engine ready) that is printed, with the first weight sync's time, just before the first step
+  line; ``close()`` closes the tracker.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class MetricsLog:
         self.jsonl = "jsonl" in loggers
         self.progress = Progress(rank, folder, print_fn)
         self.tracker = None  # a hybridrl.ppo.tracking.Tracker on rank 0, when one is chosen
+        self.open_tracker = None  # () -> Tracker | None, called by resume_at (folder accepted)
+        self.pending: list[str] = []  # start-up lines, printed before the first step line
 
     def line(self, text: str) -> None:
         if self.active:
@@ -53,6 +58,9 @@ class MetricsLog:
         parts = [f"{short} {metrics[k]:.4g}" for short, k in SUMMARY if k in metrics]
         kept = not metrics.get("training/rolled_back")
         if self.progress.total == 0 and "timing_s/reshard" in metrics:  # the run's first step
+            for text in self.pending:
+                self.print(text, flush=True)
+            self.pending = []
             self.print(f"hybridrl: first weight sync {metrics['timing_s/reshard']:.2f} s, first "
                        f"step {metrics.get('timing_s/step', float('nan')):.1f} s", flush=True)
         self.progress.total = total
@@ -72,6 +80,10 @@ class MetricsLog:
     def phase(self, name: str) -> None:
         self.progress.phase(name)
 
+    def startup(self, text: str) -> None:
+        """A start-up line, printed just before the first step's line."""
+        self.pending.append(text)
+
     def close(self) -> None:
         if self.tracker is not None:
             self.tracker.close()
@@ -79,6 +91,8 @@ class MetricsLog:
 
     def resume_at(self, step: int) -> None:
         self.progress.start(0, first_step=step)
+        if self.open_tracker is not None:  # the run folder is accepted: config.yaml, sinks
+            self.tracker, self.open_tracker = self.open_tracker(), None
         if not (self.active and self.jsonl):
             return
         kept = [] if step == 0 or not self.path.exists() else [

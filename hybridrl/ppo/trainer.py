@@ -142,9 +142,10 @@ class PPOTrainer:
         self.temperature = cfg.rollout.temperature or 1.0
         self.step, self.run_id = 0, run_id(cfg)
         self.log = MetricsLog(self.rank, cfg.trainer.checkpoint_dir, cfg.trainer.logger, print_fn)
-        self.log.tracker = build_tracker(cfg, self.rank, cfg.trainer.checkpoint_dir)
-        self.log.line(f"hybridrl: models built and weights loaded ({t_models - t_start:.1f} s), "
-                      f"engine ready ({time.perf_counter() - t_models:.1f} s)")
+        self.log.open_tracker = functools.partial(build_tracker, cfg, self.rank,
+                                                  cfg.trainer.checkpoint_dir)  # once resumed
+        self.log.startup(f"hybridrl: models built and weights loaded ({t_models - t_start:.1f} s),"
+                         f" engine ready ({time.perf_counter() - t_models:.1f} s)")
         ref_offload = {"params"} if cfg.ref.param_offload else set()
         self.memory = PhaseMemory({
             "actor": (self.actor, self.actor_opt, cfg.actor.offload_parts),

@@ -233,8 +233,8 @@ def test_resume_gives_the_uninterrupted_step(world1, root):
     assert len(resumed) == 1 and "resumed from" in world1["resume"]["lines"][0]
     assert resumed[0] == full[2]
     folder = f"{root[0]}/resume"
-    assert sorted(os.listdir(folder)) == ["global_step_1", "global_step_2", "metrics.jsonl",
-                                          "run.json"]
+    assert sorted(os.listdir(folder)) == ["config.yaml", "global_step_1", "global_step_2",
+                                          "metrics.jsonl", "run.json"]
     steps = [json.loads(line)["step"] for line in open(f"{folder}/metrics.jsonl")]
     assert steps == [1, 2, 3]  # the resumed run appends
 
