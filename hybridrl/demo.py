@@ -13,7 +13,8 @@ is installed) and prints exactly one closing line:
     demo: val/score/mean SFT <a> -> RL <b> (metrics: <path>, plot: <path>)
 
 where ``a`` is the SFT model's greedy validation score and ``b`` the RL run's last one; ``plot``
-is ``none`` without matplotlib. ``run_demo(cfg_loader, groups)`` returns ``(a, b)``.
+is ``none`` without matplotlib. ``run_demo(load, groups)`` (``load(extra_overrides)`` -> config)
+returns ``(a, b, metrics path, plot path)``; the plot path is ``none`` on ranks other than 0.
 """
 
 from __future__ import annotations

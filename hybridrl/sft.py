@@ -1,6 +1,7 @@
 """The SFT entrypoint: ``torchrun --nproc-per-node N -m hybridrl.sft --config a.yaml k=v``.
 
-Contract: the same config files and overrides as ``hybridrl.train`` (one ``HybridRLConfig``:
+Contract: ``--config`` files and ``key=value`` overrides as ``hybridrl.train`` takes them (no
+``--config-name``; one ``HybridRLConfig``:
 ``model``, ``parallel`` and ``data`` shared with the RL run, the ``sft`` section for the rest).
 Every rank loads and checks the config, the layout and the start-up checks
 (``hybridrl.ppo.startup``, plus ``sft.output_dir`` writable) BEFORE any collective; a problem
