@@ -249,8 +249,9 @@ VERL_RULES: tuple[VerlRule, ...] = (
     _set("trainer.resume_mode", "trainer.resume", note="auto | disable | resume_path (-> path)",
          values=(("resume_path", "path"),)),
     _set("trainer.resume_from_path", "trainer.resume_path"),
-    VerlRule("trainer.logger", ("trainer.logger",), "sinks hybridrl lacks (wandb, tensorboard, "
-             "mlflow, ...) are replaced by jsonl (<checkpoint_dir>/metrics.jsonl)", "special"),
+    VerlRule("trainer.logger", ("trainer.logger",), "wandb, mlflow, tensorboard are kept; sinks "
+             "hybridrl lacks (swanlab, clearml, ...) are replaced by jsonl "
+             "(<checkpoint_dir>/metrics.jsonl)", "special"),
     _ident("trainer.project_name"),
     _ident("trainer.experiment_name"),
     _ignore("trainer.critic_warmup", "no critic-only warm-up phase: the actor and critic both "

@@ -32,7 +32,7 @@ from hybridrl.config.verl_keys import VERL_WORLD_DEFAULTS, VerlRule, rule_for
 
 CRITIC_FOLLOWS_ACTOR = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode")
 VERL_SINKS = ("wandb", "tensorboard", "mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio",
-              "file")  # verl's trainer.logger names; those hybridrl lacks become jsonl
+              "file")  # verl's trainer.logger names; those not in LOGGERS become jsonl
 
 
 def parse_value(text: str) -> Any:

@@ -80,7 +80,7 @@ def test_verl_ppo_example_loads_with_verl_meaning():
                                                                    "Qwen/Qwen2-7B-Instruct")
     assert cfg.ref.log_prob_micro_batch_size_per_gpu == 4
     assert cfg.critic.ppo_mini_batch_size == 256  # verl's critic default follows the actor
-    assert cfg.trainer.logger == ["console", "jsonl"]
+    assert cfg.trainer.logger == ["console", "wandb"]  # a sink hybridrl has is kept
     assert (cfg.trainer.save_freq, cfg.trainer.test_freq, cfg.trainer.total_epochs) == (20, 5, 100)
     for fragment in ("actor_rollout_ref.rollout.name -> rollout.engine ('vllm' -> 'sglang')",
                      "trainer.critic_warmup", "data.truncation=drop"):
