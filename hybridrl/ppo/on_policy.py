@@ -10,11 +10,11 @@ Contract:
   and the gradient is the one the separate forward would give (up to float rounding), as TRL and
   verl do for on-policy steps. Pure (reads the config only).
 - ``old_or_current(old_BT, current_BT)``: ``current_BT.detach()`` when ``old_BT`` is None.
-- Intended use in the trainer (not wired yet: hybridrl/ppo/trainer.py had other pending edits):
-  ``self.on_policy = skip_old_forward(cfg)``; the old-log-prob phase stores the engine's
-  log-probs as ``old_log_probs`` placeholders for the batch bookkeeping only; ``_actor_loss``
-  passes ``old_or_current(None if self.on_policy else old, logp)``; the engine-vs-actor gap
-  metrics (``GAP_METRICS``) are dropped, since they would read 0.
+- The trainer's hook: ``self.on_policy = skip_old_forward(cfg)``; the old-log-prob phase then
+  stores the engine's log-probs as ``old_log_probs`` placeholders for the batch bookkeeping only;
+  ``_actor_loss`` passes ``old_or_current(None if self.on_policy else old, logp)``; the
+  engine-vs-actor gap metrics (``GAP_METRICS``) are dropped, since they would read 0.
+  tests/distributed/test_on_policy.py: the same metrics and weights as with the forward.
 """
 
 from __future__ import annotations

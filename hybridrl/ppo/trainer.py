@@ -71,6 +71,7 @@ from hybridrl.ppo.kl_control import apply_kl_in_reward, build_kl_controller
 from hybridrl.ppo.losses import actor_loss, value_loss
 from hybridrl.ppo.memory import NEEDS, PhaseMemory
 from hybridrl.ppo.metrics_log import MetricsLog
+from hybridrl.ppo.on_policy import GAP_METRICS, old_or_current, skip_old_forward
 from hybridrl.ppo.run_identity import run_id
 from hybridrl.ppo.tracking import build_tracker
 from hybridrl.ppo.validation import validate_prompts
@@ -121,6 +122,7 @@ class PPOTrainer:
                        if cfg.use_critic else None)
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * len(self.loader)
         self.actor_opt = self._optimizer(self.actor, a)
+        self.on_policy = skip_old_forward(cfg)  # no old-log-prob forward (hybridrl/ppo/on_policy.py)
         self.critic_opt = self._optimizer(self.critic, cfg.critic) if self.critic else None
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
@@ -245,8 +247,9 @@ class PPOTrainer:
         a, dev = self.cfg.actor, outputs["logprobs"].device
         idx = batch["resp_index"]
         ent = gather_response(outputs["entropy"], idx) if "entropy" in outputs else None
+        logp = gather_response(outputs["logprobs"], idx)
         loss, metrics = actor_loss(
-            batch["old_log_probs"].to(dev), gather_response(outputs["logprobs"], idx),
+            old_or_current(None if self.on_policy else batch["old_log_probs"].to(dev), logp), logp,
             batch["advantages"].to(dev), batch["response_mask"].to(dev),
             policy_loss=a.policy_loss, entropy_BT=ent, entropy_coeff=a.entropy_coeff,
             ref_log_prob=batch["ref_log_probs"].to(dev) if "ref_log_probs" in batch else None,
@@ -312,7 +315,7 @@ class PPOTrainer:
         mask = rb.response_mask
         a = cfg.actor
         with self._phase(timing, "old_log_prob"):
-            old = self._logprobs(self.actor, rb)
+            old = rb.rollout_logprobs if self.on_policy else self._logprobs(self.actor, rb)
         tensors = {"old_log_probs": old}
         if self.ref is not None:
             with self._phase(timing, "ref"):
@@ -367,6 +370,7 @@ class PPOTrainer:
         timing["timing_s/step"] = time.perf_counter() - t0
         batch = batch_metrics(rb, tensors, self.cfg.rollout.response_length, timing["timing_s/step"],
                               self.world, self._gloo_dp())
+        batch = {k: v for k, v in batch.items() if not (self.on_policy and k in GAP_METRICS)}
         return {**metrics, **batch, **timing}
 
     # ------------------------------------------------------------------ KL guard
