@@ -4,9 +4,9 @@ Contract:
 - ``MetricsLog(rank, folder, loggers, print_fn)``: every method is a no-op on ranks other than 0.
 - ``line(text)`` prints ``text`` (flushed).
 - ``step(step, total, metrics)`` prints ``step <step>/<total> | score .. | pg_loss .. | ... |
-  eta <m>m<ss>s`` (the keys of ``SUMMARY`` that ``metrics`` has; ``| rolled back: not kept``
-  when the step guard undid it, ``training/rolled_back``; the ETA is the mean time per step
-  since ``resume_at`` times the steps left) and, when ``"jsonl"`` is in ``loggers``, appends
+  eta <m>m<ss>s`` (the keys of ``SUMMARY`` that ``metrics`` has; the ETA is the mean time per
+  step since ``resume_at`` times the steps left; then ``| rolled back: not kept`` when the
+  step guard undid it, ``training/rolled_back``) and, when ``"jsonl"`` is in ``loggers``, appends
   ``{"step": step, "kept": bool, **metrics}`` as one line to ``<folder>/metrics.jsonl``; the
   ``tracker`` (``hybridrl.ppo.tracking``, when set) receives the metrics too.
 - ``resume_at(step)`` rewrites ``metrics.jsonl`` to hold exactly the lines of steps <= ``step``
@@ -65,8 +65,8 @@ class MetricsLog:
                        f"step {metrics.get('timing_s/step', float('nan')):.1f} s", flush=True)
         self.progress.total = total
         self.print(f"step {step}/{total} | " + " | ".join(parts)
-                   + ("" if kept else " | rolled back: not kept")
-                   + f" | eta {self.progress.eta(step)}", flush=True)
+                   + f" | eta {self.progress.eta(step)}"
+                   + ("" if kept else " | rolled back: not kept"), flush=True)
         if self.tracker is not None:
             self.tracker.log(metrics, step)
         if self.jsonl:

@@ -6,6 +6,7 @@ and the run directory; a chosen sink whose package is missing is one line naming
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 
@@ -50,8 +51,15 @@ def test_wandb_offline(tmp_path, monkeypatch):
     _track("wandb", tmp_path)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    # the offline transaction log (protobuf records): keys and values are stored as text
-    data = b"".join(p.read_bytes() for p in runs[0].glob("run-*.wandb"))
+    # the offline transaction log (protobuf records): keys and values are stored as text;
+    # wandb's service may still be flushing it after finish(): shut it down, then wait for it
+    import wandb
+
+    wandb.teardown()
+    deadline, data = time.monotonic() + 60, b""
+    while b"critic/score/mean" not in data and time.monotonic() < deadline:
+        time.sleep(0.5)
+        data = b"".join(p.read_bytes() for p in runs[0].glob("run-*.wandb"))
     assert b"critic/score/mean" in data and b"0.75" in data and b"actor/kl_loss" in data
     assert b"0.000123" in data and b"proj" in data and b"exp" in data  # config, project, name
 
