@@ -16,6 +16,7 @@ after ``--``) are torchrun's (``--standalone --nproc-per-node 2``, ``--nnodes``,
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import sys
@@ -64,4 +65,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 130:  # interrupted: torchrun's C++ store threads may still be alive, and their
+        sys.stdout.flush()  # teardown at interpreter exit can abort (SIGABRT, "terminate called
+        sys.stderr.flush()  # without an active exception"); leave without it
+        os._exit(status)
+    sys.exit(status)
