@@ -52,7 +52,7 @@ def run_demo(load, groups, print_fn=print) -> tuple[float, float, str, str]:
 
 
 def main(argv=None) -> int:
-    from hybridrl.train import _fail, build_layout, parse_args
+    from hybridrl.train import _fail, parse_args
 
     args = parse_args(argv)
     for pattern in (".*Transformer Engine and Apex.*", ".*Apex is not installed.*",
@@ -62,18 +62,14 @@ def main(argv=None) -> int:
     die_with_parent()
     try:
         from hybridrl.config.loader import load_config
-        from hybridrl.ppo.startup import _writable, check_startup
+        from hybridrl.sft import sft_startup
 
         def load(extra):
             return load_config(args.config, [*args.overrides, *extra], world_size=world)
 
         cfg = load([])
         cfg.check_world(world)
-        train, gen = build_layout(cfg, world)
-        cfg.sft.check_dp(train.dp)
-        problems = check_startup(cfg, rank)
-        problem = _writable("sft.output_dir", cfg.sft.output_dir, rank)
-        problems += [problem] if problem else []
+        train, gen, problems = sft_startup(cfg, world, rank)
     except Exception as err:
         return _fail(rank, 2, one_line(err))
     if problems:

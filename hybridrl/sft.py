@@ -39,8 +39,22 @@ def run_sft(cfg, groups, print_fn=print):
     return history, folder
 
 
+def sft_startup(cfg, world: int, rank: int):
+    """(train layout, gen layout, problems) of an SFT run on ``world`` ranks, before any
+    collective: the layouts (ValueError when they do not fit), the DP split of the SFT batch,
+    the trainer's start-up checks and a writable ``sft.output_dir`` (one line each)."""
+    from hybridrl.ppo.startup import _writable, check_startup
+    from hybridrl.train import build_layout
+
+    train, gen = build_layout(cfg, world)
+    cfg.sft.check_dp(train.dp)
+    problems = check_startup(cfg, rank)
+    problem = _writable("sft.output_dir", cfg.sft.output_dir, rank)
+    return train, gen, problems + ([problem] if problem else [])
+
+
 def main(argv=None) -> int:
-    from hybridrl.train import _fail, build_layout, parse_args
+    from hybridrl.train import _fail, parse_args
 
     args = parse_args(argv)
     for pattern in (".*Transformer Engine and Apex.*", ".*Apex is not installed.*",
@@ -50,14 +64,9 @@ def main(argv=None) -> int:
     die_with_parent()
     try:
         from hybridrl.config.loader import load_config
-        from hybridrl.ppo.startup import _writable, check_startup
 
         cfg = load_config(args.config, args.overrides, world_size=world)
-        train, gen = build_layout(cfg, world)
-        cfg.sft.check_dp(train.dp)
-        problems = check_startup(cfg, rank)
-        problem = _writable("sft.output_dir", cfg.sft.output_dir, rank)
-        problems += [problem] if problem else []
+        train, gen, problems = sft_startup(cfg, world, rank)
     except Exception as err:
         return _fail(rank, 2, one_line(err))
     if problems:
