@@ -13,6 +13,15 @@ Contract:
   vocab-parallel ``model.embed_tokens.weight`` / ``lm_head.weight`` [vocab_chunk, H] holding ids
   [tp_rank·chunk, (tp_rank+1)·chunk) (rows past the vocabulary are padding). A tied model may
   omit ``lm_head`` (the embedding is used).
+- Storage is megatron's gen-layout layout, so the reshard can write into it in place: every
+  tensor is stored exactly as megatron-core stores that rank's shard, which for all but qkv is
+  the engine format itself; ``qkv_proj`` is stored grouped per KV head, [q heads of the group;
+  k; v] (megatron's ``linear_qkv``), and ``update_weights`` regroups an engine-format [q; k; v]
+  on load. ``buffer(name, shape)`` returns the tensor that holds ``name`` (allocated, zeroed, on
+  first use) for a reshard to fill in place; ``alias(name, tensor)`` makes the engine read
+  ``name`` from someone else's tensor (a training parameter of the same shard: no copy, no
+  memory); a later ``update_weights``/``buffer`` of that name gives it its own storage again.
+  ``aliased`` names the aliased tensors.
 - Row-parallel outputs (o_proj, down_proj) and the vocab-parallel embedding are summed with one
   all-reduce over ``tp_group``; last-position logits are all-gathered (real ids only) for
   sampling; ``tp_src`` (global rank of the group's first member) broadcasts the chosen tokens so
@@ -106,6 +115,7 @@ class BuiltinEngine:
         self.hq = spec.num_attention_heads // tp_size  # local query heads
         self.hk = spec.num_kv_heads // tp_size  # local KV heads
         self.weights: dict[str, torch.Tensor] = {}
+        self.aliased: set[str] = set()
         self.expected = self._expected_shapes()
         hd = spec.head_dim
         self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
@@ -128,20 +138,47 @@ class BuiltinEngine:
                 out[p + "self_attn.qkv_proj.bias"] = ((self.hq + 2 * self.hk) * hd,)
         return out
 
+    def _check(self, name: str, shape) -> tuple[int, ...]:
+        want = self.expected.get(name)
+        if want is None:
+            raise ValueError(f"builtin engine: unknown weight {name!r}")
+        if tuple(shape) != want:
+            raise ValueError(f"builtin engine: {name} has shape {tuple(shape)}, "
+                             f"expected {want} (gen tp={self.tp_size})")
+        return want
+
+    def _grouped(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Engine-format [q; k; v] rows -> the stored layout [per KV head: its q heads; k; v]."""
+        hd, rest = self.spec.head_dim, tuple(qkv.shape[1:])
+        q, k, v = qkv.split([self.hq * hd, self.hk * hd, self.hk * hd])
+        return torch.cat([q.reshape(self.hk, -1, *rest), k.reshape(self.hk, hd, *rest),
+                          v.reshape(self.hk, hd, *rest)], dim=1).reshape(qkv.shape)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (a subset of) this rank's engine-format tensors; see the module docstring."""
         for name, tensor in named_tensors:
-            want = self.expected.get(name)
-            if want is None:
-                raise ValueError(f"builtin engine: unknown weight {name!r}")
-            if tuple(tensor.shape) != want:
-                raise ValueError(f"builtin engine: {name} has shape {tuple(tensor.shape)}, "
-                                 f"expected {want} (gen tp={self.tp_size})")
+            self._check(name, tensor.shape)
+            if ".qkv_proj." in name:
+                tensor = self._grouped(tensor)
             with torch.no_grad():
-                if name in self.weights:
-                    self.weights[name].copy_(tensor)
-                else:
-                    self.weights[name] = tensor.detach().to(self.device, self.dtype).clone()
+                self.buffer(name, tensor.shape).copy_(tensor)
+
+    def buffer(self, name: str, shape) -> torch.Tensor:
+        """The engine's own tensor for ``name`` (stored layout), to be filled in place."""
+        want = self._check(name, shape)
+        if name in self.aliased or name not in self.weights:
+            self.aliased.discard(name)
+            self.weights[name] = torch.zeros(want, dtype=self.dtype, device=self.device)
+        return self.weights[name]
+
+    def alias(self, name: str, tensor: torch.Tensor) -> None:
+        """Read ``name`` from ``tensor`` itself (stored layout, the engine's dtype and device)."""
+        self._check(name, tensor.shape)
+        if tensor.dtype != self.dtype or tensor.device != self.device:
+            raise ValueError(f"builtin engine: cannot alias {name} ({tensor.dtype}, "
+                             f"{tensor.device}); the engine runs {self.dtype} on {self.device}")
+        self.weights[name] = tensor.detach()
+        self.aliased.add(name)
 
     def finish_update(self) -> None:
         """End of a weight sync: nothing to do, ``update_weights`` already loaded (no collective)."""
@@ -183,20 +220,20 @@ class BuiltinEngine:
         hd = self.spec.head_dim
         p = f"model.layers.{L}."
         B, S, _ = h_BSH.shape
+        rep = self.hq // self.hk
         qkv = h_BSH @ self._w(p + "self_attn.qkv_proj.weight").T
         if self.spec.qkv_bias:
             qkv = qkv + self._w(p + "self_attn.qkv_proj.bias")
-        qk, v = qkv.split([(self.hq + self.hk) * hd, self.hk * hd], dim=-1)
-        qk_BNSD = self._rope(qk.view(B, S, self.hq + self.hk, hd).transpose(1, 2), rope)  # q, k
-        q_BNSD, k_BNSD = qk_BNSD[:, :self.hq], qk_BNSD[:, self.hq:]
+        g = qkv.view(B, S, self.hk, rep + 2, hd).permute(0, 2, 3, 1, 4)  # [B, hk, rep+2, S, hd]
+        qk = self._rope(g[:, :, :rep + 1].reshape(B, self.hk * (rep + 1), S, hd), rope)
+        qk = qk.view(B, self.hk, rep + 1, S, hd)  # each KV head's query heads, then its key
+        q_BGRD, k_BNSD = qk[:, :, :rep].reshape(B, self.hk, rep * S, hd), qk[:, :, rep]
         keys, values = cache[L]
         keys[:, :, start:start + S] = k_BNSD
-        values[:, :, start:start + S] = v.view(B, S, self.hk, hd).transpose(1, 2)
+        values[:, :, start:start + S] = g[:, :, rep + 1]
         K = start + S
         # GQA without repeating K/V: the rep = hq/hk query heads of a KV head are stacked as
         # rep*S rows against that head's keys; allowed_BSK is the additive fp32 mask [B, 1, rep*S, K]
-        rep = self.hq // self.hk
-        q_BGRD = q_BNSD.reshape(B, self.hk, rep * S, hd)
         scores = (q_BGRD @ keys[:, :, :K].transpose(-1, -2)).float() / math.sqrt(hd)
         probs = torch.softmax(scores + allowed_BSK, dim=-1).to(values.dtype)  # [B, hk, rep*S, K]
         out_BNSD = (probs @ values[:, :, :K]).view(B, self.hq, S, hd)

@@ -11,11 +11,14 @@ Contract:
   builtin or sglang) on this rank's gen shard, with the engines' vocab padding
   (``ENGINE_VOCAB_PAD`` = 64). Every model the reshard moves is accepted here, q/k/v biases
   (Qwen2) included, and both engines run them.
-- ``sync_weights(actor)`` runs the plan: every rank sends what others lack and the engine
-  receives its engine-format shard bucket by bucket (``update_weights`` is the sink, called a
-  rank-dependent number of times, never communicating), then ``finish_update()`` exactly once on
-  every rank (the one place an engine may run a gen-TP collective). Returns the executor's
-  ``RunStats``. The reshard's buffers are on the actor's device. SGLang instead takes one push
+- ``sync_weights(actor)`` runs the plan: every rank sends what others lack. The builtin engine
+  is filled in place (received rows land in its tensors; where a rank's gen shard of a
+  parameter is its training shard the engine reads the training tensor itself, unless
+  ``actor.param_offload``: ``inplace_targets``); another engine receives its engine-format
+  shard bucket by bucket (``update_weights`` is the sink, called a rank-dependent number of
+  times, never communicating). Then ``finish_update()`` exactly once on every rank (the one
+  place an engine may run a gen-TP collective). Returns the executor's ``RunStats``. The
+  reshard's buffers are on the actor's device. SGLang instead takes one push
   round per reshard phase on a gloo side group (``start_update`` first, ``update_weights`` at
   every flush; hybridrl/rollout/sglang_push.py).
 - ``release()`` (collective over the gen-TP group): call it after the rollouts, before the
@@ -47,10 +50,10 @@ import torch.distributed as dist
 from hybridrl.parallel.groups import DEFAULT_TIMEOUT_S
 from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.executor import run_plan, train_sources
-from hybridrl.reshard.formats import engine_format
+from hybridrl.reshard.formats import engine_format, hf_name
 from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, gen_placement, train_placement
 from hybridrl.reshard.planner import plan_reshard
-from hybridrl.reshard.specs import LlamaShape, build_specs
+from hybridrl.reshard.specs import LlamaShape, build_specs, storage_shape
 from hybridrl.rollout.base import GenerationOutput, SamplingParams
 from hybridrl.rollout.partition import (
     TransportStats,
@@ -96,17 +99,56 @@ def rollout_gen_placement(layout, shape: LlamaShape, gen_cfg):
     return gen, gen.grouping
 
 
+def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
+    """Megatron gen-layout name -> the engine tensor the reshard fills in place (``into=``).
+
+    With ``alias``, a parameter whose gen shard on this rank IS its training shard (same
+    canonical rows, same storage shape: e.g. gen tp = train tp on the rank's own stage) is not
+    copied at all: the engine reads the training tensor itself (``engine.alias``), and the
+    reshard's local copy finds source and destination the same memory. Vocab tensors with
+    padding rows are never aliased (the reshard zeroes an engine's padding rows)."""
+    gen, train = plan.gen, plan.train
+    into = {}
+    for spec in plan.specs:
+        iv = gen.interval(spec, rank)
+        if iv is None:
+            continue
+        gname, ename = spec.local_name(gen.pp, gen.num_layers), hf_name(spec)
+        shape = storage_shape(spec, gen.tp, gen.vocab_chunk)
+        own = named.get(spec.local_name(train.pp, train.num_layers))
+        same = (alias and own is not None and train.interval(spec, rank) == iv
+                and tuple(own.shape) == shape and own.dtype == engine.dtype
+                and own.device == engine.device
+                and not (spec.kind == "vocab" and iv[1] - iv[0] < shape[0]))
+        if same:
+            engine.alias(ename, own)
+            into[gname] = own
+        else:
+            into[gname] = engine.buffer(ename, shape)
+    return into
+
+
 @torch.no_grad()
-def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, device="cpu"):
-    """Run ``plan`` from this rank's training tensors ``named`` into ``engine`` (collective):
-    ``update_weights`` per flushed bucket, then ``finish_update`` exactly once. The reshard's
-    buffers live on ``device`` (the engine's). An engine with ``start_update(plan)`` (SGLang)
-    is told the plan first and gets ``update_weights`` at every flush, empty ones included."""
+def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, device="cpu",
+                alias: bool = False):
+    """Run ``plan`` from this rank's training tensors ``named`` into ``engine`` (collective).
+
+    An engine with ``buffer`` (the builtin one; needs a gen-shard strategy) is filled in place:
+    received rows land in its tensors, nothing is converted or buffered (``inplace_targets``;
+    ``alias``: see there). Any other engine gets ``update_weights`` per flushed bucket in the
+    engine format; the reshard's buffers live on ``device`` (the engine's). An engine with
+    ``start_update(plan)`` (SGLang) is told the plan first and gets ``update_weights`` at every
+    flush, empty ones included. ``finish_update`` runs exactly once at the end."""
     start = getattr(engine, "start_update", None)
     if start is not None:
         start(plan)
-    asm = Assembler(plan, rank, engine_format(shape, plan.gen, rank), sink=engine.update_weights,
-                    dtype=dtype, device=device, sink_every_flush=start is not None)
+    if hasattr(engine, "buffer") and plan.strategy in ("zero_redundancy", "p2p"):
+        asm = Assembler(plan, rank, None, dtype=dtype, device=device,
+                        into=inplace_targets(plan, rank, named, engine, alias))
+    else:
+        asm = Assembler(plan, rank, engine_format(shape, plan.gen, rank),
+                        sink=engine.update_weights, dtype=dtype, device=device,
+                        sink_every_flush=start is not None)
     stats = run_plan(plan, rank, train_sources(plan, rank, named), asm)
     asm.result()
     engine.finish_update()
@@ -137,6 +179,9 @@ class RolloutWorker:
         tp_group, members = _gen_tp_groups(self.gen, self.rank, groups, grouping)
         self.is_src = self.rank == members[0]
         self.device = actor.device
+        # the builtin engine reads the rank's own training tensors where its gen shard is that
+        # shard (no copy); not when the weights leave the device while generating
+        self.alias = not cfg.actor.param_offload
         self.engine = self._build_engine(cfg, actor, tp_group, tp_rank, members[0])
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -156,7 +201,7 @@ class RolloutWorker:
         """Reshard the actor's training shards into the engine (collective)."""
         named = {n: p.detach() for n, p in actor.module.named_parameters()}
         return sync_engine(self.plan, self.rank, self.shape, named, self.engine, self.dtype,
-                           self.device)
+                           self.device, alias=self.alias)
 
     # ------------------------------------------------------------------ SGLang only
     def _build_sglang(self, cfg, actor, backend=None):
