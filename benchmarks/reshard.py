@@ -34,6 +34,7 @@ from hybridrl.testing.dist import run_on_ranks  # noqa: E402
 # ~100M parameters: 12 layers, hidden 768, GQA 12 heads / 4 groups, SwiGLU 2048, vocab 16000
 SHAPE = LlamaShape(hidden=768, ffn=2048, heads=12, num_query_groups=4, layers=12, vocab=16000)
 STRATEGIES = ("allgather", "vanilla", "zero_redundancy", "p2p")
+ENGINE = "zero_redundancy -> builtin engine"
 
 
 def _rounds(methods, repeats, barrier):
@@ -214,6 +215,53 @@ def _strategy_method(rank, cfg, layout, train, specs, named, strategy, info, res
     return once, plan
 
 
+def _engine_method(rank, cfg, groups, layout, train, specs, named):
+    """zero_redundancy into hybridrl's builtin engine, as the trainer runs it: received rows land
+    in the engine's tensors, and the tensors a rank holds whole in both layouts are aliased (the
+    engine reads the training tensor; megatron's vocab padding, so the vocabulary too)."""
+    import torch
+
+    from hybridrl.reshard.executor import check_same_plan
+    from hybridrl.reshard.placement import gen_placement
+    from hybridrl.reshard.planner import plan_reshard
+    from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
+    from hybridrl.rollout.worker import sync_engine
+
+    tg, pg = cfg["layout"][2:]
+    gen = gen_placement(layout, SHAPE, tg, pg, "hybridflow")
+    plan = plan_reshard(train, gen, specs, "zero_redundancy", bucket_mb=cfg["bucket_mb"], itemsize=4)
+    check_same_plan(plan)
+    spec = EngineSpec(SHAPE.hidden, SHAPE.ffn, SHAPE.heads, SHAPE.num_query_groups,
+                      SHAPE.head_dim, SHAPE.layers, SHAPE.vocab, gen.vocab_chunk)
+    engine = BuiltinEngine(spec, tp_group=groups.groups.get("gen_tp"), tp_rank=gen.coords[rank][0],
+                           tp_size=tg, pp_size=pg)
+    info = {"planned": plan.recv_bytes(rank)}
+
+    def once():
+        stats = sync_engine(plan, rank, SHAPE, named, engine, torch.float32, alias=True,
+                            verify=False)
+        info.update(recv=stats.bytes_received, peak=stats.peak_live_bytes)
+
+    return once, info, engine, plan
+
+
+def _engine_same(engine, plan, rank, zr_result) -> bool:
+    """The engine's tensors == zero_redundancy's gen shard (real vocab rows), bit for bit."""
+    from hybridrl.reshard.formats import hf_name
+
+    for spec in plan.specs:
+        iv = plan.gen.interval(spec, rank)
+        if iv is None:
+            continue
+        want = zr_result[spec.local_name(1, SHAPE.layers)]
+        got = engine.weights[hf_name(spec)]
+        if spec.kind == "vocab":  # padding rows: zeroed by zero_redundancy, never read by the engine
+            want, got = want[:iv[1] - iv[0]], got[:iv[1] - iv[0]]
+        if not (got.shape == want.shape and bool((got == want).all())):
+            return False
+    return True
+
+
 def _sources(rank, cfg, groups, train, specs):
     """This rank's training tensors: a megatron GPTModel's (and the model), or plain tensors."""
     import torch
@@ -250,6 +298,9 @@ def _bench_rank(rank, world, cfg):
     for strategy in STRATEGIES:
         methods[strategy], plans[strategy] = _strategy_method(
             rank, cfg, layout, train, specs, named, strategy, info, results)
+    if cfg["layout"][3] == 1:  # the builtin engine runs gen pp = 1
+        methods[ENGINE], info[ENGINE], engine, eplan = _engine_method(
+            rank, cfg, groups, layout, train, specs, named)
     zr = plans["zero_redundancy"]
     local = sum((hi - lo) * zr.spec(k).row_numel * zr.itemsize for k, lo, hi in zr.locals[rank])
     wire, wire_bytes = _wire_methods(groups, zr.recv_bytes(rank), local)
@@ -262,6 +313,9 @@ def _bench_rank(rank, world, cfg):
     secs = _rounds(methods, cfg["repeats"], dist.barrier)
     out = {name: {"s": _max(sec), **{k: _max(v) for k, v in info.get(name, {}).items()}}
            for name, sec in secs.items()}
+    if ENGINE in methods:
+        out[ENGINE]["same"] = _max(0 if _engine_same(engine, eplan, rank, results["zero_redundancy"])
+                                   else 1) == 0
     if cfg["megatron"]:
         recv, same = _megatron_check(groups, SHAPE, dst, results["zero_redundancy"])
         out["megatron swap_model_weights"].update(
@@ -283,11 +337,18 @@ def _report(layout, res, world):
     zr = res["zero_redundancy"]["s"]
     for name in ("wire: bare all_gather", "wire: bare p2p batch", "wire: p2p batch + own-row copy"):
         lines.append(f"ratio zero_redundancy / {name} = {zr / res[name]['s']:.2f}")
+    if ENGINE in res:
+        lines.append(f"ratio {ENGINE} / wire: bare p2p batch = "
+                     f"{res[ENGINE]['s'] / res['wire: bare p2p batch']['s']:.2f}; the engine's "
+                     f"tensors == zero_redundancy's gen shard: {res[ENGINE]['same']}")
     for name in ("allgather", "vanilla", "p2p"):
         lines.append(f"ratio {name} / zero_redundancy = {res[name]['s'] / zr:.2f}")
     mg = res.get("megatron swap_model_weights")
     if mg:
         zr_first = zr + res["zero_redundancy"]["plan_s"]
+        if ENGINE in res:
+            lines.append(f"ratio megatron swap_model_weights / {ENGINE} = "
+                         f"{mg['s'] / res[ENGINE]['s']:.2f}")
         lines.append(f"ratio megatron swap_model_weights / zero_redundancy = {mg['s'] / zr:.2f} "
                      f"(steady); first call incl. planning: {mg['first_s']:.3f} s vs "
                      f"{zr_first:.3f} s = {mg['first_s'] / zr_first:.2f}; megatron's gen shard == "

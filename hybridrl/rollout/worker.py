@@ -130,7 +130,7 @@ def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
 
 @torch.no_grad()
 def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, device="cpu",
-                alias: bool = False):
+                alias: bool = False, verify: bool = True):
     """Run ``plan`` from this rank's training tensors ``named`` into ``engine`` (collective).
 
     An engine with ``buffer`` (the builtin one; needs a gen-shard strategy) is filled in place:
@@ -138,7 +138,8 @@ def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, 
     ``alias``: see there). Any other engine gets ``update_weights`` per flushed bucket in the
     engine format; the reshard's buffers live on ``device`` (the engine's). An engine with
     ``start_update(plan)`` (SGLang) is told the plan first and gets ``update_weights`` at every
-    flush, empty ones included. ``finish_update`` runs exactly once at the end."""
+    flush, empty ones included. ``finish_update`` runs exactly once at the end. ``verify``: see
+    ``run_plan`` (a caller that checked the plan once may skip the per-sync check)."""
     start = getattr(engine, "start_update", None)
     if start is not None:
         start(plan)
@@ -149,7 +150,7 @@ def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, 
         asm = Assembler(plan, rank, engine_format(shape, plan.gen, rank),
                         sink=engine.update_weights, dtype=dtype, device=device,
                         sink_every_flush=start is not None)
-    stats = run_plan(plan, rank, train_sources(plan, rank, named), asm)
+    stats = run_plan(plan, rank, train_sources(plan, rank, named), asm, verify=verify)
     asm.result()
     engine.finish_update()
     return stats
