@@ -23,7 +23,8 @@ Contract:
 - ``dtype`` / ``device``: of the buffers it allocates (must match the training tensors; NCCL:
   the CUDA device, which is also where an engine reading the emitted tensors through CUDA IPC
   needs them). The default stays the CPU.
-- ``live_bytes``: canonical bytes of open buffers plus converted tensors kept (for peak checks).
+- ``live_bytes``: canonical bytes of open buffers plus converted tensors kept (no sink) or
+  waiting for the next flush (sink; with ``into`` neither counts: those are the targets).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Assembler:
         self.regions: dict[str, list] = {}  # key -> [buffer, rows filled]
         self.pending: list[tuple[str, torch.Tensor]] = []
         self.kept: dict[str, torch.Tensor] = {}
-        self.open_bytes = self.kept_bytes = 0
+        self.open_bytes = self.kept_bytes = self.pending_bytes = 0
         self.into_error = None if into is None else self._into_problem()
         for spec in plan.specs:
             iv = plan.gen.interval(spec, rank)
@@ -68,7 +69,7 @@ class Assembler:
 
     @property
     def live_bytes(self) -> int:
-        return self.open_bytes + self.kept_bytes
+        return self.open_bytes + self.kept_bytes + self.pending_bytes
 
     def _into_problem(self) -> str | None:
         """Why ``into`` cannot receive this rank's gen shard (first problem), or None."""
@@ -112,6 +113,8 @@ class Assembler:
         self.pending += out
         if self.sink is None:
             self.kept_bytes += piece.numel() * piece.element_size()
+        else:
+            self.pending_bytes += piece.numel() * piece.element_size()
 
     def _region(self, key: str) -> list:
         if key not in self.regions and self.into is not None:
@@ -161,7 +164,7 @@ class Assembler:
             self.sink(self.pending)
         else:
             self.kept.update(self.pending)
-        self.pending = []
+        self.pending, self.pending_bytes = [], 0
 
     def result(self) -> dict[str, torch.Tensor]:
         if self.regions:

@@ -5,10 +5,17 @@ Contract:
   plan's world with the same plan. ``sources`` maps each parameter key this rank holds to
   ``(canonical_view, lo)``: its training piece in the canonical layout and the first canonical row
   it holds (``train_sources`` builds it from megatron's named tensors).
-- Bucket k+1's sends and receives are posted (``batch_isend_irecv``, tag = bucket index) before the
-  assembler handles bucket k, so the next bucket's communication overlaps the current bucket's
-  copy/convert/load. At most two buckets' buffers are alive; the full model is never built on a rank
-  (unless the strategy's destination is the full model: the allgather/vanilla baselines).
+- Phases (``hybridrl.reshard.schedule.phase_schedule``, derived from the plan alone): this
+  rank's first bucket is posted, then the local phases -L..-1 copy its local-only chunks (each
+  at most one bucket of rows, or one larger parameter), then its buckets. Bucket k+1's sends and
+  receives are posted (``batch_isend_irecv``, tag = bucket index) before the assembler handles
+  bucket k, so the next bucket's communication overlaps the current bucket's copy/convert/load;
+  bucket k's deliveries are followed by the local rows of the parameters it completes. Every
+  phase ends with one ``assembler.flush()`` (L local flushes on every rank, empty ones included,
+  then one per bucket this rank sends or receives in). So at most two buckets' buffers are alive
+  and one flush emits at most about one bucket (the planner charges a parameter's local rows to
+  its last receiving bucket); the full model is never built on a rank (unless the strategy's
+  destination is the full model: the allgather/vanilla baselines).
 - One isend/irecv per transfer, of flat 1-D contiguous tensors (gloo: no 2-D all_gather outputs,
   no uneven all_gather): a contiguous piece is sent as a view, a contiguous destination slot is
   received into directly; other pieces go through a temporary buffer. Every strategy runs this
@@ -19,9 +26,12 @@ Contract:
   the same plan (``plan_fingerprint``) and that no rank's inputs are wrong (dtype vs itemsize,
   every ``into=`` target's name/shape/dtype), so a mismatch raises ValueError on all ranks
   instead of hanging. Verify once per plan; reruns of a verified plan may pass ``verify=False``.
-- ``run_plan_local(plan, sources_by_rank, assemblers)`` plays every rank in one process (tests).
+- ``run_plan_local(plan, sources_by_rank, assemblers)`` plays every rank in one process, phase by
+  phase in the same order (tests); returns each rank's peak ``assembler.live_bytes``.
 - Returns ``RunStats``: bytes of the send / receive buffers this rank posted to isend / irecv
-  (not wire traffic), number of buckets, and the peak live bytes (comm buffers + assembling regions + emitted canonical bytes).
+  (not wire traffic), number of buckets, and, measured before every flush, the peak live bytes
+  (comm buffers + ``assembler.live_bytes``: assembling regions + emitted canonical bytes not yet
+  flushed or kept), the peak comm buffer bytes and the peak ``assembler.live_bytes``.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import torch.distributed as dist
 
 from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.planner import Plan, Transfer
+from hybridrl.reshard.schedule import local_phases, phase_schedule
 from hybridrl.reshard.specs import canonical_view
 
 
@@ -43,6 +54,7 @@ class RunStats:
     buckets: int
     peak_live_bytes: int
     peak_comm_bytes: int
+    peak_assembler_bytes: int = 0
 
 
 def train_sources(plan: Plan, rank: int, named: dict[str, torch.Tensor]) -> dict:
@@ -133,6 +145,11 @@ def _local_error(plan: Plan, sources: dict, assembler: Assembler) -> tuple[str |
     return None, dtype
 
 
+def _accept_local(plan: Plan, rank: int, sources: dict, assembler: Assembler, pieces) -> None:
+    for key, lo, hi in pieces:
+        assembler.accept(key, lo, hi, _piece(plan, sources, Transfer(key, rank, rank, lo, hi, 0)))
+
+
 def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=None,
              verify: bool = True) -> RunStats:
     """Execute this rank's part of ``plan`` (see module doc)."""
@@ -141,42 +158,59 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
         check_same_plan(plan, group, error)
     elif error:
         raise ValueError(error)
-    mine = [(s, r, k) for k, (s, r) in enumerate(plan.rank_buckets(rank)) if s or r]
-    sent = recv = peak_comm = peak_live = 0
+    sched = phase_schedule(plan, rank)
+    mine = [(*plan.rank_buckets(rank)[k], k) for k in sched.buckets]
+    sent = recv = peak_comm = peak_live = peak_asm = 0
 
     def post(i):
         s, r, k = mine[i]
         return _Bucket(plan, sources, s, r, k, group, assembler)
 
     cur = post(0) if mine else None
-    for key, lo, hi in plan.locals[rank]:  # overlaps the first bucket's transfer
-        assembler.accept(key, lo, hi, _piece(plan, sources, Transfer(key, rank, rank, lo, hi, 0)))
-    assembler.flush()
+    for pieces in sched.local:  # local phases -L..-1 overlap the first bucket's transfer
+        _accept_local(plan, rank, sources, assembler, pieces)
+        peak_asm = max(peak_asm, assembler.live_bytes)
+        peak_live = max(peak_live, (cur.temp_bytes if cur else 0) + assembler.live_bytes)
+        assembler.flush()
     for i in range(len(mine)):
         nxt = post(i + 1) if i + 1 < len(mine) else None  # next bucket in flight ...
         comm = cur.temp_bytes + (nxt.temp_bytes if nxt else 0)
         cur.wait_and_deliver(plan, assembler)  # ... while this one is consumed
+        _accept_local(plan, rank, sources, assembler, sched.at_bucket.get(mine[i][2], ()))
         peak_comm = max(peak_comm, comm)
+        peak_asm = max(peak_asm, assembler.live_bytes)
         peak_live = max(peak_live, comm + assembler.live_bytes)
         sent, recv = sent + cur.sent_bytes, recv + cur.recv_bytes
         assembler.flush()
         cur = nxt
+    peak_asm = max(peak_asm, assembler.live_bytes)
     peak_live = max(peak_live, assembler.live_bytes)
-    return RunStats(sent, recv, len(mine), peak_live, peak_comm)
+    return RunStats(sent, recv, len(mine), peak_live, peak_comm, peak_asm)
 
 
-def run_plan_local(plan: Plan, sources: list[dict], assemblers: list[Assembler]) -> None:
-    """Single-process reference execution of every rank's part (tests, docs): same buckets,
-    same local copies, copies instead of messages."""
+def run_plan_local(plan: Plan, sources: list[dict], assemblers: list[Assembler]) -> list[int]:
+    """Single-process reference execution of every rank's part (tests, docs): the same phases,
+    buckets and local pieces as ``run_plan``, copies instead of messages. Returns each rank's
+    peak ``assembler.live_bytes`` (measured before every flush; no comm buffers here)."""
     errors = [asm.into_error for asm in assemblers if asm.into_error]
     if errors:
         raise ValueError(errors[0])
-    for rank, asm in enumerate(assemblers):
-        for key, lo, hi in plan.locals[rank]:
-            asm.accept(key, lo, hi, _piece(plan, sources[rank], Transfer(key, rank, rank, lo, hi, 0)))
-        asm.flush()
-    for bucket in plan.buckets:
+    scheds = [phase_schedule(plan, r) for r in range(len(assemblers))]
+    takes_part = [set(sched.buckets) for sched in scheds]
+    peaks = [0] * len(assemblers)
+
+    def flush(rank, pieces):
+        _accept_local(plan, rank, sources[rank], assemblers[rank], pieces)
+        peaks[rank] = max(peaks[rank], assemblers[rank].live_bytes)
+        assemblers[rank].flush()
+
+    for j in range(local_phases(plan)):
+        for rank, sched in enumerate(scheds):
+            flush(rank, sched.local[j])
+    for k, bucket in enumerate(plan.buckets):
         for t in bucket:
             assemblers[t.dst].accept(t.key, t.lo, t.hi, _piece(plan, sources[t.src], t).clone())
-        for asm in assemblers:
-            asm.flush()
+        for rank, sched in enumerate(scheds):
+            if k in takes_part[rank]:  # one flush per phase the rank takes part in
+                flush(rank, sched.at_bucket.get(k, ()))
+    return peaks

@@ -20,7 +20,11 @@ Contract:
   each): zero_redundancy's micro-DP all-gather becomes p2p exchanges inside the micro-DP group,
   and ``allgather`` is a p2p emulation of an all_gather.
 - Transfers are cut into chunks of at most ``bucket_mb`` MiB and grouped greedily, in parameter
-  order, into buckets in which no rank receives or sends more than ``bucket_mb`` MiB.
+  order, into buckets in which no rank sends more than ``bucket_mb`` MiB, nor receives more
+  counting, with its last receive of a parameter, the rows of it the rank holds (its local copies
+  complete the parameter in that bucket's phase: hybridrl.reshard.schedule). So what one bucket
+  completes on a rank is at most ``bucket_mb`` MiB plus the earlier rows of one parameter begun
+  in an earlier bucket (a single transfer over the cap forms a bucket of its own).
 - ``Plan`` reports bytes received / sent, destination bytes and peak bytes per rank
   (peak = destination + the two largest consecutive buckets' send+receive buffers, the executor's
   live set). ``summarize`` gives the same per-rank byte counts without listing transfers (CLI).
@@ -249,6 +253,7 @@ def plan_reshard(
     dests = tuple(destinations(strategy, gen, specs, r) for r in range(train.world))
     locs: list[list[tuple[str, int, int]]] = [[] for _ in range(train.world)]
     transfers: list[Transfer] = []
+    charges: list[int] = []  # receive bytes a transfer counts for in its destination's bucket
     bucket_bytes = max(1, int(bucket_mb * MiB))
     for key in dict.fromkeys(s.key for s in specs):
         row_bytes = src.by_key[key][0].row_numel * itemsize
@@ -256,27 +261,35 @@ def plan_reshard(
         for r in range(train.world):
             if key not in dests[r]:
                 continue
+            run, local = [], 0  # this rank's receives of ``key``; bytes of the rows it holds
             for s, a, b in src.sources(r, key, *dests[r][key]):
                 if s == r:
                     locs[r].append((key, a, b))
+                    local += (b - a) * row_bytes
                     continue
                 for c in range(a, b, step):
                     d = min(b, c + step)
-                    transfers.append(Transfer(key, s, r, c, d, (d - c) * row_bytes))
-    buckets = _bucket(transfers, bucket_bytes)
+                    run.append(Transfer(key, s, r, c, d, (d - c) * row_bytes))
+            transfers += run
+            charges += [t.nbytes for t in run]
+            if run:  # its local rows complete ``key`` with the last receive (reshard.schedule)
+                charges[-1] += local
+    buckets = _bucket(transfers, charges, bucket_bytes)
     return Plan(strategy, train, gen, tuple(specs), itemsize, bucket_bytes, dests,
                 tuple(tuple(x) for x in locs), buckets)
 
 
-def _bucket(transfers: list[Transfer], cap: int) -> tuple[tuple[Transfer, ...], ...]:
-    """Greedy, in order: a new bucket when some rank would receive or send more than ``cap``."""
+def _bucket(transfers: list[Transfer], charges: list[int],
+            cap: int) -> tuple[tuple[Transfer, ...], ...]:
+    """Greedy, in order: a new bucket when some rank would send more than ``cap`` or be charged
+    (``charges``: receive bytes, plus local rows on a parameter's last receive) more than ``cap``."""
     buckets, cur, recv, sent = [], [], {}, {}
-    for t in transfers:
-        if cur and (recv.get(t.dst, 0) + t.nbytes > cap or sent.get(t.src, 0) + t.nbytes > cap):
+    for t, charge in zip(transfers, charges):
+        if cur and (recv.get(t.dst, 0) + charge > cap or sent.get(t.src, 0) + t.nbytes > cap):
             buckets.append(tuple(cur))
             cur, recv, sent = [], {}, {}
         cur.append(t)
-        recv[t.dst] = recv.get(t.dst, 0) + t.nbytes
+        recv[t.dst] = recv.get(t.dst, 0) + charge
         sent[t.src] = sent.get(t.src, 0) + t.nbytes
     if cur:
         buckets.append(tuple(cur))

@@ -6,13 +6,15 @@ Contract (no SGLang needed; tested on gloo with a fake engine):
   a gloo group over them (None for one member). ``serialize(named) -> payload`` runs on every
   rank; ``load(payloads) -> (ok, message)`` runs on the source with one payload per gen-TP
   rank (SGLang: ``update_weights_from_tensor`` with per-rank payloads, load_format "direct").
-- Rounds: ``start(plan)`` fixes this sync's schedule, one round per reshard phase (the local
-  copies, then every bucket of ``plan.buckets``), the same B + 1 rounds on every rank of the
-  group. The Assembler calls ``sink`` at every flush (``sink_every_flush``): after the local
-  copies and after each bucket this rank takes part in. A flush's tensors go into the round of
-  its phase; the rounds of phases in which this rank has no transfers run empty right after it
-  (the rank has already posted its next bucket, so no peer waits on it). ``finish(close)`` runs
-  the remaining empty rounds, then ``close()`` on the source (end the session, resume, flush).
+- Rounds: ``start(plan)`` fixes this sync's schedule, one round per reshard phase
+  (``hybridrl.reshard.schedule.phase_schedule``, the executor's own): the local phases -L..-1,
+  then every bucket of ``plan.buckets``, the same L + B rounds on every rank of the group (L is
+  a function of the plan alone). The Assembler calls ``sink`` at every flush
+  (``sink_every_flush``): after each local phase and after each bucket this rank takes part in.
+  A flush's tensors go into the round of its phase; the rounds of buckets in which this rank has
+  no transfers run empty right after its previous flush (the rank has already posted its next
+  bucket, so no peer waits on it). ``finish(close)`` runs the remaining empty rounds, then
+  ``close()`` on the source (end the session, resume, flush).
 - One round: each rank checks its tensors against ``table`` (name, per-rank shape, dtype),
   waits for its CUDA stream (received data is complete before IPC handles leave), serializes,
   and the source gathers (payload, problem, first name) over ``group``. Any problem: nothing is
@@ -21,12 +23,13 @@ Contract (no SGLang needed; tested on gloo with a fake engine):
   broadcast returns (the engine has copied them), then are dropped; a failed load raises
   RuntimeError on every rank naming the round's first tensor.
 - Memory: a round holds only what one flush emitted and drops it before the next, so the
-  whole shard is never buffered. A bucket round holds the tensors its bucket completed; the
-  first round (phase -1) holds every tensor this rank's own training piece completes alone
-  (the reshard's local copies are emitted in one flush): up to the rank's training-shard part
-  of its gen shard, not bounded by the bucket size. ``round_bytes`` lists the bytes each round
-  of the current sync held on this rank, ``peak_round_bytes`` the most over all syncs;
-  ``rounds`` counts rounds run (tests).
+  whole shard is never buffered. Every round, the first included, holds at most about one
+  bucket: a local phase at most ``plan.bucket_bytes`` of parameters the rank's own training
+  piece completes (or one larger parameter), a bucket round what that bucket completes (the
+  planner charges a parameter's local rows to its last receiving bucket), plus at most the rows
+  of one parameter begun in an earlier bucket. ``round_bytes`` lists the bytes each round of the
+  current sync held on this rank, ``peak_round_bytes`` the most over all syncs; ``rounds``
+  counts rounds run (tests).
 - ``src_error``: set on the source when an engine call outside a round failed (e.g. opening
   the session); the next round then fails on every rank with it.
 """
@@ -38,6 +41,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from hybridrl.reshard.schedule import phase_schedule
 from hybridrl.rollout.sglang_layout import check_named_tensors
 
 
@@ -52,14 +56,14 @@ class WeightPusher:
         self.src_error: str | None = None
         self.phases: list[int] = []
         self.round_bytes: list[int] = []
-        self.n_buckets = self.calls = self.rounds = self.peak_round_bytes = 0
-        self.next_phase = -1
+        self.n_buckets = self.calls = self.rounds = self.peak_round_bytes = self.next_phase = 0
 
     def start(self, plan) -> None:
-        """This sync's schedule: phase -1 (local copies), then this rank's buckets."""
-        own = [k for k, (s, r) in enumerate(plan.rank_buckets(self.rank)) if s or r]
-        self.phases, self.n_buckets = [-1] + own, len(plan.buckets)
-        self.calls, self.next_phase, self.round_bytes = 0, -1, []
+        """This sync's schedule: the reshard's phases, local phases -L..-1 then this rank's
+        buckets (``phase_schedule``, the executor's own)."""
+        self.phases = list(phase_schedule(plan, self.rank).phases)
+        self.n_buckets = len(plan.buckets)
+        self.calls, self.next_phase, self.round_bytes = 0, self.phases[0], []
 
     def sink(self, named) -> None:
         """Assembler sink: one call per flush, ``named`` possibly empty (see module doc)."""

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from hybridrl.reshard.planner import Transfer
 from hybridrl.reshard.specs import LlamaShape
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.sglang import (
@@ -22,8 +23,15 @@ from hybridrl.rollout.sglang_layout import engine_param_shapes
 from hybridrl.rollout.sglang_push import WeightPusher
 
 SHAPE = LlamaShape(hidden=8, ffn=12, heads=2, num_query_groups=2, layers=1, vocab=10)
-PLAN = types.SimpleNamespace(buckets=[[], [], []],
-                             rank_buckets=lambda rank: [([1], []), ([], []), ([], [2])])
+# rank 0: two local-only keys of one bucket each (2 local phases), sends in bucket 0, receives
+# in bucket 2, nothing in bucket 1 (rank 1 is a peer outside the push group)
+BUCKETS = [[Transfer("c", 0, 1, 0, 1, 4)], [Transfer("c", 1, 2, 0, 1, 4)],
+           [Transfer("c", 1, 0, 0, 1, 4)]]
+PLAN = types.SimpleNamespace(
+    buckets=BUCKETS, locals=((("a", 0, 2), ("b", 0, 2), ("c", 1, 2)), ()), itemsize=4,
+    bucket_bytes=32, spec=lambda key: types.SimpleNamespace(row_numel=4),
+    rank_buckets=lambda rank: [([t for t in b if t.src == rank], [t for t in b if t.dst == rank])
+                               for b in BUCKETS], _cache={})
 
 
 def _pusher(answer=(True, "Success")):
@@ -41,12 +49,14 @@ def _pusher(answer=(True, "Success")):
 
 def test_rounds_follow_the_plan_phases():
     p, loads = _pusher()
-    p.sink([("model.norm.weight", torch.zeros(8))])  # phase -1 (local copies)
+    assert p.phases == [-2, -1, 0, 2]  # the executor's phases (hybridrl.reshard.schedule)
+    p.sink([("model.norm.weight", torch.zeros(8))])  # phase -2: local-only key "a"
+    p.sink([])  # phase -1: local-only key "b"
     p.sink([])  # after bucket 0 (bucket 1: no transfers here -> an empty round)
     p.sink([("model.layers.0.input_layernorm.weight", torch.zeros(8))])  # after bucket 2
     p.sink([])  # Assembler.result()'s last flush
     p.finish()
-    assert p.rounds == 4 and p.round_bytes == [32, 0, 0, 32]
+    assert p.rounds == 5 and p.round_bytes == [32, 0, 0, 0, 32]
     assert loads == [[["model.norm.weight"]], [["model.layers.0.input_layernorm.weight"]]]
 
 
