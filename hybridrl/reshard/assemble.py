@@ -12,7 +12,9 @@ Contract:
   needs every call; the SGLang push does).
 - ``into`` (optional): this rank's existing gen-layout megatron tensors by stage-local name (e.g.
   a gen model's parameters). Received rows then land directly in them (their canonical views),
-  padding rows are zeroed, and the emitted tensors ARE those tensors: no allocation, no copy,
+  padding rows are zeroed (unless ``zero_padding=False``: a consumer that never reads them,
+  whose targets may be someone else's tensors), and the emitted tensors ARE those tensors: no
+  allocation, no copy,
   ``fmt`` unused. Needs a plan whose destination is the gen shard (zero_redundancy, p2p).
   Every target (name, shape, dtype) and the strategy are checked at construction; a problem is
   not raised there but kept in ``into_error``, which ``run_plan`` reports through its plan check
@@ -43,8 +45,10 @@ Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 class Assembler:
     def __init__(self, plan: Plan, rank: int, fmt: Format | None, sink: Sink | None = None,
                  dtype: torch.dtype = torch.float32, into: dict[str, torch.Tensor] | None = None,
-                 device: torch.device | str = "cpu", sink_every_flush: bool = False):
+                 device: torch.device | str = "cpu", sink_every_flush: bool = False,
+                 zero_padding: bool = True):
         self.plan, self.rank, self.fmt, self.sink, self.dtype = plan, rank, fmt, sink, dtype
+        self.zero_padding = zero_padding
         self.sink_every_flush = sink_every_flush
         self.device = torch.device(device)
         self.into = into
@@ -105,7 +109,7 @@ class Assembler:
         if self.into is not None:
             name, target = self._target(spec)
             real = piece.shape[spec.cut_dim] if spec.kind == "vocab" else None
-            if real is not None:
+            if real is not None and self.zero_padding:
                 target[real:].zero_()  # padding rows never carry weights
             self.pending.append((name, target))
             return

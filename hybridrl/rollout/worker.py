@@ -105,8 +105,9 @@ def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
     With ``alias``, a parameter whose gen shard on this rank IS its training shard (same
     canonical rows, same storage shape: e.g. gen tp = train tp on the rank's own stage) is not
     copied at all: the engine reads the training tensor itself (``engine.alias``), and the
-    reshard's local copy finds source and destination the same memory. Vocab tensors with
-    padding rows are never aliased (the reshard zeroes an engine's padding rows)."""
+    reshard's local copy finds source and destination the same memory. Padding rows of the
+    vocabulary are left as they are (the engine never reads them; its own buffers start zeroed),
+    so an aliased training tensor keeps its own."""
     gen, train = plan.gen, plan.train
     into = {}
     for spec in plan.specs:
@@ -118,8 +119,7 @@ def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
         own = named.get(spec.local_name(train.pp, train.num_layers))
         same = (alias and own is not None and train.interval(spec, rank) == iv
                 and tuple(own.shape) == shape and own.dtype == engine.dtype
-                and own.device == engine.device
-                and not (spec.kind == "vocab" and iv[1] - iv[0] < shape[0]))
+                and own.device == engine.device)
         if same:
             engine.alias(ename, own)
             into[gname] = own
@@ -144,7 +144,7 @@ def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, 
     if start is not None:
         start(plan)
     if hasattr(engine, "buffer") and plan.strategy in ("zero_redundancy", "p2p"):
-        asm = Assembler(plan, rank, None, dtype=dtype, device=device,
+        asm = Assembler(plan, rank, None, dtype=dtype, device=device, zero_padding=False,
                         into=inplace_targets(plan, rank, named, engine, alias))
     else:
         asm = Assembler(plan, rank, engine_format(shape, plan.gen, rank),

@@ -5,7 +5,8 @@ shard of a parameter is its training shard, makes the engine read the training t
 (``inplace_targets``). Checked per rank against the engine loaded the independent way
 (``update_weights`` with the oracle's engine-format shards, the path tested against
 transformers): bit-identical weights, on three layouts (own stage aliased; nothing aliased
-because gen tp < train tp; everything but the padded vocabulary aliased), with and without
+because gen tp < train tp; everything but the differently padded vocabulary aliased; with
+megatron's vocab padding everything, so nothing travels), with and without
 aliasing; the aliased tensors are the training tensors (same memory), an in-place change of
 the training weights (an optimizer step) reaches the engine, and the next sync still equals
 the oracle of the changed weights.
@@ -18,8 +19,9 @@ import torch
 
 from hybridrl.testing.dist import run_on_ranks
 
-# (train tp, train pp) on 4 ranks, gen tp; gen pp = 1
-CASES = [(2, 2, 2), (2, 1, 1), (2, 1, 2)]
+# (train tp, train pp) on 4 ranks, gen tp, the engine's vocab padding (None: megatron's, so at
+# gen tp = train tp the vocabulary chunks coincide too); gen pp = 1
+CASES = [(2, 2, 2, 64), (2, 1, 1, 64), (2, 1, 2, 64), (2, 1, 2, None)]
 
 
 def _engine(shape, gen, rank, chunk):
@@ -31,10 +33,10 @@ def _engine(shape, gen, rank, chunk):
     return BuiltinEngine(spec, tp_rank=b, tp_size=gen.tp, tp_group=object() if gen.tp > 1 else None)
 
 
-def _case_rank(rank, world, t, p, tg, alias):
+def _case_rank(rank, world, t, p, tg, pad, alias):
     from hybridrl.parallel.layout import TrainLayout
     from hybridrl.reshard.formats import hf_name
-    from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, gen_placement, train_placement
+    from hybridrl.reshard.placement import gen_placement, train_placement
     from hybridrl.reshard.planner import plan_reshard
     from hybridrl.reshard.specs import build_specs
     from hybridrl.rollout.worker import sync_engine
@@ -42,12 +44,17 @@ def _case_rank(rank, world, t, p, tg, alias):
 
     tl = TrainLayout(world, tp=t, pp=p)
     train = train_placement(tl, SMALL)
-    gen = gen_placement(tl, SMALL, tg, 1, "hybridflow", vocab_pad=ENGINE_VOCAB_PAD)
+    gen = gen_placement(tl, SMALL, tg, 1, "hybridflow", vocab_pad=pad)
     specs = build_specs(SMALL)
     plan = plan_reshard(train, gen, specs, "zero_redundancy", bucket_mb=0.004, itemsize=4)
     b, a, _ = train.coords[rank]
     gb = gen.coords[rank][0]
     out, snapshot = {}, {}
+    # rows compared: all; of the vocabulary the real ones (the engine never reads padding rows,
+    # and an aliased training tensor keeps its own)
+    real = {hf_name(s): (gen.interval(s, rank)[1] - gen.interval(s, rank)[0]
+                         if s.kind == "vocab" else None)
+            for s in specs if gen.interval(s, rank) is not None}
     for step, seed in enumerate((3, 4)):
         hf = make_hf(SMALL, seed=seed)
         fresh = megatron_shards(SMALL, hf, t, b, p, a, train.vocab_chunk, pad_value=PAD)
@@ -63,7 +70,8 @@ def _case_rank(rank, world, t, p, tg, alias):
         oracle = _engine(SMALL, gen, rank, gen.vocab_chunk)
         oracle.update_weights(engine_shards(SMALL, hf, tg, gb, 1, 0, gen.vocab_chunk).items())
         out[f"bad{step}"] = sorted(n for n in oracle.weights
-                                   if not torch.equal(oracle.weights[n], engine.weights[n]))
+                                   if not torch.equal(oracle.weights[n][:real[n]],
+                                                      engine.weights[n][:real[n]]))
         out[f"missing{step}"] = engine.missing_weights()
         out[f"received{step}"] = stats.bytes_received
         snapshot.update((n, w.clone()) for n, w in engine.weights.items())
@@ -72,19 +80,19 @@ def _case_rank(rank, world, t, p, tg, alias):
     out["same_memory"] = all(engine.weights[n].data_ptr() == named[by_name[n]].data_ptr()
                              for n in engine.aliased)
     # what a rank holds whole in both layouts (same rows, same shape): its own stage's norms
-    # (never split), and its own stage's layers when tg == t (the vocabulary is padded
-    # differently: never aliased)
+    # (never split), its own stage's layers when tg == t, and its vocabulary chunk when the
+    # padding is megatron's too
     out["expected"] = sorted(
         hf_name(s) for s in specs
-        if alias and (tg == t or s.kind == "norm") and s.kind != "vocab"
+        if alias and (tg == t or s.kind == "norm") and (s.kind != "vocab" or pad is None)
         and gen.interval(s, rank) is not None
         and train.interval(s, rank) is not None)
     return out
 
 
 def _all_cases(rank, world):
-    return {(t, p, tg, alias): _case_rank(rank, world, t, p, tg, alias)
-            for t, p, tg in CASES for alias in (True, False)}
+    return {(t, p, tg, pad, alias): _case_rank(rank, world, t, p, tg, pad, alias)
+            for t, p, tg, pad in CASES for alias in (True, False)}
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +102,10 @@ def results():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("alias", [True, False])
-@pytest.mark.parametrize("t,p,tg", CASES)
-def test_inplace_sync_equals_the_engine_format_load(results, t, p, tg, alias):
+@pytest.mark.parametrize("t,p,tg,pad", CASES)
+def test_inplace_sync_equals_the_engine_format_load(results, t, p, tg, pad, alias):
     for rank, per in enumerate(results):
-        r = per[(t, p, tg, alias)]
+        r = per[(t, p, tg, pad, alias)]
         assert r["bad0"] == [] and r["bad1"] == [], (rank, r["bad0"], r["bad1"])
         assert r["missing0"] == [] and r["missing1"] == []
         assert r["aliased"] == r["expected"], rank
@@ -108,13 +116,15 @@ def test_inplace_sync_equals_the_engine_format_load(results, t, p, tg, alias):
 
 @pytest.mark.slow
 def test_aliasing_cases_are_not_vacuous(results):
-    own_stage = [per[(2, 2, 2, True)]["aliased"] for per in results]
-    assert all(own_stage) and all(len(a) < len(per[(2, 1, 2, True)]["aliased"])
+    own_stage = [per[(2, 2, 2, 64, True)]["aliased"] for per in results]
+    assert all(own_stage) and all(len(a) < len(per[(2, 1, 2, 64, True)]["aliased"])
                                   for a, per in zip(own_stage, results))
     # gen tp 1 < train tp 2: only the (unsplit) norms
-    assert all(all("norm" in n for n in per[(2, 1, 1, True)]["aliased"]) for per in results)
+    assert all(all("norm" in n for n in per[(2, 1, 1, 64, True)]["aliased"]) for per in results)
     # tg == t on one stage: every rank's gen shard is its training shard but for the vocabulary,
     # so only the vocabulary rows travel (much less than the gather at gen tp 1)
-    whole = [per[(2, 1, 2, True)]["received0"] for per in results]
-    gathered = [per[(2, 1, 1, True)]["received0"] for per in results]
+    whole = [per[(2, 1, 2, 64, True)]["received0"] for per in results]
+    gathered = [per[(2, 1, 1, 64, True)]["received0"] for per in results]
     assert all(w < g / 4 for w, g in zip(whole, gathered)), (whole, gathered)
+    # ... and with megatron's vocab padding the layouts are equal: nothing travels at all
+    assert [per[(2, 1, 2, None, True)]["received0"] for per in results] == [0] * 4
