@@ -49,7 +49,8 @@ def _run(rank: int, world: int, strategies: list[str], steps: int, overrides: li
         cfg = load_config([DEMO], [
             *LAYOUT, f"trainer.total_steps={steps}", "trainer.save_freq=-1",
             "trainer.test_freq=-1", "trainer.logger=[console]",
-            f"trainer.checkpoint_dir={tmp}/{strategy}", f"data.synthetic.dir={tmp}/data",
+            f"trainer.output_dir={tmp}", f"trainer.experiment_name={strategy}",
+            f"data.synthetic.dir={tmp}/data",
             *overrides, f"reshard.strategy={strategy}"])
         cfg.check_world(world)
         train, gen = build_layout(cfg, world)

@@ -2,19 +2,29 @@
 
     .venv/bin/python -m pip install trl==1.16.0      # once (not a hybridrl dependency)
     .venv/bin/python benchmarks/trl_compare.py [--worlds 1 2] [--prompts short long] [--steps 4]
+        [--rounds 2] [--set KEY=VALUE ...]
 
 Both sides load ONE folder: a llama of the CPU demo's size (4 layers, hidden 64, GQA 4/2, vocab
 100, random weights from a fixed seed) with an HF tokenizer whose ids and chat template are those
 of hybridrl's character tokenizer, so both see the same token ids. Same data: the 100 one-digit
 ``a+b=`` problems (22 tokens; ``long``: prefixed by an instruction, 68 tokens), 12 prompts x 8
 samples per step, 3 new tokens at temperature 1, one optimizer step per batch in micro-batches of
-4 sequences, KL 0.001 (low_var_kl / TRL's k3) against the initial model, lr 3e-3, the GSM8K
-flexible reward; hybridrl's KL guard off. Per (processes, prompt) cell: seconds per step (mean
-after one warm-up step), generated tokens/s, the ratio TRL / hybridrl of seconds per step, and
-where hybridrl's step goes (its ``timing_s/*``); TRL's step is timed by a callback around each
-optimizer step. TRL at 2 processes runs under ``torchrun --nproc-per-node 2`` (gloo); hybridrl on
-2 gloo ranks (data parallel). Side by side in one run, but not interleaved step by step: rerun
-when the load average (printed) moved.
+4 sequences (the actor update AND the reference forward: TRL runs both at its
+per_device_train_batch_size), KL 0.001 (low_var_kl / TRL's k3) against the initial model, lr
+3e-3, the GSM8K flexible reward; hybridrl's KL guard off and no per-call reward timeout
+(``reward.timeout_s=0``: TRL bounds no reward call either). ``--set`` adds hybridrl config
+overrides (to measure one knob). TRL at 2 processes runs under ``torchrun --nproc-per-node 2``
+(gloo); hybridrl on 2 gloo ranks (data parallel); one torch thread per process on both sides.
+
+Per (processes, prompt) cell, ``--rounds`` runs of each side, alternating which goes first (the
+machine may be shared: the load average is printed per cell). Seconds per step are the mean over
+the steps after the first (warm-up) of each run; printed: the mean over rounds with the range,
+the ratio TRL / hybridrl of the means with the range of the per-round ratios, generated tokens/s,
+and where each side's step goes: hybridrl's ``timing_s/*`` phases; TRL's step (a callback around
+each optimizer step) split by timers around its ``_generate``, the no-grad
+``_get_per_token_logps_and_entropies`` (reference forward), ``_calculate_rewards``, the rest of
+``_generate_and_score_completions`` (``score_other``) and the remainder (``update``: the 24
+forward/backward micro-batches, clipping and the optimizer step).
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DEMO = str(ROOT / "configs" / "demo_cpu.yaml")
-PROMPTS, N, NEW, MICRO, STEPS = 12, 8, 3, 4, 4
+PROMPTS, N, NEW, MICRO, STEPS, ROUNDS = 12, 8, 3, 4, 4, 2
 LONG_PREFIX = "Add the two numbers; reply with just the sum. "  # prompts of 68 tokens
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -88,7 +98,7 @@ def _score(completion: str, truth: str) -> float:
 
 
 # ----------------------------------------------------------------------------------- hybridrl
-def _hybridrl_rank(rank, world, folder, data, steps, tmp):
+def _hybridrl_rank(rank, world, folder, data, steps, tmp, extra=()):
     import warnings
 
     import torch
@@ -104,20 +114,20 @@ def _hybridrl_rank(rank, world, folder, data, steps, tmp):
         f"data.train_batch_size={PROMPTS}", f"rollout.n={N}", f"rollout.response_length={NEW}",
         f"actor.ppo_mini_batch_size={PROMPTS}", f"actor.ppo_micro_batch_size_per_gpu={MICRO}",
         f"ref.log_prob_micro_batch_size_per_gpu={MICRO}", "trainer.kl_guard.max_kl=0",
-        "data.max_prompt_length=96",
+        "reward.timeout_s=0", "data.max_prompt_length=96",
         f"trainer.total_steps={steps}", "trainer.save_freq=-1", "trainer.test_freq=-1",
-        "trainer.logger=[console]", f"trainer.checkpoint_dir={tmp}/ckpt"])
+        "trainer.logger=[console]", f"trainer.output_dir={tmp}", *extra])
     cfg.check_world(world)
     train, gen = build_layout(cfg, world)
     torch.manual_seed(cfg.trainer.seed)
     return PPOTrainer(cfg, build_groups(train, gen), print_fn=lambda *a, **k: None).fit()
 
 
-def run_hybridrl(world, folder, data, steps, tmp) -> dict:
+def run_hybridrl(world, folder, data, steps, tmp, extra=()) -> dict:
     from hybridrl.testing.dist import run_on_ranks
 
-    hist = run_on_ranks(_hybridrl_rank, world, str(folder), str(data), steps, tmp, timeout=1800,
-                        preload=("megatron.core",))[0]
+    hist = run_on_ranks(_hybridrl_rank, world, str(folder), str(data), steps, tmp, list(extra),
+                        timeout=1800, preload=("megatron.core",))[0]
     kept = hist[1:] or hist
     phases = sorted({k for m in kept for k in m if k.startswith("timing_s/")})
     mean = {k: statistics.mean(m[k] for m in kept) for k in phases}
@@ -127,6 +137,29 @@ def run_hybridrl(world, folder, data, steps, tmp) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- TRL
+def _time_phases(trainer, phases: dict) -> None:
+    """Accumulate the seconds of TRL's step parts into ``phases`` (instance-level wrappers)."""
+    import torch
+
+    def timed(name, fn):
+        def wrapped(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+        return wrapped
+
+    logps = trainer._get_per_token_logps_and_entropies
+    no_grad_logps = timed("ref", logps)  # the in-loss forward (grad on) belongs to the update
+    trainer._get_per_token_logps_and_entropies = (
+        lambda *a, **k: logps(*a, **k) if torch.is_grad_enabled() else no_grad_logps(*a, **k))
+    trainer._generate = timed("gen", trainer._generate)
+    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
+    trainer._generate_and_score_completions = timed("prepare",
+                                                    trainer._generate_and_score_completions)
+
+
 def trl_worker(folder: str, long: bool, steps: int, world: int, out: str) -> None:
     """One TRL process (under torchrun when world > 1): writes per-step seconds to ``out``."""
     import warnings
@@ -145,14 +178,16 @@ def trl_worker(folder: str, long: bool, steps: int, world: int, out: str) -> Non
         return [_score(c[-1]["content"] if isinstance(c, list) else c, t)
                 for c, t in zip(completions, truth)]
 
-    times, tokens = [], []
+    times, tokens, steps_phases, phases = [], [], [], {}
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
+            phases.clear()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.t0)
+            steps_phases.append(dict(phases))
 
     seqs = PROMPTS * N // world  # per process; one optimizer step per generation batch
     args = GRPOConfig(
@@ -164,13 +199,14 @@ def trl_worker(folder: str, long: bool, steps: int, world: int, out: str) -> Non
     trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=AutoTokenizer.from_pretrained(folder),
                           callbacks=[Timer()])
+    _time_phases(trainer, phases)
     trainer.train()
     for log in trainer.state.log_history:
         if "completions/mean_length" in log:
             tokens.append(log["completions/mean_length"])
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
-            json.dump({"times": times, "mean_length": tokens}, f)
+            json.dump({"times": times, "phases": steps_phases, "mean_length": tokens}, f)
 
 
 def run_trl(world, folder, long, steps, tmp) -> dict:
@@ -189,9 +225,40 @@ def run_trl(world, folder, long, steps, tmp) -> dict:
                            f"{proc.stderr[-3000:]}")
     with open(out) as f:
         res = json.load(f)
-    step = statistics.mean(res["times"][1:] or res["times"])
+    kept = slice(1, None) if len(res["times"]) > 1 else slice(None)
+    step = statistics.mean(res["times"][kept])
     length = statistics.mean(res["mean_length"]) if res["mean_length"] else NEW
-    return {"step_s": step, "tokens_per_s": length * PROMPTS * N / step}
+    parts = res["phases"][kept]
+    mean = {k: statistics.mean(p.get(k, 0.0) for p in parts)
+            for k in ("gen", "ref", "reward", "prepare")}
+    phases = {"gen": mean["gen"], "ref": mean["ref"], "reward": mean["reward"],
+              "score_other": mean["prepare"] - mean["gen"] - mean["ref"] - mean["reward"],
+              "update": step - mean["prepare"]}
+    return {"step_s": step, "tokens_per_s": length * PROMPTS * N / step, "phases": phases}
+
+
+# --------------------------------------------------------------------------------------- main
+def _breakdown(runs: list[dict]) -> str:
+    """Mean ms and share of the step of each phase over the runs, largest first."""
+    step = statistics.mean(r["step_s"] for r in runs)
+    keys = {k for r in runs for k in r["phases"]}
+    mean = {k: statistics.mean(r["phases"].get(k, 0.0) for r in runs) for k in keys}
+    return ", ".join(f"{k} {v * 1e3:.0f} ms ({v / step:.0%})"
+                     for k, v in sorted(mean.items(), key=lambda kv: -kv[1]) if v > 5e-4)
+
+
+def _cell(world, kind, folder, data, args, tmp) -> tuple[list[dict], list[dict]]:
+    """``args.rounds`` runs of each side, alternating which one goes first."""
+    ours, theirs = [], []
+    for r in range(args.rounds):
+        sides = [("h", ours), ("t", theirs)]
+        for side, out in (sides if r % 2 == 0 else sides[::-1]):
+            if side == "h":
+                out.append(run_hybridrl(world, folder, data, args.steps,
+                                        f"{tmp}/h{world}{kind}{r}", args.set))
+            else:
+                out.append(run_trl(world, folder, kind == "long", args.steps, tmp))
+    return ours, theirs
 
 
 def main(argv=None) -> int:
@@ -204,6 +271,9 @@ def main(argv=None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--prompts", nargs="+", choices=("short", "long"), default=["short", "long"])
     ap.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (first is warm-up)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="runs of each side per cell")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="extra hybridrl config overrides")
     args = ap.parse_args(argv)
     try:
         import trl
@@ -214,9 +284,11 @@ def main(argv=None) -> int:
 
     print(f"hybridrl vs TRL {trl.__version__} GRPO: {PROMPTS} prompts x {N}, {NEW} new tokens, "
           f"micro-batch {MICRO}, one optimizer step per batch, {args.steps} steps (first left "
-          f"out); load average {os.getloadavg()[0]:.1f}")
-    print(f"{'procs':>5} {'prompt':>6} {'hybridrl s/step':>15} {'TRL s/step':>11} "
-          f"{'TRL/hybridrl':>12} {'hybridrl tok/s':>14} {'TRL tok/s':>10}")
+          f"out), {args.rounds} rounds per side{' ' + ' '.join(args.set) if args.set else ''}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"{'procs':>5} {'prompt':>6} {'hybridrl s/step':>20} {'TRL s/step':>20} "
+          f"{'TRL/hybridrl':>18} {'hybridrl tok/s':>14} {'TRL tok/s':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         make_folder(folder)
@@ -224,14 +296,20 @@ def main(argv=None) -> int:
             data = Path(tmp) / f"{kind}.parquet"
             pd.DataFrame(rows(kind == "long")).to_parquet(data)
             for world in args.worlds:
-                ours = run_hybridrl(world, folder, data, args.steps, f"{tmp}/h{world}{kind}")
-                theirs = run_trl(world, folder, kind == "long", args.steps, tmp)
-                print(f"{world:>5} {kind:>6} {ours['step_s']:>15.3f} {theirs['step_s']:>11.3f} "
-                      f"{theirs['step_s'] / ours['step_s']:>12.2f} {ours['tokens_per_s']:>14.0f} "
-                      f"{theirs['tokens_per_s']:>10.0f}   (load {os.getloadavg()[0]:.1f})",
-                      flush=True)
-                print("      hybridrl step: " + ", ".join(
-                    f"{k} {v * 1e3:.0f} ms" for k, v in ours["phases"].items() if v > 5e-4))
+                load = os.getloadavg()[0]
+                ours, theirs = _cell(world, kind, folder, data, args, tmp)
+                h = [r["step_s"] for r in ours]
+                t = [r["step_s"] for r in theirs]
+                ratios = [b / a for a, b in zip(h, t)]
+                ratio = statistics.mean(t) / statistics.mean(h)
+                print(f"{world:>5} {kind:>6} {statistics.mean(h):>7.3f} ({min(h):.3f}-{max(h):.3f})"
+                      f" {statistics.mean(t):>7.3f} ({min(t):.3f}-{max(t):.3f})"
+                      f" {ratio:>6.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+                      f" {statistics.mean(r['tokens_per_s'] for r in ours):>14.0f}"
+                      f" {statistics.mean(r['tokens_per_s'] for r in theirs):>10.0f}"
+                      f"   (load {load:.1f} -> {os.getloadavg()[0]:.1f})", flush=True)
+                print("      hybridrl step: " + _breakdown(ours))
+                print("      TRL step:      " + _breakdown(theirs), flush=True)
     return 0
 
 

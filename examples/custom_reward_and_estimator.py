@@ -68,7 +68,7 @@ def config(workdir: str, train_file: str, steps: int):
         "data.train_batch_size=4", "data.val_batch_size=4", "rollout.n=2", "actor.lr=1e-3",
         "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2",
         f"trainer.total_steps={steps}", "trainer.save_freq=-1", "trainer.test_freq=-1",
-        f"trainer.checkpoint_dir={workdir}/checkpoints", "trainer.logger=[console]",
+        f"trainer.output_dir={workdir}", "trainer.logger=[console]",
         "trainer.device=cpu", "trainer.resume=disable", "reshard.bucket_mb=1"])
 
 

@@ -55,7 +55,7 @@ $TORCHRUN --standalone --nproc-per-node "$NPROC" -m hybridrl.train \
     trainer.logger='["console","wandb"]' \
     trainer.project_name='hybridrl_gsm8k' \
     trainer.experiment_name='ppo_megatron' \
-    trainer.default_local_dir=outputs/gsm8k_ppo_megatron/checkpoints \
+    trainer.default_local_dir=outputs/ppo_megatron/checkpoints \
     trainer.n_gpus_per_node="$NPROC" \
     trainer.nnodes=1 \
     trainer.save_freq=20 \

@@ -7,8 +7,9 @@ rank before any collective; a bad config exits 2 with one line), builds the grou
 ``hybridrl.sft.run_sft`` (data written, SFT, greedy validation, HF export to
 ``<sft.output_dir>/hf``), then builds a ``PPOTrainer`` from that export (``model.path``; the
 critic's trunk and the reference start from it too) with the same groups and fits
-``trainer.total_steps`` steps. Rank 0 then writes the plot (``hybridrl.plot``, when matplotlib
-is installed) and prints exactly one closing line:
+``trainer.total_steps`` steps in its run folder ``<trainer.output_dir>/<trainer.experiment_name>``.
+Rank 0 then writes the plot into it (``hybridrl.plot``, when matplotlib is installed) and
+prints exactly one closing line:
 
     demo: val/score/mean SFT <a> -> RL <b> (metrics: <path>, plot: <path>)
 
@@ -38,7 +39,7 @@ def run_demo(load, groups, print_fn=print) -> tuple[float, float, str, str]:
     trainer = PPOTrainer(rl_cfg, groups, print_fn=print_fn)
     rl = trainer.fit()
     scores = [m["val/score/mean"] for m in rl if "val/score/mean" in m]
-    run_dir = rl_cfg.trainer.checkpoint_dir
+    run_dir = rl_cfg.trainer.run_dir
     metrics = os.path.join(run_dir, "metrics.jsonl")
     plot = "none"
     if groups.rank == 0:

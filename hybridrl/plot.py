@@ -1,6 +1,7 @@
-"""``hybridrl plot RUN_DIR``: one PNG of a run's curves from its ``metrics.jsonl``.
+"""``hybridrl plot [RUN_DIR]``: one PNG of a run's curves from its ``metrics.jsonl``.
 
 Contract: ``plot_run(run_dir, out=None, sft_metrics=None)`` reads ``<run_dir>/metrics.jsonl``
+(``run_dir``: a run folder, ``<trainer.output_dir>/<trainer.experiment_name>``)
 (one JSON object per step, as the trainer writes it; rolled-back steps, ``"kept": false``, are
 drawn as crosses) and writes ``out`` (default ``<run_dir>/plot.png``) with one panel per
 ``PANELS`` entry: score and validation score (plus the SFT run's validation scores from
@@ -10,6 +11,8 @@ matplotlib is an optional extra (``pip install 'hybridrl[plot]'``); without it `
 raises ``ImportError`` naming the pip install. A missing or empty metrics file raises
 ``ValueError`` naming the path. ``add_parser`` registers ``hybridrl plot`` (hybridrl.cli);
 ``main(argv)`` is the same as ``python -m hybridrl.plot RUN_DIR`` (one error line, status 2).
+Without RUN_DIR the command plots the default run folder (``outputs/default``: the defaults of
+``trainer.output_dir`` and ``trainer.experiment_name``).
 """
 
 from __future__ import annotations
@@ -94,7 +97,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None,
 
 
 def _arguments(parser) -> None:
-    parser.add_argument("run_dir", help="folder holding metrics.jsonl (trainer.checkpoint_dir)")
+    from hybridrl.config.trainer import TrainerConfig
+
+    parser.add_argument("run_dir", nargs="?", default=TrainerConfig().run_dir,
+                        help="run folder holding metrics.jsonl: <trainer.output_dir>/"
+                             "<trainer.experiment_name> (default: %(default)s)")
     parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/plot.png)")
     parser.add_argument("--sft", default=None, help="an SFT run's metrics.jsonl to draw too")
 
@@ -109,7 +116,8 @@ def _cmd_plot(args) -> int:
 
 def add_parser(sub) -> None:
     """Register ``hybridrl plot`` on the ``hybridrl`` command's subparsers."""
-    cmd = sub.add_parser("plot", help="a PNG of a run's curves from its metrics.jsonl")
+    cmd = sub.add_parser("plot", help="a PNG of a run's curves from its run folder's "
+                                      "metrics.jsonl")
     _arguments(cmd)
     cmd.set_defaults(func=_cmd_plot)
 

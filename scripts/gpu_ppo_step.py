@@ -44,7 +44,7 @@ def overrides(size: str, device: str, steps: int, tmp: str) -> list[str]:
             "ref.log_prob_micro_batch_size_per_gpu=16", "actor.lr=1e-5",
             f"trainer.device={device}", f"trainer.total_steps={steps}", "trainer.save_freq=-1",
             "trainer.test_freq=-1", "trainer.logger=[console]", "trainer.kl_guard.max_kl=0",
-            f"trainer.checkpoint_dir={tmp}/ckpt", f"data.synthetic.dir={tmp}/data"]
+            f"trainer.output_dir={tmp}", f"data.synthetic.dir={tmp}/data"]
 
 
 def main(argv=None) -> int:

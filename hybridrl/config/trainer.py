@@ -4,10 +4,14 @@ Contract: ``TrainerConfig`` holds what the PPO loop needs that is not a model, d
 knob. ``total_steps`` (when > 0) wins over ``total_epochs``. The KL guard (``kl_guard``) stops a
 step whose measured policy KL exceeds ``max_kl`` and, with ``rollback``, restores the weights from
 before that step instead of failing. ``nonfinite`` says what a NaN/inf step does (hybridrl.ppo.guards);
-``overwrite`` and the run identity (hybridrl.ppo.run_identity) decide what an existing
-``checkpoint_dir`` means; ``collective_timeout_s`` bounds every collective.
+``collective_timeout_s`` bounds every collective. A run writes into its run folder
+``run_dir`` = ``<output_dir>/<experiment_name>`` (``experiment_name`` is one folder name: no
+``/``, not ``.`` or ``..``); its checkpoints go to ``resolved_checkpoint_dir``: ``checkpoint_dir``
+when set, else ``<run_dir>/checkpoints``. ``overwrite`` and the run identity
+(hybridrl.ppo.run_dir, hybridrl.ppo.run_identity) decide what an existing run folder means.
 """
 
+import os
 from dataclasses import dataclass
 
 from hybridrl.config._fields import (
@@ -60,14 +64,18 @@ class TrainerConfig:
                              "the last one (-1 = never).")
     test_freq: int = knob(-1, "Validate every this many steps (-1 = never).")
     val_before_train: bool = knob(False, "Validate once before the first step.")
-    checkpoint_dir: str = knob("outputs/checkpoints", "Folder for checkpoints "
-                               "(global_step_N/ subfolders).")
-    resume: str = knob("auto", "auto (latest checkpoint in checkpoint_dir if any) | disable | "
-                       "path (resume_path).")
+    output_dir: str = knob("outputs", "Parent of the run folders: a run writes "
+                           "<output_dir>/<experiment_name>/ (run.json, config.yaml, "
+                           "metrics.jsonl, generations.jsonl, plot.png, checkpoints/).")
+    checkpoint_dir: str = knob("", "Folder for checkpoints (global_step_N/ subfolders); empty = "
+                               "<output_dir>/<experiment_name>/checkpoints.")
+    resume: str = knob("auto", "auto (latest checkpoint of this run id in the checkpoint folder "
+                       "if any) | disable | path (resume_path).")
     resume_path: str = knob("", "Checkpoint folder to resume from when resume is 'path'.")
     logger: list[str] = knob(["console"], "Metric sinks: any of " + ", ".join(LOGGERS) + ".")
     project_name: str = knob("hybridrl", "Project name given to the loggers.")
-    experiment_name: str = knob("default", "Run name given to the loggers.")
+    experiment_name: str = knob("default", "Run name: the run folder's name under output_dir, "
+                                "and the name given to the loggers.")
     seed: int = knob(1, "Seed of model initialization and sampling.")
     device: str = knob("auto", "auto (cuda when available) | cpu | cuda.")
     kl_guard: KLGuardConfig = section(KLGuardConfig, "Rollback on excessive policy KL.")
@@ -78,11 +86,11 @@ class TrainerConfig:
                           "host copy of the optimizer shards, skip the batch; "
                           "kl_guard.max_rollbacks consecutive at most) | fail (stop with exit "
                           "status 1).")
-    overwrite: bool = knob(False, "With resume=disable, move the checkpoints and metrics of a "
-                           "previous run in checkpoint_dir aside (never deleted) instead of "
-                           "refusing to start.")
-    max_ckpt_to_keep: int = knob(3, "Complete checkpoints kept in checkpoint_dir (the oldest "
-                                 "are deleted after each save); 0 = keep all.")
+    overwrite: bool = knob(False, "A run that starts from step 0 where another run's files or "
+                           "checkpoints are: move them into previous_<k>/ (never deleted) "
+                           "instead of refusing to start.")
+    max_ckpt_to_keep: int = knob(3, "Complete checkpoints kept in the checkpoint folder (the "
+                                 "oldest are deleted after each save); 0 = keep all.")
     async_save: bool | str = knob("auto", "Write checkpoints in a background thread while "
                                   "training continues: auto (on when the models are on CUDA) "
                                   "| true | false.")
@@ -95,8 +103,13 @@ class TrainerConfig:
         check_non_negative("trainer.total_steps", self.total_steps)
         check_freq("trainer.save_freq", self.save_freq)
         check_freq("trainer.test_freq", self.test_freq)
-        if not self.checkpoint_dir:
-            raise ValueError("trainer.checkpoint_dir must be a folder path; got ''")
+        if not self.output_dir:
+            raise ValueError("trainer.output_dir must be a folder path; got ''")
+        name = self.experiment_name
+        if name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise ValueError("trainer.experiment_name names the run folder under "
+                             f"trainer.output_dir: one folder name (no '/', not '.' or '..'); "
+                             f"got {name!r}")
         check_choice("trainer.resume", self.resume, RESUME_MODES)
         if (self.resume == "path") != bool(self.resume_path):
             raise ValueError("trainer.resume_path must be set exactly when trainer.resume is "
@@ -110,3 +123,13 @@ class TrainerConfig:
         if self.async_save not in ("auto", True, False):
             raise ValueError("trainer.async_save must be auto, true or false; got "
                              f"{self.async_save!r}")
+
+    @property
+    def run_dir(self) -> str:
+        """The run folder: ``<output_dir>/<experiment_name>``."""
+        return os.path.join(self.output_dir, self.experiment_name)
+
+    @property
+    def resolved_checkpoint_dir(self) -> str:
+        """Where ``global_step_N/`` go: ``checkpoint_dir``, else ``<run_dir>/checkpoints``."""
+        return self.checkpoint_dir or os.path.join(self.run_dir, "checkpoints")

@@ -245,15 +245,18 @@ VERL_RULES: tuple[VerlRule, ...] = (
     _ident("trainer.save_freq"),
     _ident("trainer.test_freq"),
     _ident("trainer.val_before_train"),
-    _set("trainer.default_local_dir", "trainer.checkpoint_dir"),
+    _set("trainer.default_local_dir", "trainer.checkpoint_dir", note="checkpoints only (verl's "
+         "default: checkpoints/<project_name>/<experiment_name>); unset, they go to "
+         "<output_dir>/<experiment_name>/checkpoints; config, metrics and generations always "
+         "go to the run folder <trainer.output_dir>/<trainer.experiment_name>"),
     _set("trainer.resume_mode", "trainer.resume", note="auto | disable | resume_path (-> path)",
          values=(("resume_path", "path"),)),
     _set("trainer.resume_from_path", "trainer.resume_path"),
     VerlRule("trainer.logger", ("trainer.logger",), "wandb, mlflow, tensorboard are kept; sinks "
              "hybridrl lacks (swanlab, clearml, ...) are replaced by jsonl "
-             "(<checkpoint_dir>/metrics.jsonl)", "special"),
+             "(<output_dir>/<experiment_name>/metrics.jsonl)", "special"),
     _ident("trainer.project_name"),
-    _ident("trainer.experiment_name"),
+    _set("trainer.experiment_name", note="also the run folder's name under trainer.output_dir"),
     _ignore("trainer.critic_warmup", "no critic-only warm-up phase: the actor and critic both "
             "update from step 1; drop the key or set 0", (0,)),
     _ignore("trainer.balance_batch", "DP shares are contiguous; dynamic batching "

@@ -21,8 +21,9 @@ Contract (``Checkpointer(trainer)``; every method is collective: every rank call
   and world are unchanged (bitwise continuation); otherwise each rank keeps its fresh seeding
   (sampling is seeded per step and row, so the numbers do not depend on it) and a notice says
   so. Roles (critic or not) and model shapes must match (``ValueError`` naming them).
-- ``start()`` applies ``trainer.resume`` (``hybridrl.ppo.run_identity``: only the same run id;
-  the layout is not part of it) and returns the folder resumed from (or None). With
+- ``start()`` prepares the run folder and applies ``trainer.resume`` (``hybridrl.ppo.run_dir``:
+  only the same run id; the layout is not part of it) and returns the folder resumed from (or
+  None). Checkpoints live in ``trainer.resolved_checkpoint_dir``. With
   ``resume=auto`` a checkpoint that fails to load (a truncated or corrupt file is named) is
   reported as a warning and the previous complete one is tried. The KL guard's ``checkpoint``
   mode saves ``global_step_0`` when there is nothing to restore yet.
@@ -48,7 +49,8 @@ import torch.distributed as dist
 
 from hybridrl.ppo import checkpoint as ck
 from hybridrl.ppo.ckpt_shards import collect_pieces, load_pieces
-from hybridrl.ppo.run_identity import StartupError, apply_run_dir, plan_run_dir
+from hybridrl.ppo.run_dir import apply_run_dir, plan_run_dir
+from hybridrl.ppo.run_identity import StartupError
 
 FORMAT = 2
 
@@ -87,7 +89,7 @@ class Checkpointer:
 
     def __init__(self, trainer):
         self.tr, self.cfg = trainer, trainer.cfg.trainer
-        self.root = Path(self.cfg.checkpoint_dir)
+        self.root = Path(self.cfg.resolved_checkpoint_dir)
         a = self.cfg.async_save
         self.async_save = (trainer.actor.device.type == "cuda") if a == "auto" else bool(a)
         self.pending = None  # (step, thread, result, entries, trainer_state, meta)
@@ -262,12 +264,12 @@ class Checkpointer:
     def start(self) -> Path | None:
         """Apply ``trainer.resume`` (see the module docstring); the folder resumed from."""
         t, tr, plan = self.cfg, self.tr, [None]
-        if tr.rank == 0:  # rank 0's view of the folder decides for all (run_identity)
-            plan[0] = plan_run_dir(t.checkpoint_dir, t.resume, t.resume_path, tr.run_id,
+        if tr.rank == 0:  # rank 0's view of the folders decides for all (run_dir)
+            plan[0] = plan_run_dir(t.run_dir, self.root, t.resume, t.resume_path, tr.run_id,
                                    t.overwrite)
             if plan[0].error is None:
-                apply_run_dir(t.checkpoint_dir, plan[0], tr.run_id, t.seed)
-            older = [str(p) for p in ck.complete_checkpoints(t.checkpoint_dir)]
+                apply_run_dir(t.run_dir, self.root, plan[0], tr.run_id, t.seed)
+            older = [str(p) for p in ck.complete_checkpoints(self.root)]
             plan.append(older[older.index(plan[0].resume) + 1:]
                         if t.resume == "auto" and plan[0].resume in older else [])
         else:

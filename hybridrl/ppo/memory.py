@@ -11,12 +11,18 @@ Contract:
   device, during ``"ref"`` only the reference's parameters. Parts already where they should be
   are not touched, so calling ``enter`` for the phase already entered costs nothing; with no
   offload flag set it never moves anything. Returns ``{"offload_s", "moved_bytes"}`` of the call.
+- ``timed(timing, key)`` (a context manager) enters the memory phase of the step phase ``key``
+  (``key`` itself when it is one of ``NEEDS``, ``TIMING_PHASE[key]``, else ``"gen"``), adds that
+  move's seconds to ``timing["timing_s/offload"]`` and the seconds of its body to
+  ``timing["timing_s/<key>"]``; a ``timing`` with ``enter`` (a ``PhaseBoard``'s step timing)
+  records the phase first, for timeouts.
 - ``resident_bytes()`` is the bytes of this rank's model/optimizer tensors on the device now
   (by role and part), measured from the storages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from hybridrl.models.offload import PARTS, StorageOffloader, model_tensors, resident_bytes
@@ -35,6 +41,7 @@ NEEDS: dict[str, dict[str, set[str]]] = {
     "snapshot": {"actor": {"params", "optim"}, "critic": {"params", "optim"}},
     "all": ALL,  # snapshots, rollbacks, checkpoints, validation
 }
+TIMING_PHASE = {"kl_guard": "old_log_prob"}  # a step phase -> its memory phase, if another
 
 
 class PhaseMemory:
@@ -76,6 +83,18 @@ class PhaseMemory:
                 if wanted and key in self._away:
                     moved += self._away.pop(key).onload()
         return {"offload_s": time.perf_counter() - start, "moved_bytes": float(moved)}
+
+    @contextlib.contextmanager
+    def timed(self, timing: dict, key: str):
+        """Time the step phase ``key`` with exactly its models' parts on the device."""
+        moved = self.enter(TIMING_PHASE.get(key, key if key in NEEDS else "gen"))
+        timing["timing_s/offload"] = timing.get("timing_s/offload", 0.0) + moved["offload_s"]
+        start = time.perf_counter()
+        if hasattr(timing, "enter"):  # a PhaseBoard's step timing: the phase, for timeouts
+            timing.enter(f"timing_s/{key}")
+        yield
+        timing[f"timing_s/{key}"] = (timing.get(f"timing_s/{key}", 0.0)
+                                     + time.perf_counter() - start)
 
     def resident_bytes(self) -> dict[str, int]:
         """``{"<role>/<part>": bytes on the device now}`` for every role and part."""

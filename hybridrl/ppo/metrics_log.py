@@ -1,7 +1,10 @@
 """Step metrics of the PPO loop: one console line per step and ``metrics.jsonl``, rank 0 only.
 
 Contract:
-- ``MetricsLog(rank, folder, loggers, print_fn)``: every method is a no-op on ranks other than 0.
+- ``MetricsLog(rank, folder, loggers, print_fn)``: every method is a no-op on ranks other than 0;
+  ``folder`` is the run folder (``hybridrl.ppo.run_dir``). ``build_metrics_log(cfg, rank,
+  print_fn)`` is the trainer's: the run folder of ``cfg.trainer`` and its tracker
+  (``hybridrl.ppo.tracking.build_tracker``) as ``open_tracker``.
 - ``line(text)`` prints ``text`` (flushed).
 - ``step(step, total, metrics)`` prints ``step <step>/<total> | score .. | pg_loss .. | ... |
   eta <m>m<ss>s`` (the keys of ``SUMMARY`` that ``metrics`` has; the ETA is the mean time per
@@ -9,10 +12,12 @@ Contract:
   step guard undid it, ``training/rolled_back``) and, when ``"jsonl"`` is in ``loggers``, appends
   ``{"step": step, "kept": bool, **metrics}`` as one line to ``<folder>/metrics.jsonl``; the
   ``tracker`` (``hybridrl.ppo.tracking``, when set) receives the metrics too.
-- ``resume_at(step)`` rewrites ``metrics.jsonl`` to hold exactly the lines of steps <= ``step``
-  (none for a fresh run, step 0), so a resumed run appends without duplicates; it also calls
-  ``open_tracker`` when set (so ``config.yaml`` and the sinks start only once the run folder
-  was accepted).
+- ``resume_at(step)`` moves the lines of steps > ``step`` of ``metrics.jsonl`` and
+  ``generations.jsonl`` (steps after the resumed checkpoint, which run again) to
+  ``*.redone.jsonl`` with one line saying so (``hybridrl.ppo.run_dir.keep_steps_upto``), so a
+  resumed run appends to a file of steps 1..N without duplicates and nothing is lost; it also
+  calls ``open_tracker`` when set (so ``config.yaml`` and the sinks start only once the run
+  folder was accepted).
 - ``samples(step, samples)`` prints a few validation generations and appends all of them to
   ``<folder>/generations.jsonl``; ``phase(name)`` prints a start-up phase with its time
   (``hybridrl.ppo.progress``); ``startup(text)`` queues a start-up line (models built,
@@ -26,6 +31,7 @@ import json
 from pathlib import Path
 
 from hybridrl.ppo.progress import Progress
+from hybridrl.ppo.run_dir import keep_steps_upto
 
 # (short name on the console, metric key)
 SUMMARY = (("score", "critic/score/mean"), ("pg_loss", "actor/pg_loss"),
@@ -93,10 +99,22 @@ class MetricsLog:
         self.progress.start(0, first_step=step)
         if self.open_tracker is not None:  # the run folder is accepted: config.yaml, sinks
             self.tracker, self.open_tracker = self.open_tracker(), None
-        if not (self.active and self.jsonl):
+        if not self.active:
             return
-        kept = [] if step == 0 or not self.path.exists() else [
-            line for line in self.path.read_text().splitlines()
-            if line and json.loads(line).get("step", 0) <= step]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("".join(line + "\n" for line in kept))
+        for path in (self.path, self.path.with_name("generations.jsonl")):
+            moved = keep_steps_upto(path, step)
+            if moved:
+                self.line(f"hybridrl: {moved} lines of steps after {step} (run again from the "
+                          f"checkpoint) moved from {path.name} to {path.stem}.redone.jsonl")
+
+
+def build_metrics_log(cfg, rank: int, print_fn=print) -> MetricsLog:
+    """The trainer's log: ``cfg.trainer.run_dir``, its loggers, the tracker once resumed."""
+    import functools
+
+    from hybridrl.ppo.tracking import build_tracker
+
+    t = cfg.trainer
+    log = MetricsLog(rank, t.run_dir, t.logger, print_fn)
+    log.open_tracker = functools.partial(build_tracker, cfg, rank, t.run_dir)
+    return log

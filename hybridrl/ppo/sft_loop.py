@@ -38,7 +38,7 @@ from hybridrl.data.loader import PromptLoader
 from hybridrl.data.sft import SFTDataset, sft_microbatch
 from hybridrl.models.hf_io import build_from_config, export_hf
 from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
-from hybridrl.ppo.validation import validate_prompts
+from hybridrl.ppo.validation import validate_actor
 
 
 def sft_files(cfg) -> list[str]:
@@ -137,13 +137,8 @@ class SFTTrainer:
     def validate(self) -> tuple[dict, list[dict]]:
         if self.worker is None:
             return {}, []
-        r = self.cfg.rollout
-        self.worker.sync_weights(self.actor)
-        params = self.worker.sampling_params(r.response_length, r.val_temperature, r.top_k, r.top_p)
-        out = validate_prompts(self.worker, self.scorer, self.val_loader, self.groups, params,
-                               self.cfg.trainer.seed, self.tokenizer)
-        self.worker.release()
-        return out
+        return validate_actor(self.worker, self.actor, self.scorer, self.val_loader, self.groups,
+                              self.cfg.rollout, self.cfg.trainer.seed, self.tokenizer)
 
     def fit(self) -> list[dict]:
         s, history = self.cfg.sft, []

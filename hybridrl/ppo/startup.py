@@ -1,10 +1,12 @@
 """Start-up checks: run on every rank before any collective, each failure one line naming a path or key.
 
 Contract: ``check_startup(cfg, rank)`` returns the list of problems (empty when the run can
-start); it reads but never changes anything except creating ``trainer.checkpoint_dir`` (and the
-synthetic data folder) and removing its own probe file. Checked:
-- ``trainer.checkpoint_dir`` (and ``data.synthetic.dir`` when the data is generated) can be
-  created and written (a folder under a regular file, no permission, ...);
+start); it reads but never changes anything except creating the run folder
+``<trainer.output_dir>/<trainer.experiment_name>`` (and ``trainer.checkpoint_dir`` when set, and
+the synthetic data folder) and removing its own probe file. Checked:
+- the run folder (``trainer.output_dir: the run folder '<path>' cannot be created or written
+  (...)``), ``trainer.checkpoint_dir`` when set and ``data.synthetic.dir`` when the data is
+  generated can be created and written (a folder under a regular file, no permission, ...);
 - every ``model.path``-like folder that is set exists and its ``config.json`` parses;
 - the tokenizer folder (``model.tokenizer_path``, else ``model.path``) holds tokenizer files;
 - every optional ``trainer.logger`` sink (wandb, mlflow, tensorboard) has its package installed
@@ -100,8 +102,11 @@ def _data_problems(cfg) -> list[str]:
 
 def check_startup(cfg, rank: int) -> list[str]:
     """Every problem found (one line each; see module docstring)."""
-    problems = [p for p in [_writable("trainer.checkpoint_dir", cfg.trainer.checkpoint_dir, rank)]
-                if p]
+    t = cfg.trainer
+    problems = [_writable("trainer.output_dir: the run folder", t.run_dir, rank)]
+    if t.checkpoint_dir:
+        problems.append(_writable("trainer.checkpoint_dir", t.checkpoint_dir, rank))
+    problems = [p for p in problems if p]
     if not cfg.data.train_files and cfg.data.synthetic.task != "none":
         problem = _writable("data.synthetic.dir", cfg.data.synthetic.dir, rank)
         problems += [problem] if problem else []

@@ -8,7 +8,8 @@ Contract:
   sink whose package is not installed, naming the key and the pip install; the start-up checks
   run it on every rank before any collective.
 - ``Tracker(names, project=, experiment=, run_dir=, config=, config_text=)`` on rank 0: writes
-  ``config_text`` (the resolved config as YAML) to ``<run_dir>/config.yaml`` and opens each
+  ``config_text`` (the resolved config as YAML) to ``<run_dir>/config.yaml`` (a different
+  previous one is kept: ``hybridrl.ppo.run_dir.write_config``) and opens each
   chosen sink with the config logged to it:
   wandb: ``wandb.init(project, name=experiment, dir=run_dir, config=config)`` (the mode follows
   ``WANDB_MODE``, e.g. ``offline``); mlflow: experiment ``project``, run ``experiment``, tracking
@@ -30,6 +31,7 @@ import re
 from pathlib import Path
 
 from hybridrl.config.trainer import LOGGERS  # noqa: F401  (re-exported: the accepted names)
+from hybridrl.ppo.run_dir import write_config
 
 OPTIONAL = {"wandb": ("wandb", "pip install wandb"),
             "mlflow": ("mlflow", "pip install mlflow-skinny"),
@@ -69,8 +71,7 @@ class Tracker:
         if problems:
             raise ImportError(problems[0])
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(config_text)
+        write_config(self.run_dir, config_text)
         self.sinks: dict = {}
         if "wandb" in names:
             import wandb
@@ -145,8 +146,7 @@ def build_tracker(cfg, rank: int, run_dir: str | Path) -> Tracker | None:
     names = [n for n in cfg.trainer.logger if n in OPTIONAL]
     text = dump_config(cfg)
     if not names:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(run_dir) / "config.yaml").write_text(text)
+        write_config(run_dir, text)
         return None
     t = cfg.trainer
     return Tracker(names, project=t.project_name, experiment=t.experiment_name, run_dir=run_dir,

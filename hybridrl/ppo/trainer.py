@@ -29,17 +29,21 @@ Contract:
      ``trainer.kl_guard.max_kl``, restore actor, critic, optimizers and KL controller to their
      state before the step (``training/rolled_back`` = 1), or stop with ``RuntimeError``
      (``trainer.nonfinite=fail``, ``kl_guard.rollback: false``, too many in a row);
-  7. metrics (DESIGN.md key names; reductions over every sequence of the step) on rank 0 (``MetricsLog``): one line per step to stdout, one
-     JSON line to ``<checkpoint_dir>/metrics.jsonl`` when ``jsonl`` is a logger; checkpoints
+  7. metrics (DESIGN.md key names; reductions over every sequence of the step) on rank 0
+     (``hybridrl.ppo.metrics_log``): one line per step to stdout, one JSON line to
+     ``<run folder>/metrics.jsonl`` when ``jsonl`` is a logger (the run folder
+     ``<trainer.output_dir>/<trainer.experiment_name>``: ``hybridrl.ppo.run_dir``); checkpoints
      every ``trainer.save_freq`` steps and after the last, sharded, resumable at another layout
      (``hybridrl.ppo.checkpointing``; also the KL guard's checkpoint-mode rollback).
+- Each phase of a step runs with exactly its models' parts on the device and is timed
+  (``PhaseMemory.timed``); validation is ``hybridrl.ppo.validation.validate_actor``, its samples
+  go to ``<run folder>/generations.jsonl``.
 - Log-probs are those of ``log_softmax(logits / T)`` with T = ``rollout.temperature`` (1 when
   greedy), as the engine reports them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
@@ -69,12 +73,11 @@ from hybridrl.ppo.dist_advantages import compute_advantage_dp, needs_groups
 from hybridrl.ppo.guards import StepGuard
 from hybridrl.ppo.kl_control import apply_kl_in_reward, build_kl_controller
 from hybridrl.ppo.losses import actor_loss, value_loss
-from hybridrl.ppo.memory import NEEDS, PhaseMemory
-from hybridrl.ppo.metrics_log import MetricsLog
+from hybridrl.ppo.memory import PhaseMemory
+from hybridrl.ppo.metrics_log import build_metrics_log
 from hybridrl.ppo.on_policy import GAP_METRICS, old_or_current, skip_old_forward
 from hybridrl.ppo.run_identity import run_id
-from hybridrl.ppo.tracking import build_tracker
-from hybridrl.ppo.validation import validate_prompts
+from hybridrl.ppo.validation import validate_actor
 from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
 from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
 from hybridrl.rewards.scoring import build_reward_scorer
@@ -84,17 +87,6 @@ from hybridrl.rollout.worker import RolloutWorker
 
 SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
 
-
-@contextlib.contextmanager
-def _timer(timing: dict, key: str):
-    start = time.perf_counter()
-    if hasattr(timing, "enter"):  # a PhaseBoard's step timing: records the phase for timeouts
-        timing.enter(f"timing_s/{key}")
-    yield
-    timing[f"timing_s/{key}"] = timing.get(f"timing_s/{key}", 0.0) + time.perf_counter() - start
-
-
-MEMORY_PHASE = {"kl_guard": "old_log_prob"}  # timing key -> hybridrl.ppo.memory phase, if other
 
 class PPOTrainer:
     """The loop (see module docstring); ``groups`` come from ``hybridrl.parallel.build_groups``."""
@@ -143,9 +135,7 @@ class PPOTrainer:
         self.worker = RolloutWorker(cfg, groups, self.actor, self.tokenizer)
         self.temperature = cfg.rollout.temperature or 1.0
         self.step, self.run_id = 0, run_id(cfg)
-        self.log = MetricsLog(self.rank, cfg.trainer.checkpoint_dir, cfg.trainer.logger, print_fn)
-        self.log.open_tracker = functools.partial(build_tracker, cfg, self.rank,
-                                                  cfg.trainer.checkpoint_dir)  # once resumed
+        self.log = build_metrics_log(cfg, self.rank, print_fn)  # the run folder's sinks
         self.log.startup(f"hybridrl: models built and weights loaded ({t_models - t_start:.1f} s),"
                          f" engine ready ({time.perf_counter() - t_models:.1f} s)")
         ref_offload = {"params"} if cfg.ref.param_offload else set()
@@ -157,14 +147,6 @@ class PPOTrainer:
         self.guard = StepGuard(cfg.trainer, self.actor.device, self.log)
         self.phases = None  # a hybridrl.parallel.phases.PhaseBoard, when the entrypoint sets one
         self.ckpt = Checkpointer(self)
-
-    @contextlib.contextmanager
-    def _phase(self, timing: dict, key: str):
-        """Time one phase of the step, with exactly its models' parts on the device."""
-        moved = self.memory.enter(MEMORY_PHASE.get(key, key if key in NEEDS else "gen"))
-        timing["timing_s/offload"] = timing.get("timing_s/offload", 0.0) + moved["offload_s"]
-        with _timer(timing, key):
-            yield
 
     def _optimizer(self, model, role_cfg) -> ModelOptimizer:
         per_step = role_cfg.ppo_epochs * (self.cfg.data.train_batch_size // role_cfg.ppo_mini_batch_size)
@@ -307,27 +289,27 @@ class PPOTrainer:
         timing = self.phases.step_timing(self.step + 1) if self.phases else {}
         snapshot = self._snapshot() if self.guard.needs_snapshot else None
         prompts = self.loader.next_batch()
-        with self._phase(timing, "reshard"):
+        with self.memory.timed(timing, "reshard"):
             self.worker.sync_weights(self.actor)
-        with self._phase(timing, "gen"):
+        with self.memory.timed(timing, "gen"):
             rb = self._rollout(prompts)
             self.worker.release()  # SGLang gives its GPU memory back before training
         mask = rb.response_mask
         a = cfg.actor
-        with self._phase(timing, "old_log_prob"):
+        with self.memory.timed(timing, "old_log_prob"):
             old = rb.rollout_logprobs if self.on_policy else self._logprobs(self.actor, rb)
         tensors = {"old_log_probs": old}
         if self.ref is not None:
-            with self._phase(timing, "ref"):
+            with self.memory.timed(timing, "ref"):
                 tensors["ref_log_probs"] = self._logprobs(self.ref, rb)
         if self.critic is not None:
             c = cfg.critic
-            with self._phase(timing, "values"):
+            with self.memory.timed(timing, "values"):
                 tensors["values"] = self._forward(self.critic, rb, "values",
                                                   c.ppo_micro_batch_size_per_gpu,
                                                   c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu)
         metrics = {}
-        with self._phase(timing, "reward"):
+        with self.memory.timed(timing, "reward"):
             if self.reward_model is not None:
                 scores, reward_metrics = self._reward_model_scores(rb, mask)
             else:
@@ -336,7 +318,7 @@ class PPOTrainer:
                     rb.rows, rb.response_ids, mask, rb.ground_truth, rb.data_source,
                     rb.extra_info, g.tp_rank + g.tp_size * g.pp_rank, g.tp_size * g.pp_size)
         metrics.update(reward_metrics)
-        with self._phase(timing, "adv"):
+        with self.memory.timed(timing, "adv"):
             rewards = place_on_last_token(scores, mask).float()
             if cfg.algorithm.use_kl_in_reward:
                 rewards, kl_metrics = apply_kl_in_reward(rewards, old, tensors["ref_log_probs"],
@@ -351,14 +333,14 @@ class PPOTrainer:
                 norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
         skip = self.guard.check_inputs(self.step + 1, scores, tensors, rb)  # every rank agrees
         if self.critic is not None and not skip:
-            with self._phase(timing, "update_critic"):
+            with self.memory.timed(timing, "update_critic"):
                 metrics.update(self._update(self.critic, self.critic_opt, cfg.critic, rb, tensors,
                                             self._critic_loss, "critic"))
-        with self._phase(timing, "update_actor"):
+        with self.memory.timed(timing, "update_actor"):
             metrics.update({} if skip else self._update(self.actor, self.actor_opt, a, rb,
                                                         tensors, self._actor_loss, "actor"))
         if cfg.trainer.kl_guard.max_kl > 0 and not skip:  # the weights it would keep: a forward
-            with self._phase(timing, "kl_guard"):
+            with self.memory.timed(timing, "kl_guard"):
                 new = self._logprobs(self.actor, rb)
                 m = mask.float()
                 kl = torch.stack([((old - new) * m).sum().double(), m.sum().double()])
@@ -391,15 +373,10 @@ class PPOTrainer:
         """Greedy (``rollout.val_temperature``) responses on the validation prompts."""
         if self.val_loader is None:
             return {}
-        self.memory.enter("reshard")
-        self.worker.sync_weights(self.actor)
-        self.memory.enter("gen")
-        r = self.cfg.rollout
-        params = self.worker.sampling_params(r.response_length, r.val_temperature, r.top_k, r.top_p)
-        metrics, samples = validate_prompts(self.worker, self.dist_scorer, self.val_loader,
-                                            self.groups, params, self.cfg.trainer.seed,
-                                            self.tokenizer)  # each DP replica scores its rows
-        self.worker.release()
+        metrics, samples = validate_actor(self.worker, self.actor, self.dist_scorer,
+                                          self.val_loader, self.groups, self.cfg.rollout,
+                                          self.cfg.trainer.seed, self.tokenizer,
+                                          enter=self.memory.enter)  # each DP replica: its rows
         self.log.samples(self.step, samples)  # a few printed, all in generations.jsonl
         return metrics
 
@@ -418,6 +395,7 @@ class PPOTrainer:
         self.log.line(f"hybridrl: world {self.world}, train tp {g.tp} pp {g.pp} dp {g.dp}, "
                       f"gen tp {self.worker.gen.tp} x {self.worker.n_replicas} replicas, "
                       f"reshard {self.worker.strategy}, steps {self.step + 1}..{self.total_steps}"
+                      f", run folder {t.run_dir}"
                       + (f" (resumed from {resumed})" if resumed else ""))
         if self.step >= self.total_steps:
             self.log.line(f"nothing to do: the checkpoint is at step {self.step} >= "

@@ -9,6 +9,11 @@ per-row results on every rank. It returns ``(metrics, samples)``, the same on ev
 ``val-core/<data_source>/reward/mean@1`` per data source; ``samples`` is one dict per prompt in
 dataset order: ``index``, ``data_source``, ``prompt``, ``response`` (decoded, special tokens
 skipped), ``ground_truth``, ``score``.
+``validate_actor(worker, actor, scorer, loader, groups, rollout, seed, tokenizer, enter=None)``
+(collective) is the loops' whole validation: the actor's weights to the engine, the
+``rollout.val_temperature`` sampling parameters, ``validate_prompts``, the engine's memory
+released; ``enter(phase)`` (the PPO loop's ``PhaseMemory.enter``) is called with ``"reshard"``
+before the weight sync and ``"gen"`` before generating. Returns ``(metrics, samples)``.
 """
 
 from __future__ import annotations
@@ -50,3 +55,18 @@ def validate_prompts(worker, scorer, loader, groups, params, seed: int, tokenize
     for source, values in sorted(by_source.items()):
         metrics[f"val-core/{source}/reward/mean@1"] = sum(values) / len(values)
     return metrics, samples
+
+
+def validate_actor(worker, actor, scorer, loader, groups, rollout, seed: int, tokenizer,
+                   enter=None):
+    """Sync, generate with ``rollout.val_temperature``, score, release (see the docstring)."""
+    if enter is not None:
+        enter("reshard")
+    worker.sync_weights(actor)
+    if enter is not None:
+        enter("gen")
+    params = worker.sampling_params(rollout.response_length, rollout.val_temperature,
+                                    rollout.top_k, rollout.top_p)
+    out = validate_prompts(worker, scorer, loader, groups, params, seed, tokenizer)
+    worker.release()
+    return out

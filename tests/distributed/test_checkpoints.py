@@ -24,6 +24,7 @@ import torch
 from hybridrl.testing.dist import run_on_ranks
 from tests.distributed import test_checkpoint_cases as cases_mod
 from tests.distributed.test_trainer import _save_hf
+from tests.distributed.test_trainer_cases import run_in
 
 BATCH = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
          "critic.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=1",
@@ -47,20 +48,21 @@ def world8(root):
     r, hf = root
     base = [*BATCH, *GAE, f"model.path={hf}", "model.tokenizer_path=char",
             "rollout.temperature=0", "parallel.gen.tp=1"]
-    ck = lambda name: f"trainer.checkpoint_dir={r}/{name}"  # noqa: E731
-    from_2 = ["trainer.resume=path", f"trainer.resume_path={r}/save/global_step_2"]
-    cases = [("full3", [*base, *_layout(2, 2), ck("full3"), "trainer.total_steps=3"], "fit", None),
-             ("save2", [*base, *_layout(2, 2), ck("save"), "trainer.save_freq=1",
+    ck = lambda name: run_in(f"{r}/{name}")  # noqa: E731
+    from_2 = ["trainer.resume=path", f"trainer.resume_path={r}/save/checkpoints/global_step_2"]
+    cases = [("full3", [*base, *_layout(2, 2), *ck("full3"), "trainer.total_steps=3"], "fit",
+              None),
+             ("save2", [*base, *_layout(2, 2), *ck("save"), "trainer.save_freq=1",
                         "trainer.async_save=true"], "fit", None)]
     for t, p in ((2, 2), (1, 2), (2, 1), (1, 1)):
-        cases.append((f"at{t}{p}", [*base, *_layout(t, p), ck(f"at{t}{p}"), *from_2,
+        cases.append((f"at{t}{p}", [*base, *_layout(t, p), *ck(f"at{t}{p}"), *from_2,
                                     "trainer.total_steps=3", "trainer.save_freq=1"], "fit", None))
-    cases.append(("logprobs", [*base, *_layout(2, 2), ck("lp"), "trainer.resume=path",
-                               f"trainer.resume_path={r}/at11/global_step_3",
+    cases.append(("logprobs", [*base, *_layout(2, 2), *ck("lp"), "trainer.resume=path",
+                               f"trainer.resume_path={r}/at11/checkpoints/global_step_3",
                                "trainer.total_steps=3"], "logprobs", None))
-    cases.append(("corrupt", [*base, *_layout(2, 2), ck("save"), "trainer.total_steps=3",
+    cases.append(("corrupt", [*base, *_layout(2, 2), *ck("save"), "trainer.total_steps=3",
                               "trainer.save_freq=1"], "corrupt",
-                  (f"{r}/save/global_step_2/rank_00003.pt", "flip")))
+                  (f"{r}/save/checkpoints/global_step_2/rank_00003.pt", "flip")))
     return run_on_ranks(cases_mod.run_cases, 8, r, cases, timeout=900,
                         preload=("megatron.core",))
 
@@ -87,7 +89,7 @@ def test_resume_at_other_layouts_continues_the_run(world8, root):
 
 @pytest.mark.slow
 def test_every_rank_writes_its_part_once(world8, root):
-    ckpt = f"{root[0]}/at11/global_step_3"
+    ckpt = f"{root[0]}/at11/checkpoints/global_step_3"
     files = sorted(os.listdir(ckpt))
     assert files == sorted(["COMPLETE", "index.json", "meta.json", "trainer_state.pt",
                             *[f"rank_{r:05d}.pt" for r in range(8)]])
@@ -111,9 +113,9 @@ def test_export_logprobs_equal_the_trainer(world8, root, tmp_path):
 
     out = tmp_path / "actor"
     # the logprobs case loaded at11's global_step_3 (written at (1, 1, 8)) at (2, 2, 2)
-    assert main(["export", f"{root[0]}/at11/global_step_3", "--role", "actor",
+    assert main(["export", f"{root[0]}/at11/checkpoints/global_step_3", "--role", "actor",
                  "--out", str(out)]) == 0
-    assert main(["export", f"{root[0]}/at11/global_step_3", "--role", "critic",
+    assert main(["export", f"{root[0]}/at11/checkpoints/global_step_3", "--role", "critic",
                  "--out", str(tmp_path / "critic"), "--dtype", "bf16"]) == 0
     critic = json.load(open(tmp_path / "critic" / "config.json"))
     assert critic["num_labels"] == 1 and critic["torch_dtype"] == "bfloat16"
@@ -131,31 +133,38 @@ def test_export_logprobs_equal_the_trainer(world8, root, tmp_path):
 
 
 @pytest.mark.slow
-def test_corrupt_shard_falls_back_to_the_previous_checkpoint(world8):
+def test_corrupt_shard_falls_back_to_the_previous_checkpoint(world8, root):
     res = world8[0]["corrupt"]
     warn = [line for line in res["lines"] if "warning" in line]
     assert len(warn) == 1 and "rank_00003.pt" in warn[0] and "CRC-32" in warn[0]
     assert "falling back to" in warn[0] and warn[0].endswith("global_step_1")
     full = world8[0]["full3"]["metrics"]
     assert res["metrics"] == full[1:]  # steps 2 and 3 as if nothing happened
+    # the run folder: step 2's first line (after global_step_1, run again) moved aside, not lost
+    folder = f"{root[0]}/save"
+    steps = [json.loads(line)["step"] for line in open(f"{folder}/metrics.jsonl")]
+    assert steps == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(f"{folder}/metrics.redone.jsonl")] == [2]
+    assert any("1 lines of steps after 1" in line and "metrics.redone.jsonl" in line
+               for line in res["lines"])
 
 
 @pytest.fixture(scope="module")
 def world1(root):
     r, hf = root
     base = [*GAE, f"model.path={hf}", "model.tokenizer_path=char", "rollout.temperature=0"]
-    ck = lambda name: f"trainer.checkpoint_dir={r}/w1_{name}"  # noqa: E731
+    ck = lambda name: run_in(f"{r}/w1_{name}")  # noqa: E731
     spike = [*base, "trainer.kl_guard.max_kl=1e6", "trainer.total_steps=3"]
     cases = [
-        ("keep", [*base, ck("keep"), "trainer.save_freq=1", "trainer.total_steps=3",
+        ("keep", [*base, *ck("keep"), "trainer.save_freq=1", "trainer.total_steps=3",
                   "trainer.max_ckpt_to_keep=2"], "fit", None),
-        ("truncated", [*base, ck("keep"), "trainer.total_steps=4", "trainer.resume=path",
-                       f"trainer.resume_path={r}/w1_keep/global_step_3"], "corrupt",
-         (f"{r}/w1_keep/global_step_3/rank_00000.pt", "truncate")),
-        ("step_mode", [*spike, ck("stepmode")], "spike", [2]),
-        ("ckpt_mode", [*spike, ck("ckptmode"), "trainer.kl_guard.mode=checkpoint",
+        ("truncated", [*base, *ck("keep"), "trainer.total_steps=4", "trainer.resume=path",
+                       f"trainer.resume_path={r}/w1_keep/checkpoints/global_step_3"], "corrupt",
+         (f"{r}/w1_keep/checkpoints/global_step_3/rank_00000.pt", "truncate")),
+        ("step_mode", [*spike, *ck("stepmode")], "spike", [2]),
+        ("ckpt_mode", [*spike, *ck("ckptmode"), "trainer.kl_guard.mode=checkpoint",
                        "trainer.save_freq=1"], "spike", [2]),
-        ("ckpt_limit", [*spike, ck("limit"), "trainer.kl_guard.mode=checkpoint",
+        ("ckpt_limit", [*spike, *ck("limit"), "trainer.kl_guard.mode=checkpoint",
                         "trainer.kl_guard.max_rollbacks=2"], "spike", "always"),
     ]
     return run_on_ranks(cases_mod.run_cases, 1, r, cases, timeout=600,
@@ -163,7 +172,7 @@ def world1(root):
 
 
 def test_keep_and_truncated(world1, root):
-    assert sorted(n for n in os.listdir(f"{root[0]}/w1_keep") if n.startswith("global")) == [
+    assert sorted(os.listdir(f"{root[0]}/w1_keep/checkpoints")) == [
         "global_step_2", "global_step_3"]
     assert any("removed global_step_1" in line for line in world1["keep"]["lines"])
     err = world1["truncated"]["error"]  # an explicit path: no fallback, the file is named

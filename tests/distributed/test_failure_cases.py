@@ -64,7 +64,7 @@ def _nan_loss(rank, world, overrides, nan_at=2):
     return {"history": history, "error": error, "lines": lines,
             "restored": restored, "snapshots": snapshots[0],
             "finite": all(bool(torch.isfinite(p).all()) for p in _params(trainer).values()),
-            "ckpt_finite": _finite_checkpoints(trainer.cfg.trainer.checkpoint_dir)}
+            "ckpt_finite": _finite_checkpoints(trainer.ckpt.root)}
 
 
 def _fit_or_error(rank, world, overrides):
@@ -122,3 +122,40 @@ def phase_timeout(rank: int, world: int) -> dict:
     finally:
         sys.stderr = captured
     return out
+
+
+def startup_refusal(rank: int, world: int, argv: list) -> dict:
+    """``hybridrl.train.main(argv)`` on this rank with every collective and the process-group
+    set-up replaced by a tripwire: what it returned and wrote to stderr, and whether it reached
+    a collective (it must not: start-up problems are found before any)."""
+    import hybridrl.parallel.groups as groups_mod
+    from hybridrl.train import main
+
+    reached = []
+
+    def tripwire(name):
+        def called(*args, **kwargs):
+            reached.append(name)
+            raise RuntimeError(f"{name} reached")
+        return called
+
+    names = ("barrier", "all_reduce", "broadcast", "all_gather", "broadcast_object_list",
+             "all_gather_object", "init_process_group", "new_group")
+    saved = {n: getattr(dist, n) for n in names}
+    saved_init = groups_mod.init_distributed
+    captured, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        for n in names:
+            setattr(dist, n, tripwire(n))
+        groups_mod.init_distributed = tripwire("init_distributed")
+        try:
+            status = main(argv)
+        except RuntimeError as err:
+            status = f"raised {err}"
+        err = sys.stderr.getvalue()
+    finally:
+        sys.stderr = captured
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+        groups_mod.init_distributed = saved_init
+    return {"status": status, "stderr": err, "reached": reached}

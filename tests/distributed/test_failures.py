@@ -22,7 +22,7 @@ import torch
 
 from hybridrl.testing.dist import run_on_ranks
 from tests.distributed import test_failure_cases as cases_mod
-from tests.distributed.test_trainer_cases import base_overrides
+from tests.distributed.test_trainer_cases import base_overrides, run_in
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GAE = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
@@ -46,29 +46,29 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world1(root):
-    ck = f"trainer.checkpoint_dir={root}"
+    ck = lambda name: run_in(f"{root}/{name}")  # noqa: E731
     nan_fn = f"reward.reward_fn={root}/rewards.py:nan_on_some"
     cases = [
         # defect 1: a NaN loss is rolled back, counted, never saved
-        ("nan_rollback", [*GAE, f"{ck}/nan_rb", "trainer.total_steps=3",
+        ("nan_rollback", [*GAE, *ck("nan_rb"), "trainer.total_steps=3",
                           "trainer.nonfinite=rollback"], "nan_loss"),
         # the default (skip): no snapshot, the optimizer refuses the NaN updates
-        ("nan_skip", [*GAE, f"{ck}/nan_skip", "trainer.total_steps=3"], "nan_loss"),
-        ("nan_fail", [*GAE, f"{ck}/nan_fail", "trainer.nonfinite=fail"], "nan_loss"),
+        ("nan_skip", [*GAE, *ck("nan_skip"), "trainer.total_steps=3"], "nan_loss"),
+        ("nan_fail", [*GAE, *ck("nan_fail"), "trainer.nonfinite=fail"], "nan_loss"),
         # defect 1: the KL guard on: a NaN KL is not "small"
-        ("nan_kl", [*GAE, f"{ck}/nan_kl", "trainer.kl_guard.max_kl=100"], "nan_loss"),
+        ("nan_kl", [*GAE, *ck("nan_kl"), "trainer.kl_guard.max_kl=100"], "nan_loss"),
         # defect 1: NaN rewards name their rows; skip goes on, fail stops
-        ("nan_reward_skip", [*GAE, f"{ck}/rw_skip", nan_fn, "trainer.nonfinite=skip"], "fit"),
-        ("nan_reward_fail", [*GAE, f"{ck}/rw_fail", nan_fn, "trainer.nonfinite=fail"], "fit"),
+        ("nan_reward_skip", [*GAE, *ck("rw_skip"), nan_fn, "trainer.nonfinite=skip"], "fit"),
+        ("nan_reward_fail", [*GAE, *ck("rw_fail"), nan_fn, "trainer.nonfinite=fail"], "fit"),
         # defect 2: run identity
-        ("seed1", [*GAE, f"{ck}/ident", "trainer.total_steps=1", "trainer.save_freq=1"], "fit"),
-        ("seed7_auto", [*GAE, f"{ck}/ident", "trainer.seed=7"], "fit"),
-        ("seed7_disable", [*GAE, f"{ck}/ident", "trainer.seed=7", "trainer.resume=disable"],
+        ("seed1", [*GAE, *ck("ident"), "trainer.total_steps=1", "trainer.save_freq=1"], "fit"),
+        ("seed7_auto", [*GAE, *ck("ident"), "trainer.seed=7"], "fit"),
+        ("seed7_disable", [*GAE, *ck("ident"), "trainer.seed=7", "trainer.resume=disable"],
          "fit"),
-        ("seed7_overwrite", [*GAE, f"{ck}/ident", "trainer.seed=7", "trainer.resume=disable",
+        ("seed7_overwrite", [*GAE, *ck("ident"), "trainer.seed=7", "trainer.resume=disable",
                              "trainer.overwrite=true", "trainer.total_steps=1",
                              "trainer.save_freq=1"], "fit"),
-        ("missing_path", [*GAE, f"{ck}/ident", "trainer.resume=path",
+        ("missing_path", [*GAE, *ck("ident"), "trainer.resume=path",
                           f"trainer.resume_path={root}/nowhere"], "fit"),
     ]
     return run_on_ranks(cases_mod.run_cases, 1, root, cases, timeout=400,
@@ -123,8 +123,12 @@ def test_resume_auto_refuses_another_run(world1, root):
     assert "already holds" in world1["seed7_disable"]["error"]
     over = world1["seed7_overwrite"]
     assert over["error"] is None and any("aside into" in x for x in over["lines"])
+    # overwrite: the whole previous run folder content, checkpoints included, moved aside
     assert sorted(os.listdir(f"{root}/ident/previous_0")) == [
-        "global_step_1", "metrics.jsonl", "run.json"]
+        "checkpoints", "config.yaml", "metrics.jsonl", "run.json"]
+    assert os.listdir(f"{root}/ident/previous_0/checkpoints") == ["global_step_1"]
+    assert sorted(os.listdir(f"{root}/ident")) == ["checkpoints", "config.yaml",
+                                                   "metrics.jsonl", "previous_0", "run.json"]
     assert "does not exist" in world1["missing_path"]["error"]
 
 
@@ -158,15 +162,18 @@ def test_checkpoint_refuses_nonfinite_state_and_names_bad_files(tmp_path):
 
 
 def test_run_dir_plan_and_leftover_tmp(tmp_path):
-    from hybridrl.ppo.run_identity import apply_run_dir, plan_run_dir
+    from hybridrl.ppo.run_dir import apply_run_dir, plan_run_dir
 
-    (tmp_path / ".tmp_global_step_4").mkdir()
-    plan = plan_run_dir(tmp_path, "auto", "", "aaaa", False)
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / ".tmp_global_step_4").mkdir(parents=True)
+    plan = plan_run_dir(tmp_path, ckpt, "auto", "", "aaaa", False)
     assert plan.error is None and plan.resume is None
-    apply_run_dir(tmp_path, plan, "aaaa", 1)
-    assert sorted(os.listdir(tmp_path)) == ["run.json"]  # the leftover temp folder is gone
+    apply_run_dir(tmp_path, ckpt, plan, "aaaa", 1)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "run.json"]
+    assert os.listdir(ckpt) == []  # the leftover temp folder is gone
     (tmp_path / "metrics.jsonl").write_text("")
-    assert "already holds run aaaa" in plan_run_dir(tmp_path, "auto", "", "bbbb", False).error
+    assert "already holds run aaaa" in plan_run_dir(tmp_path, ckpt, "auto", "", "bbbb",
+                                                    False).error
 
 
 def test_run_id_ignores_run_length_not_seed():
@@ -222,17 +229,38 @@ def test_startup_checks_name_the_path_or_key(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text('{"hidden_size": 3')
-    cfg = load_config([], [f"trainer.checkpoint_dir={tmp_path}/file/ck",
+    cfg = load_config([], [f"trainer.output_dir={tmp_path}/file", "trainer.experiment_name=x",
+                           f"trainer.checkpoint_dir={tmp_path}/file/ck",
                            f"data.train_files=[{data}]", f"model.path={hf}"])
     problems = "\n".join(check_startup(cfg, 0))
+    assert (f"trainer.output_dir: the run folder '{tmp_path}/file/x' cannot be created or "
+            "written (NotADirectoryError") in problems
     assert f"trainer.checkpoint_dir '{tmp_path}/file/ck' cannot be created" in problems
     assert "data_source 'mystery/src' (rows [1]) has no reward function" in problems
     assert "row 2 has an empty prompt" in problems
     assert f"'{hf}/config.json' is not valid JSON" in problems
     assert f"model.path '{hf}' has no tokenizer files" in problems
-    ok = load_config([], [f"trainer.checkpoint_dir={tmp_path}/ck", "data.synthetic.dir="
+    ok = load_config([], [f"trainer.output_dir={tmp_path}/out", "data.synthetic.dir="
                           f"{tmp_path}/syn"])
     assert check_startup(ok, 0) == []
+
+
+def test_unwritable_output_dir_fails_every_rank_before_any_collective(tmp_path):
+    """An output_dir that cannot be written (a folder under a regular file; as root a
+    permission bit would not stop the writes): every rank of 2 exits 2 with one line naming the
+    run folder, none reaches a collective or the process-group set-up."""
+    (tmp_path / "file").write_text("x")
+    argv = [f"trainer.output_dir={tmp_path}/file/out", "trainer.experiment_name=exp",
+            f"data.synthetic.dir={tmp_path}/data", "trainer.device=cpu"]
+    out = run_on_ranks(cases_mod.startup_refusal, 2, argv, timeout=120)
+    run_folder = f"'{tmp_path}/file/out/exp'"
+    for rank, got in enumerate(out):
+        assert got["status"] == 2 and got["reached"] == [], got
+        lines = got["stderr"].splitlines()
+        prefix = "hybridrl.train: error" + ("" if rank == 0 else f" (rank {rank})")
+        assert len(lines) == 1 and lines[0].startswith(prefix + ": trainer.output_dir: "), lines
+        assert f"the run folder {run_folder} cannot be created or written" in lines[0]
+        assert "NotADirectoryError" in lines[0]
 
 
 def test_timeout_names_the_late_rank_and_its_phase_and_errors_show_once():
@@ -279,7 +307,7 @@ def test_launcher_exit_statuses(root):
     bad = _launch(["actor.lr=-1"], root)
     _, err = bad.communicate(timeout=300)
     assert bad.returncode == 2 and err.count("hybridrl.train: error") == 1, err[-2000:]
-    user = _launch([*tiny, f"trainer.checkpoint_dir={root}/user",
+    user = _launch([*tiny, *run_in(f"{root}/user"),
                     f"reward.reward_fn={root}/rewards.py:key_error_on_rank1"], root)
     _, err = user.communicate(timeout=300)
     assert user.returncode == 1, err[-3000:]
@@ -288,7 +316,7 @@ def test_launcher_exit_statuses(root):
     assert len(lines) == 1 and "reward function" in lines[0], err[-3000:]
     assert "raised KeyError: 'no_such_key' on row " in lines[0] and "(data_source 'hy" in lines[0]
     assert "Traceback" not in err
-    run = _launch([*tiny, f"trainer.checkpoint_dir={root}/int", "trainer.total_steps=500"], root)
+    run = _launch([*tiny, *run_in(f"{root}/int"), "trainer.total_steps=500"], root)
     deadline, seen = time.monotonic() + 240, ""
     while time.monotonic() < deadline and "step 2/" not in seen:
         seen += run.stdout.readline()

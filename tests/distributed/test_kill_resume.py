@@ -1,7 +1,9 @@
 """kill -9 safety (issue 15): a 2-rank torchrun job killed with SIGKILL after a checkpoint, and a
 job whose last save was cut short (an incomplete ``.tmp_global_step_N`` and a half-written
 ``global_step_N`` left behind), both resumed with ``trainer.resume=auto``: they continue from the
-newest complete checkpoint and log exactly the metrics of an uninterrupted run."""
+newest complete checkpoint and log exactly the metrics of an uninterrupted run. The run folder's
+``metrics.jsonl`` holds each step once; the lines of steps a resume ran again are kept in
+``metrics.redone.jsonl``."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 
 import pytest
 
-from tests.distributed.test_trainer_cases import base_overrides
+from tests.distributed.test_trainer_cases import base_overrides, run_in
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4
@@ -26,7 +28,7 @@ def _launch(root: str, folder: str, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "hybridrl.train", "--config", os.path.join(REPO, "configs", "demo_cpu.yaml"),
            *base_overrides(root), "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
-           f"trainer.checkpoint_dir={folder}", f"trainer.total_steps={STEPS}",
+           *run_in(folder), f"trainer.total_steps={STEPS}",
            "trainer.save_freq=1", "trainer.resume=auto", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE,
@@ -38,9 +40,10 @@ def _finish(run: subprocess.Popen) -> None:
     assert run.returncode == 0, err[-3000:]
 
 
-def _metrics(folder: str) -> dict[int, dict]:
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
+def _metrics(folder: str, name: str = "metrics.jsonl") -> dict[int, dict]:
+    with open(os.path.join(folder, name)) as f:
         rows = [json.loads(line) for line in f if line.strip()]
+    assert len({r["step"] for r in rows}) == len(rows), [r["step"] for r in rows]  # each once
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)}
             for r in rows}
 
@@ -48,9 +51,10 @@ def _metrics(folder: str) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("kill"))
-    full = os.path.join(root, "full")
+    # one experiment name (it is part of the run id), three output folders
+    full = os.path.join(root, "full", "run")
     _finish(_launch(root, full))
-    killed = os.path.join(root, "killed")
+    killed = os.path.join(root, "killed", "run")
     run, seen, deadline = _launch(root, killed), "", time.monotonic() + 240
     while time.monotonic() < deadline and "step 2/" not in seen:  # step 2 saved: kill the job
         seen += run.stdout.readline()
@@ -59,24 +63,25 @@ def runs(tmp_path_factory):
     os.killpg(run.pid, signal.SIGKILL)
     run.wait(timeout=60)
     _finish(_launch(root, killed))
-    cut = os.path.join(root, "cut")  # a save cut short: copy the full run's step 2 (it keeps
-    os.makedirs(cut)                 # the newest 3), then leave step 3 half-written
-    shutil.copytree(os.path.join(full, "global_step_2"), os.path.join(cut, "global_step_2"))
-    for name in os.listdir(full):
-        if name.endswith((".json", ".jsonl")):
+    cut = os.path.join(root, "cut", "run")  # a save cut short: copy the full run's step 2 (it keeps
+    ckpt, full_ckpt = os.path.join(cut, "checkpoints"), os.path.join(full, "checkpoints")
+    os.makedirs(ckpt)                # the newest 3), then leave step 3 half-written
+    shutil.copytree(os.path.join(full_ckpt, "global_step_2"), os.path.join(ckpt, "global_step_2"))
+    for name in os.listdir(full):  # run.json, config.yaml, metrics.jsonl of steps 1..4
+        if name.endswith((".json", ".jsonl", ".yaml")):
             shutil.copy(os.path.join(full, name), os.path.join(cut, name))
-    half = os.path.join(cut, ".tmp_global_step_3")
-    shutil.copytree(os.path.join(full, "global_step_3"), half)
+    half = os.path.join(ckpt, ".tmp_global_step_3")
+    shutil.copytree(os.path.join(full_ckpt, "global_step_3"), half)
     os.remove(os.path.join(half, "COMPLETE"))
     rank_file = os.path.join(half, "rank_00001.pt")
     with open(rank_file, "r+b") as f:
         f.truncate(os.path.getsize(rank_file) // 2)
-    shutil.copytree(half, os.path.join(cut, "global_step_3"))  # even a renamed one: no COMPLETE
+    shutil.copytree(half, os.path.join(ckpt, "global_step_3"))  # even a renamed one: no COMPLETE
     run = _launch(root, cut)
     _, err = run.communicate(timeout=300)
     assert run.returncode == 0, err[-3000:]
     return {"full": _metrics(full), "killed": _metrics(killed), "cut": _metrics(cut),
-            "killed_seen": seen}
+            "cut_redone": _metrics(cut, "metrics.redone.jsonl"), "killed_seen": seen}
 
 
 @pytest.mark.slow
@@ -89,3 +94,5 @@ def test_sigkill_after_a_checkpoint_resumes_to_the_uninterrupted_metrics(runs):
 @pytest.mark.slow
 def test_a_save_cut_short_is_ignored_and_the_run_resumes_from_the_last_complete(runs):
     assert runs["cut"] == runs["full"]
+    # the first start's lines of steps 3 and 4 (run again from global_step_2): kept aside
+    assert runs["cut_redone"] == {s: runs["full"][s] for s in (3, 4)}

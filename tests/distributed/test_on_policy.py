@@ -39,7 +39,8 @@ def _rank(rank, world, tmp):
             "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
             "actor.ppo_micro_batch_size_per_gpu=4", "trainer.kl_guard.max_kl=0",
             "trainer.total_steps=2", "trainer.save_freq=-1", "trainer.test_freq=-1",
-            "trainer.logger=[console]", f"trainer.checkpoint_dir={tmp}/{name}",
+            "trainer.logger=[console]", f"trainer.output_dir={tmp}",
+            f"trainer.experiment_name={name}",
             f"data.synthetic.dir={tmp}/data"])
         train, gen = build_layout(cfg, world)
         torch.manual_seed(cfg.trainer.seed)

@@ -21,6 +21,7 @@ import pytest
 from hybridrl.testing.dist import run_on_ranks
 from tests.distributed import test_rollout_dp_cases as cases_mod
 from tests.distributed.test_trainer import _close, _save_hf
+from tests.distributed.test_trainer_cases import run_in
 
 GAE = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "rollout.temperature=0",
        "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
@@ -48,15 +49,15 @@ def _cases(root, world):
     common = [f"model.path={hf}", "model.tokenizer_path=char"]
     layout = D3 if world == 8 else []
     cases = [
-        ("gae", [*common, *GAE, *layout, f"trainer.checkpoint_dir={folder}/gae"], "fit"),
-        ("gae_dp8", [*common, *GAE, *DP8, f"trainer.checkpoint_dir={folder}/dp8"], "fit"),
+        ("gae", [*common, *GAE, *layout, *run_in(f"{folder}/gae")], "fit"),
+        ("gae_dp8", [*common, *GAE, *DP8, *run_in(f"{folder}/dp8")], "fit"),
         ("grpo", [*common, *GRPO, *layout, f"reward.reward_fn={spec}",
-                  f"trainer.checkpoint_dir={folder}/grpo"], "fit"),
+                  *run_in(f"{folder}/grpo")], "fit"),
     ]
     if world == 8:
         cases.append(("broken", [*common, *GRPO, *layout,
                                  f"reward.reward_fn={spec.replace(':count', ':broken')}",
-                                 "trainer.total_steps=1", f"trainer.checkpoint_dir={folder}/err"],
+                                 "trainer.total_steps=1", *run_in(f"{folder}/err")],
                       "error"))
     return cases
 

@@ -15,7 +15,7 @@ def base_overrides(root: str) -> list[str]:
         "data.synthetic.val_size=8", "data.val_batch_size=8", f"data.synthetic.dir={root}/data",
         "rollout.response_length=8", "sft.train_batch_size=8", "sft.micro_batch_size_per_gpu=2",
         "sft.lr=3e-3", "trainer.device=cpu", "reshard.bucket_mb=1",
-        f"sft.output_dir={root}/sft", f"trainer.checkpoint_dir={root}/ckpt",
+        f"sft.output_dir={root}/sft", f"trainer.output_dir={root}",
         "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2",  # the RL run
         "actor.ppo_micro_batch_size_per_gpu=2", "algorithm.adv_estimator=grpo",
     ]

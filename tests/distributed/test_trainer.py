@@ -31,6 +31,7 @@ import torch
 
 from hybridrl.testing.dist import run_on_ranks
 from tests.distributed import test_trainer_cases as cases_mod
+from tests.distributed.test_trainer_cases import run_in
 
 GAE = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
 GRPO = ["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true", "rollout.temperature=1.0"]
@@ -38,6 +39,7 @@ GUARD = ["trainer.kl_guard.max_kl=1e-12"]
 OFFLOAD = [f"{role}.{part}_offload=true" for role in ("actor", "critic")
            for part in ("param", "grad", "optimizer")] + ["ref.param_offload=true"]
 NOT_COMPARED = ("actor/lr", "critic/lr")
+CK = "trainer.checkpoint_dir"
 
 
 def _save_hf(folder, qwen2=False):
@@ -87,30 +89,30 @@ def _rm(root, name, extra=()):
 def _hf(root, name, extra=()):
     r, hf = root
     return [f"model.path={hf}", "model.tokenizer_path=char", "rollout.temperature=0",
-            *GAE, f"trainer.checkpoint_dir={r}/{name}", *extra]
+            *GAE, *run_in(f"{r}/{name}"), *extra]
 
 
 @pytest.fixture(scope="module")
 def world1(root):
     r, _ = root
-    ck = f"trainer.checkpoint_dir={r}"
+    ck = lambda name: run_in(f"{r}/{name}")  # noqa: E731
     cases = [
-        ("a", [*GAE, f"{ck}/a"], "fit"),
-        ("b", [*GAE, f"{ck}/b"], "fit"),
-        ("full3", [*GAE, f"{ck}/full3", "trainer.total_steps=3"], "fit"),
-        ("save2", [*GAE, f"{ck}/resume", "trainer.save_freq=1"], "fit"),
-        ("resume", [*GAE, f"{ck}/resume", "trainer.total_steps=3"], "fit"),
-        ("grpo", [*GRPO, f"{ck}/grpo", "actor.use_dynamic_bsz=true",
+        ("a", [*GAE, *ck("a")], "fit"),
+        ("b", [*GAE, *ck("b")], "fit"),
+        ("full3", [*GAE, *ck("full3"), "trainer.total_steps=3"], "fit"),
+        ("save2", [*GAE, *ck("resume"), "trainer.save_freq=1"], "fit"),
+        ("resume", [*GAE, *ck("resume"), "trainer.total_steps=3"], "fit"),
+        ("grpo", [*GRPO, *ck("grpo"), "trainer.test_freq=2", "actor.use_dynamic_bsz=true",
                   "actor.ppo_max_token_len_per_gpu=160"], "fit"),
-        ("gae_kl_in_reward", [*GAE, f"{ck}/klr", "algorithm.use_kl_in_reward=true",
+        ("gae_kl_in_reward", [*GAE, *ck("klr"), "algorithm.use_kl_in_reward=true",
                               "algorithm.kl_ctrl.type=adaptive", "actor.use_dynamic_bsz=true",
                               "critic.use_dynamic_bsz=true", "ref.log_prob_use_dynamic_bsz=true",
                               "actor.ppo_max_token_len_per_gpu=200",
                               "critic.ppo_max_token_len_per_gpu=200",
                               "ref.log_prob_max_token_len_per_gpu=200"], "fit"),
-        ("guard", [*GAE, *GUARD, f"{ck}/guard", "trainer.kl_guard.max_rollbacks=5"], "guard"),
-        ("giveup", [*GAE, *GUARD, f"{ck}/giveup", "trainer.kl_guard.max_rollbacks=1"], "error"),
-        ("no_rollback", [*GAE, *GUARD, f"{ck}/norb", "trainer.kl_guard.rollback=false"], "error"),
+        ("guard", [*GAE, *GUARD, *ck("guard"), "trainer.kl_guard.max_rollbacks=5"], "guard"),
+        ("giveup", [*GAE, *GUARD, *ck("giveup"), "trainer.kl_guard.max_rollbacks=1"], "error"),
+        ("no_rollback", [*GAE, *GUARD, *ck("norb"), "trainer.kl_guard.rollback=false"], "error"),
         ("hf", _hf(root, "hf1"), "fit"),
         ("qwen2", [*_hf(root, "qwen2"), f"model.path={root[0]}/qwen2"], "fit"),
         ("rm_scores", _rm(root, "rm1"), "rm"),
@@ -130,12 +132,13 @@ def world2(root):
         ("tp2_gen1", _hf(root, "tp2g1", ["parallel.tp=2", "parallel.gen.tp=1"]), "fit"),
         ("tp2_vanilla_p2p", _hf(root, "tp2v", ["parallel.tp=2", "parallel.gen.grouping=vanilla"]),
          "fit"),
-        ("grpo_dp2", [*GRPO, f"trainer.checkpoint_dir={r}/grpo2",
+        ("grpo_dp2", [*GRPO, *run_in(f"{r}/grpo2"),
                       "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=160"], "fit"),
         # dp = 2: one model shard file written by DP rank 0, resumed by both ranks
         ("dp2_full3", _hf(root, "dp2f3", ["trainer.total_steps=3"]), "fit"),
-        ("dp2_save2", _hf(root, "dp2r", ["trainer.save_freq=1"]), "fit"),
-        ("dp2_resume", _hf(root, "dp2r", ["trainer.total_steps=3"]), "fit"),
+        # an explicit trainer.checkpoint_dir: checkpoints there, the rest in the run folder
+        ("dp2_save2", _hf(root, "dp2r", ["trainer.save_freq=1", f"{CK}={r}/ck"]), "fit"),
+        ("dp2_resume", _hf(root, "dp2r", ["trainer.total_steps=3", f"{CK}={r}/ck"]), "fit"),
         ("dp2_offload", _hf(root, "dp2off", [*OFFLOAD]), "offload"),
     ]
     return run_on_ranks(cases_mod.run_cases, 2, r, cases, timeout=400,
@@ -170,6 +173,10 @@ def test_one_rank_runs_and_logs(world1, root):
     res = world1["a"]
     assert res["finite"] and res["changed"] and len(res["metrics"]) == 2
     assert res["lines"][0].startswith("hybridrl: world 1") and res["lines"][-1].startswith("step 2/2")
+    assert f"run folder {root[0]}/a" in res["lines"][0]
+    # the run folder: <output_dir>/<experiment_name>, no checkpoint (save_freq=-1)
+    assert sorted(os.listdir(f"{root[0]}/a")) == ["config.yaml", "metrics.jsonl", "run.json"]
+    assert "experiment_name: a" in open(f"{root[0]}/a/config.yaml").read()
     lines = open(f"{root[0]}/a/metrics.jsonl").read().splitlines()
     logged = [json.loads(line) for line in lines]
     assert [m["step"] for m in logged] == [1, 2]
@@ -179,6 +186,13 @@ def test_one_rank_runs_and_logs(world1, root):
     assert all(m["training/rollout_logprob_diff_max"] < 1e-5 for m in logged)
     for name in ("grpo", "gae_kl_in_reward"):
         assert world1[name]["finite"] and len(world1[name]["metrics"]) == 2, name
+    grpo = f"{root[0]}/grpo"  # validated at step 2: its samples in generations.jsonl
+    assert sorted(os.listdir(grpo)) == ["config.yaml", "generations.jsonl", "metrics.jsonl",
+                                        "run.json"]
+    samples = [json.loads(line) for line in open(f"{grpo}/generations.jsonl")]
+    assert len(samples) == 8 and {s["step"] for s in samples} == {2}  # data.synthetic.val_size
+    assert {"prompt", "response", "ground_truth", "score"} <= set(samples[0])
+    assert "val/score/mean" in world1["grpo"]["metrics"][1]
     assert "actor/reward_kl_penalty" in world1["gae_kl_in_reward"]["metrics"][0]
 
 
@@ -233,10 +247,17 @@ def test_resume_gives_the_uninterrupted_step(world1, root):
     assert len(resumed) == 1 and "resumed from" in world1["resume"]["lines"][0]
     assert resumed[0] == full[2]
     folder = f"{root[0]}/resume"
-    assert sorted(os.listdir(folder)) == ["config.yaml", "global_step_1", "global_step_2",
-                                          "metrics.jsonl", "run.json"]
-    steps = [json.loads(line)["step"] for line in open(f"{folder}/metrics.jsonl")]
-    assert steps == [1, 2, 3]  # the resumed run appends
+    names = sorted(os.listdir(folder))
+    # the first start's config.yaml (total_steps 2) is kept beside the resumed one's
+    assert len(names) == 5 and names[0] == "checkpoints" and names[1].startswith("config-")
+    assert names[2:] == ["config.yaml", "metrics.jsonl", "run.json"], names
+    assert "total_steps: 2" in open(f"{folder}/{names[1]}").read()
+    assert "total_steps: 3" in open(f"{folder}/config.yaml").read()
+    assert sorted(os.listdir(f"{folder}/checkpoints")) == ["global_step_1", "global_step_2"]
+    logged = [json.loads(line) for line in open(f"{folder}/metrics.jsonl")]
+    assert [m["step"] for m in logged] == [1, 2, 3]  # the resumed run appends
+    first = [{k: v for k, v in m.items() if k not in ("step", "kept")} for m in logged[:2]]
+    assert cases_mod._clean(first) == world1["save2"]["metrics"]  # the first start's lines kept
 
 
 @pytest.mark.slow
@@ -273,7 +294,12 @@ def test_dp2_checkpoint_writes_each_part_once_and_resumes(world2, root):
         full, resumed = world2[rank]["dp2_full3"]["metrics"], world2[rank]["dp2_resume"]["metrics"]
         assert world2[rank]["dp2_save2"]["metrics"] == full[:2]
         assert len(resumed) == 1 and resumed[0] == full[2]
-    ckpt = f"{root[0]}/dp2r/global_step_2"
+    # trainer.checkpoint_dir set: the checkpoints there, the run folder without checkpoints/
+    assert sorted(os.listdir(f"{root[0]}/ck")) == ["global_step_1", "global_step_2"]
+    assert sorted(os.listdir(f"{root[0]}/dp2r"))[-3:] == ["config.yaml", "metrics.jsonl",
+                                                          "run.json"]
+    assert "checkpoints" not in os.listdir(f"{root[0]}/dp2r")
+    ckpt = f"{root[0]}/ck/global_step_2"
     assert sorted(os.listdir(ckpt)) == ["COMPLETE", "index.json", "meta.json",
                                         "rank_00000.pt", "rank_00001.pt", "trainer_state.pt"]
     index = json.load(open(f"{ckpt}/index.json"))
@@ -326,11 +352,11 @@ def _torchrun(args, cwd):
 def test_entrypoint_runs_and_rejects_bad_config(root):
     r, _ = root
     overrides = [*cases_mod.base_overrides(r), *GRPO, "trainer.total_steps=1",
-                 f"trainer.checkpoint_dir={r}/cli", "trainer.save_freq=1"]
+                 *run_in(f"{r}/cli"), "trainer.save_freq=1"]
     ok = _torchrun(["--config", DEMO, *overrides], r)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "step 1/1" in ok.stdout and ok.stdout.count("step 1/1") == 1  # rank 0 only
-    assert os.path.isdir(f"{r}/cli/global_step_1")
+    assert os.path.isdir(f"{r}/cli/checkpoints/global_step_1")
     bad = _torchrun(["--config", DEMO, "actor.lr=-1"], r)
     assert bad.returncode != 0
     errors = [line for line in bad.stderr.splitlines() if line.startswith("hybridrl.train: error")]

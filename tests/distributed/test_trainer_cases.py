@@ -8,8 +8,16 @@ python values: per-step metric dicts without the timing/perf keys (they are not 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
+
+
+def run_in(folder: str) -> list[str]:
+    """Overrides that make ``folder`` the run folder (``trainer.output_dir`` = its parent,
+    ``trainer.experiment_name`` = its name); checkpoints go to ``folder/checkpoints``."""
+    parent, name = os.path.split(folder.rstrip("/"))
+    return [f"trainer.output_dir={parent}", f"trainer.experiment_name={name}"]
 
 
 def base_overrides(root: str) -> list[str]:

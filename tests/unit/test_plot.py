@@ -1,4 +1,5 @@
-"""``hybridrl plot RUN_DIR`` (hybridrl.plot): a PNG from metrics.jsonl; bad input is one line."""
+"""``hybridrl plot [RUN_DIR]`` (hybridrl.plot): a PNG from a run folder's metrics.jsonl (default
+RUN_DIR: the default run folder, outputs/default); bad input is one line."""
 
 from __future__ import annotations
 
@@ -43,3 +44,16 @@ def test_missing_or_empty_metrics_is_one_line(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="is empty"):
         plot_run(tmp_path)
+
+
+def test_without_run_dir_the_default_run_folder_is_plotted(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plot"]) == 2  # nothing there yet: one line naming the default run folder
+    assert "outputs/default/metrics.jsonl" in capsys.readouterr().err
+    pytest.importorskip("matplotlib", reason="needs the matplotlib package "
+                        "(pip install matplotlib)")
+    (tmp_path / "outputs" / "default").mkdir(parents=True)
+    _run_dir(tmp_path / "outputs" / "default", ROWS)
+    assert main(["plot"]) == 0
+    assert capsys.readouterr().out.strip() == "outputs/default/plot.png"
+    assert (tmp_path / "outputs" / "default" / "plot.png").stat().st_size > 20_000

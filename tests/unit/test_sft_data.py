@@ -51,7 +51,7 @@ def test_sft_entrypoint_unwritable_output_is_one_line(tmp_path, capsys, monkeypa
     monkeypatch.setenv("WORLD_SIZE", "1")
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    status = main([f"sft.output_dir={blocker}/sub", f"trainer.checkpoint_dir={tmp_path}/ck",
+    status = main([f"sft.output_dir={blocker}/sub", f"trainer.output_dir={tmp_path}/out",
                    f"data.synthetic.dir={tmp_path}/data", "trainer.device=cpu"])
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and "sft.output_dir" in err
