@@ -12,7 +12,9 @@ Contract:
   wrapped in megatron-core's DistributedDataParallel (``ShardedModel.ddp``: fp32 ``main_grad``
   buffers, gradients averaged over ``groups.dp`` by ``finalize_model_grads``).
 - Layer spec: transformer-engine when CUDA is available and ``transformer_engine`` imports, else
-  megatron's local spec. On CPU ``cpu_compat.install()`` runs first (the only CPU workaround site).
+  megatron's local spec with hybridrl's lean forwards (``local_spec``: SDPA core attention, one
+  RoPE pass over q and k, ``F.linear``, also for the output layer; same parameters and
+  numerics). On CPU ``cpu_compat.install()`` runs first (the only CPU workaround site).
 - Initialization is seeded: the same seed and layout give the same weights (so an actor, its
   reference and its critic's trunk start equal). Different layouts initialize differently (each
   stage draws its layers from the seed); load a checkpoint to compare layouts.
@@ -116,12 +118,15 @@ def transformer_engine_available() -> bool:
 
 
 def layer_spec(use_te: bool):
-    """megatron-core layer spec for a llama layer (TE fused or local modules)."""
+    """megatron-core layer spec for a llama layer: TE's fused modules, else megatron's local
+    modules with hybridrl's lean forwards (``hybridrl.models.local_spec``)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    from hybridrl.models.local_spec import local_layer_spec
+
+    return local_layer_spec()
 
 
 def ensure_megatron_state(groups):
@@ -182,6 +187,10 @@ def build_model(
     if role in VALUE_ROLES and groups.is_last_stage:
         module.output_layer = ValueHead(spec.hidden_size, config.params_dtype,
                                         config.init_method_std, seed)
+    if not use_te:
+        from hybridrl.models.local_spec import make_output_layer_lean
+
+        make_output_layer_lean(module)
     if torch.cuda.is_available():
         module.cuda(torch.cuda.current_device())
     ddp, ddp_options = None, ddp_options or DDPOptions()

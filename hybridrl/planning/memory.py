@@ -8,8 +8,8 @@ Contract:
   optimizer (``dist_opt``), what is offloaded (``offload`` subset of params/grads/optim, actor and
   critic; ``params`` also offloads the reference), the rollout (``rollout_seqs`` sequences per
   step), ``gpu_gb`` and the layer ``spec`` (``te``: transformer-engine, flash attention, what runs
-  on GPU; ``local``: megatron's local spec, what runs on CPU, whose attention keeps the
-  [b, a/t, s, s] probabilities).
+  on GPU; ``local``: megatron's local spec with hybridrl's lean forwards, what runs on CPU,
+  ``hybridrl.models.local_spec``: SDPA attention keeps no [s, s] matrix).
 - ``stage_numel(shape, tp, pp, stage, role)``: parameters of one rank of pipeline stage
   ``stage`` (vocab-parallel tensors with megatron's padded vocab; the critic's last stage has a
   [1, h] value head instead of the output layer). Exactly what ``build_model`` allocates;
@@ -151,14 +151,15 @@ def _layer_elements_per_token(job: MemoryJob) -> tuple[float, float]:
     s, t = job.shape, job.tp
     h, f, ad, gd = s.hidden, s.ffn, s.heads * s.head_dim, s.num_query_groups * s.head_dim
     rep = h / t if job.sequence_parallel else h  # replicated along TP unless SP splits it
-    if job.spec == "local":  # megatron's local spec, as the layers' saved tensors show
-        # norms (input, rstd, output) x 2, proj output, q and GQA-expanded k/v, context, SwiGLU
-        act = 7 * rep + 2 + (4 * ad + 5 * f) / t
-        probs = s.heads * min(job.seq_len, job.max_tokens_per_gpu) / t  # softmax [b, a, s, s]
-        if job.recompute == "selective":  # core attention recomputed: keeps its q, k, v inputs
-            act += (ad + 2 * gd - 3 * ad) / t
-            probs = 0.0
-        return act, probs
+    if job.spec == "local":  # hybridrl.models.local_spec, as the layers' saved tensors show
+        # norms (input, rstd, normalized, output) x 2; roped q+k heads, the qkv output (v is a
+        # view of it), attention output; SwiGLU (fc1 output, gate + offset, silu, product)
+        act = 6 * rep + 2 + (3 * ad + 3 * gd + 5 * f) / t
+        if job.recompute == "selective":  # core attention recomputed from q, k, v: no lse
+            return act, 0.0
+        if s.num_query_groups > t and s.heads > s.num_query_groups:
+            act += ad / t  # q heads of several groups per rank: SDPA gets a contiguous copy
+        return act, s.heads / t  # the attention's log-sum-exp (fp32) per token and head
     # TE: fused norm+linear keep (input, normalized), flash attention keeps q/k/v, output, lse
     act = 4 * rep + (2 * ad + 2 * gd) / t + 3 * f / t
     return act, 2 * s.heads / t  # softmax statistics (fp32) per token and head

@@ -23,15 +23,14 @@ KNOBS = {
 }
 
 
-def _count_calls(module, cls_name: str) -> list[int]:
+def _count_calls(modules) -> list[int]:
     counter = [0]
 
     def hook(*_):
         counter[0] += 1
 
-    for sub in module.modules():
-        if type(sub).__name__ == cls_name:
-            sub.register_forward_hook(hook)
+    for sub in modules:
+        sub.register_forward_hook(hook)
     return counter
 
 
@@ -41,8 +40,11 @@ def _run(groups, knobs: dict) -> dict:
     from hybridrl.models.hf_io import build_from_config
 
     model = build_from_config(ModelConfig(**knobs), groups, "actor", seed=3)
-    layers = _count_calls(model.module, "TransformerLayer")
-    attention = _count_calls(model.module, "DotProductAttention")
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layers = [m for m in model.module.modules() if isinstance(m, TransformerLayer)]
+    layer_calls = _count_calls(layers)
+    attention = _count_calls([layer.self_attention.core_attention for layer in layers])  # SDPA
     ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
 
     def loss_fn(outputs, batch):
@@ -54,7 +56,7 @@ def _run(groups, knobs: dict) -> dict:
                            forward_only=False)
     return {"losses": [float(r["loss"]) for r in res],
             "grads": [p.main_grad.clone() for p in model.module.parameters()],
-            "layer_calls": layers[0], "attention_calls": attention[0]}
+            "layer_calls": layer_calls[0], "attention_calls": attention[0]}
 
 
 def _errors(groups) -> dict:
