@@ -18,8 +18,10 @@ overrides (to measure one knob). TRL at 2 processes runs under ``torchrun --npro
 
 Per (processes, prompt) cell, ``--rounds`` runs of each side, alternating which goes first (the
 machine may be shared: the load average is printed per cell). Seconds per step are the mean over
-the steps after the first (warm-up) of each run; printed: the mean over rounds with the range,
-the ratio TRL / hybridrl of the means with the range of the per-round ratios, generated tokens/s,
+the steps after the first (warm-up) of each run, as wall time (``wall``) and as the process CPU
+time of rank 0 (``cpu``: what the step cost the process, much less sensitive to other jobs on a
+shared machine than wall time); for each: the mean over rounds with the range, the ratio TRL /
+hybridrl of the means with the range of the per-round ratios; generated tokens/s (wall),
 and where each side's step goes: hybridrl's ``timing_s/*`` phases; TRL's step (a callback around
 each optimizer step) split by timers around its ``_generate``, the no-grad
 ``_get_per_token_logps_and_entropies`` (reference forward), ``_calculate_rewards``, the rest of
@@ -120,7 +122,17 @@ def _hybridrl_rank(rank, world, folder, data, steps, tmp, extra=()):
     cfg.check_world(world)
     train, gen = build_layout(cfg, world)
     torch.manual_seed(cfg.trainer.seed)
-    return PPOTrainer(cfg, build_groups(train, gen), print_fn=lambda *a, **k: None).fit()
+    trainer = PPOTrainer(cfg, build_groups(train, gen), print_fn=lambda *a, **k: None)
+    step = trainer.train_step
+
+    def cpu_timed_step():  # this rank's process CPU seconds beside the trainer's wall timing
+        c0 = time.process_time()
+        metrics = step()
+        metrics["cpu_s/step"] = time.process_time() - c0
+        return metrics
+
+    trainer.train_step = cpu_timed_step
+    return trainer.fit()
 
 
 def run_hybridrl(world, folder, data, steps, tmp, extra=()) -> dict:
@@ -133,6 +145,7 @@ def run_hybridrl(world, folder, data, steps, tmp, extra=()) -> dict:
     mean = {k: statistics.mean(m[k] for m in kept) for k in phases}
     gen_tokens = statistics.mean(m["response_length/mean"] for m in kept) * PROMPTS * N
     return {"step_s": mean["timing_s/step"], "tokens_per_s": gen_tokens / mean["timing_s/step"],
+            "cpu_s": statistics.mean(m["cpu_s/step"] for m in kept),
             "phases": {k[9:]: v for k, v in mean.items() if k != "timing_s/step"}}
 
 
@@ -178,15 +191,16 @@ def trl_worker(folder: str, long: bool, steps: int, world: int, out: str) -> Non
         return [_score(c[-1]["content"] if isinstance(c, list) else c, t)
                 for c, t in zip(completions, truth)]
 
-    times, tokens, steps_phases, phases = [], [], [], {}
+    times, cpu, tokens, steps_phases, phases = [], [], [], [], {}
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
             phases.clear()
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.t0)
+            cpu.append(time.process_time() - self.c0)
             steps_phases.append(dict(phases))
 
     seqs = PROMPTS * N // world  # per process; one optimizer step per generation batch
@@ -206,7 +220,8 @@ def trl_worker(folder: str, long: bool, steps: int, world: int, out: str) -> Non
             tokens.append(log["completions/mean_length"])
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
-            json.dump({"times": times, "phases": steps_phases, "mean_length": tokens}, f)
+            json.dump({"times": times, "cpu": cpu, "phases": steps_phases,
+                       "mean_length": tokens}, f)
 
 
 def run_trl(world, folder, long, steps, tmp) -> dict:
@@ -234,7 +249,8 @@ def run_trl(world, folder, long, steps, tmp) -> dict:
     phases = {"gen": mean["gen"], "ref": mean["ref"], "reward": mean["reward"],
               "score_other": mean["prepare"] - mean["gen"] - mean["ref"] - mean["reward"],
               "update": step - mean["prepare"]}
-    return {"step_s": step, "tokens_per_s": length * PROMPTS * N / step, "phases": phases}
+    return {"step_s": step, "tokens_per_s": length * PROMPTS * N / step,
+            "cpu_s": statistics.mean(res["cpu"][kept]), "phases": phases}
 
 
 # --------------------------------------------------------------------------------------- main
@@ -245,6 +261,14 @@ def _breakdown(runs: list[dict]) -> str:
     mean = {k: statistics.mean(r["phases"].get(k, 0.0) for r in runs) for k in keys}
     return ", ".join(f"{k} {v * 1e3:.0f} ms ({v / step:.0%})"
                      for k, v in sorted(mean.items(), key=lambda kv: -kv[1]) if v > 5e-4)
+
+
+def _compare(h: list[float], t: list[float]) -> str:
+    """Means over rounds with their ranges, and TRL / hybridrl with the per-round range."""
+    ratios = [b / a for a, b in zip(h, t)]
+    return (f"{statistics.mean(h):>7.3f} ({min(h):.3f}-{max(h):.3f})"
+            f" {statistics.mean(t):>7.3f} ({min(t):.3f}-{max(t):.3f})"
+            f" {statistics.mean(t) / statistics.mean(h):>6.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def _cell(world, kind, folder, data, args, tmp) -> tuple[list[dict], list[dict]]:
@@ -287,7 +311,7 @@ def main(argv=None) -> int:
           f"out), {args.rounds} rounds per side{' ' + ' '.join(args.set) if args.set else ''}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
           f"{os.getloadavg()[0]:.1f}")
-    print(f"{'procs':>5} {'prompt':>6} {'hybridrl s/step':>20} {'TRL s/step':>20} "
+    print(f"{'procs':>5} {'prompt':>6} {'':>4} {'hybridrl s/step':>20} {'TRL s/step':>20} "
           f"{'TRL/hybridrl':>18} {'hybridrl tok/s':>14} {'TRL tok/s':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
@@ -298,16 +322,14 @@ def main(argv=None) -> int:
             for world in args.worlds:
                 load = os.getloadavg()[0]
                 ours, theirs = _cell(world, kind, folder, data, args, tmp)
-                h = [r["step_s"] for r in ours]
-                t = [r["step_s"] for r in theirs]
-                ratios = [b / a for a, b in zip(h, t)]
-                ratio = statistics.mean(t) / statistics.mean(h)
-                print(f"{world:>5} {kind:>6} {statistics.mean(h):>7.3f} ({min(h):.3f}-{max(h):.3f})"
-                      f" {statistics.mean(t):>7.3f} ({min(t):.3f}-{max(t):.3f})"
-                      f" {ratio:>6.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-                      f" {statistics.mean(r['tokens_per_s'] for r in ours):>14.0f}"
-                      f" {statistics.mean(r['tokens_per_s'] for r in theirs):>10.0f}"
-                      f"   (load {load:.1f} -> {os.getloadavg()[0]:.1f})", flush=True)
+                for what, key in (("wall", "step_s"), ("cpu", "cpu_s")):
+                    tail = (f" {statistics.mean(r['tokens_per_s'] for r in ours):>14.0f}"
+                            f" {statistics.mean(r['tokens_per_s'] for r in theirs):>10.0f}"
+                            f"   (load {load:.1f} -> {os.getloadavg()[0]:.1f})"
+                            if what == "wall" else "")
+                    print(f"{world if what == 'wall' else '':>5} {kind if what == 'wall' else '':>6}"
+                          f" {what:>4} {_compare([r[key] for r in ours], [r[key] for r in theirs])}"
+                          f"{tail}", flush=True)
                 print("      hybridrl step: " + _breakdown(ours))
                 print("      TRL step:      " + _breakdown(theirs), flush=True)
     return 0
