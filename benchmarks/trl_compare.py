@@ -20,8 +20,10 @@ Per (processes, prompt) cell, ``--rounds`` runs of each side, alternating which 
 machine may be shared: the load average is printed per cell). Seconds per step are the mean over
 the steps after the first (warm-up) of each run, as wall time (``wall``) and as the process CPU
 time of rank 0 (``cpu``: what the step cost the process, much less sensitive to other jobs on a
-shared machine than wall time); for each: the mean over rounds with the range, the ratio TRL /
-hybridrl of the means with the range of the per-round ratios; generated tokens/s (wall),
+shared machine than wall time); for each: the mean over rounds with the range of the round
+means and the fastest single step (``min``: the least disturbed one), the ratio TRL / hybridrl of
+the means with the range of the per-round ratios and the ratio of the fastest steps; generated
+tokens/s (wall),
 and where each side's step goes: hybridrl's ``timing_s/*`` phases; TRL's step (a callback around
 each optimizer step) split by timers around its ``_generate``, the no-grad
 ``_get_per_token_logps_and_entropies`` (reference forward), ``_calculate_rewards``, the rest of
@@ -146,6 +148,8 @@ def run_hybridrl(world, folder, data, steps, tmp, extra=()) -> dict:
     gen_tokens = statistics.mean(m["response_length/mean"] for m in kept) * PROMPTS * N
     return {"step_s": mean["timing_s/step"], "tokens_per_s": gen_tokens / mean["timing_s/step"],
             "cpu_s": statistics.mean(m["cpu_s/step"] for m in kept),
+            "steps": {"step_s": [m["timing_s/step"] for m in kept],
+                      "cpu_s": [m["cpu_s/step"] for m in kept]},
             "phases": {k[9:]: v for k, v in mean.items() if k != "timing_s/step"}}
 
 
@@ -250,7 +254,8 @@ def run_trl(world, folder, long, steps, tmp) -> dict:
               "score_other": mean["prepare"] - mean["gen"] - mean["ref"] - mean["reward"],
               "update": step - mean["prepare"]}
     return {"step_s": step, "tokens_per_s": length * PROMPTS * N / step,
-            "cpu_s": statistics.mean(res["cpu"][kept]), "phases": phases}
+            "cpu_s": statistics.mean(res["cpu"][kept]), "phases": phases,
+            "steps": {"step_s": res["times"][kept], "cpu_s": res["cpu"][kept]}}
 
 
 # --------------------------------------------------------------------------------------- main
@@ -263,12 +268,17 @@ def _breakdown(runs: list[dict]) -> str:
                      for k, v in sorted(mean.items(), key=lambda kv: -kv[1]) if v > 5e-4)
 
 
-def _compare(h: list[float], t: list[float]) -> str:
-    """Means over rounds with their ranges, and TRL / hybridrl with the per-round range."""
+def _compare(ours: list[dict], theirs: list[dict], key: str) -> str:
+    """Per side: the mean over rounds (range of the round means) and the fastest single step;
+    TRL / hybridrl of the means (range of the per-round ratios) and of the fastest steps."""
+    h, t = [r[key] for r in ours], [r[key] for r in theirs]
+    h_min = min(x for r in ours for x in r["steps"][key])
+    t_min = min(x for r in theirs for x in r["steps"][key])
     ratios = [b / a for a, b in zip(h, t)]
-    return (f"{statistics.mean(h):>7.3f} ({min(h):.3f}-{max(h):.3f})"
-            f" {statistics.mean(t):>7.3f} ({min(t):.3f}-{max(t):.3f})"
-            f" {statistics.mean(t) / statistics.mean(h):>6.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
+    return (f"{statistics.mean(h):>6.3f} ({min(h):.3f}-{max(h):.3f}) {h_min:>6.3f}"
+            f" {statistics.mean(t):>6.3f} ({min(t):.3f}-{max(t):.3f}) {t_min:>6.3f}"
+            f" {statistics.mean(t) / statistics.mean(h):>5.2f} ({min(ratios):.2f}-"
+            f"{max(ratios):.2f}) {t_min / h_min:>5.2f}")
 
 
 def _cell(world, kind, folder, data, args, tmp) -> tuple[list[dict], list[dict]]:
@@ -311,8 +321,10 @@ def main(argv=None) -> int:
           f"out), {args.rounds} rounds per side{' ' + ' '.join(args.set) if args.set else ''}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
           f"{os.getloadavg()[0]:.1f}")
-    print(f"{'procs':>5} {'prompt':>6} {'':>4} {'hybridrl s/step':>20} {'TRL s/step':>20} "
-          f"{'TRL/hybridrl':>18} {'hybridrl tok/s':>14} {'TRL tok/s':>10}")
+    print(f"{'':>16} {'hybridrl s/step':>27} {'TRL s/step':>27} {'TRL / hybridrl':>24}")
+    print(f"{'procs':>5} {'prompt':>6} {'':>4} {'mean (range)':>20} {'min':>6} "
+          f"{'mean (range)':>20} {'min':>6} {'mean (range)':>17} {'min':>6} "
+          f"{'hybridrl tok/s':>14} {'TRL tok/s':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         make_folder(folder)
@@ -328,7 +340,7 @@ def main(argv=None) -> int:
                             f"   (load {load:.1f} -> {os.getloadavg()[0]:.1f})"
                             if what == "wall" else "")
                     print(f"{world if what == 'wall' else '':>5} {kind if what == 'wall' else '':>6}"
-                          f" {what:>4} {_compare([r[key] for r in ours], [r[key] for r in theirs])}"
+                          f" {what:>4} {_compare(ours, theirs, key)}"
                           f"{tail}", flush=True)
                 print("      hybridrl step: " + _breakdown(ours))
                 print("      TRL step:      " + _breakdown(theirs), flush=True)
