@@ -21,7 +21,7 @@ def demo_rank(rank: int, world: int, root: str) -> tuple:
     from hybridrl.train import build_layout
 
     overrides = SHORT + [f"data.synthetic.dir={root}/data", f"sft.output_dir={root}/sft",
-                         f"trainer.checkpoint_dir={root}/rl"]
+                         f"trainer.output_dir={root}"]
 
     def load(extra):
         return load_config([os.path.join(REPO, "configs", "demo.yaml")], overrides + extra)
