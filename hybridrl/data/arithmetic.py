@@ -8,8 +8,11 @@ reward registry scores (exact answer, see hybridrl.rewards.arithmetic). ``write_
 n_train, n_test, seed)`` writes ``train.parquet`` and ``test.parquet`` with no (a, b) pair shared
 between them, and is also the CLI. ``write_sft_dataset(out_dir, n_train, n_sft, seed, max_digits)``
 writes ``sft_train.parquet`` in verl's SFT layout (hybridrl.data.sft): the first ``n_sft`` of the
-``n_train`` training prompts with the response ``"#### <a + b>"`` (never a test problem; with
-``format_fraction`` < 1 only that share of them uses the "####" marker):
+``n_train`` training prompts with the response ``"#### <a + b>"`` (never a test problem). With
+``format_fraction`` f < 1, f is rounded to the nearest p/q with q <= 10 and every prompt is
+written q times, p of them with the marker and q - p as the bare "<a + b>": the same share for
+every prompt, so a model learns a prompt-independent probability p/q of following the format
+(not which prompts use it, which would not carry over to unseen prompts):
 
     python -m hybridrl.data.arithmetic --out DIR --n-train N --n-test N --seed S [--max-digits D]
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from fractions import Fraction
 
 import numpy as np
 
@@ -87,23 +91,32 @@ def write_dataset(
     )
 
 
+def sft_format_copies(format_fraction: float) -> tuple[int, int]:
+    """(p, q): ``format_fraction`` rounded to the nearest p/q with q <= 10 (pure)."""
+    if not 0.0 <= format_fraction <= 1.0:
+        raise ValueError(f"format_fraction={format_fraction}; allowed: 0..1")
+    share = Fraction(format_fraction).limit_denominator(10)
+    return share.numerator, share.denominator
+
+
 def write_sft_dataset(out_dir: str, n_train: int, n_sft: int, seed: int = 0,
                       max_digits: int = 2, second_digits: int = 0,
                       format_fraction: float = 1.0) -> str:
-    """Write ``sft_train.parquet``: (prompt, "#### <sum>") of the first ``n_sft`` training rows;
-    only every row i with ``frac(i * format_fraction) < format_fraction`` (the first
-    ``round(n_sft * format_fraction)`` in an even spread) uses the marker, the others answer
-    "<sum>" alone (demonstrations that ignore the prompt's answer format)."""
+    """Write ``sft_train.parquet``: (prompt, "#### <sum>") of the first ``n_sft`` training rows,
+    each written q times, p of them with the marker and the others "<sum>" alone
+    (``(p, q) = sft_format_copies(format_fraction)``; q = 1 for 0 and 1). Rows are ordered
+    copy-major: rows ``k * n_sft .. (k + 1) * n_sft - 1`` are copy k, copies ``0 .. p - 1``
+    marked."""
     from hybridrl.data.sft import write_pairs
 
     if not 1 <= n_sft <= n_train:
         raise ValueError(f"n_sft={n_sft}; allowed: 1..n_train ({n_train})")
-    if not 0.0 <= format_fraction <= 1.0:
-        raise ValueError(f"format_fraction={format_fraction}; allowed: 0..1")
+    marked, copies = sft_format_copies(format_fraction)
     rows = make_rows(n_train, seed, "train", max_digits, set(), second_digits)[:n_sft]
-    marked = [int((i + 1) * format_fraction) > int(i * format_fraction) for i in range(n_sft)]
-    return write_pairs(os.path.join(out_dir, "sft_train.parquet"), [r.messages for r in rows],
-                       [("#### " if m else "") + str(r.ground_truth) for r, m in zip(rows, marked)])
+    prompts = [r.messages for _ in range(copies) for r in rows]
+    responses = [("#### " if k < marked else "") + str(r.ground_truth)
+                 for k in range(copies) for r in rows]
+    return write_pairs(os.path.join(out_dir, "sft_train.parquet"), prompts, responses)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hybridrl.data.arithmetic import write_sft_dataset
+from hybridrl.data.arithmetic import sft_format_copies, write_sft_dataset
 from hybridrl.data.sft import SFTDataset, read_pairs, sft_microbatch
 from hybridrl.data.tokenizer import CharTokenizer, encode_prompt
 
@@ -37,11 +37,21 @@ def test_bad_files_name_the_column_and_row(tmp_path):
 
 
 def test_synthetic_pairs_follow_the_format_fraction(tmp_path):
+    # 0.25 = 1/4: each of the 20 prompts 4 times, exactly one copy with the marker
     path = write_sft_dataset(str(tmp_path), 68, 20, seed=1, max_digits=1, format_fraction=0.25)
-    responses = pq.read_table(path).column("response").to_pylist()
-    assert len(responses) == 20 and sum(r.startswith("#### ") for r in responses) == 5
-    full = write_sft_dataset(str(tmp_path), 68, 20, seed=1, max_digits=1)
-    assert all(r.startswith("#### ") for r in pq.read_table(full).column("response").to_pylist())
+    table = pq.read_table(path)
+    prompts = [p[0]["content"] for p in table.column("prompt").to_pylist()]
+    responses = table.column("response").to_pylist()
+    assert len(responses) == 80 and len(set(prompts)) == 20
+    marked = [p for p, r in zip(prompts, responses) if r.startswith("#### ")]
+    assert sorted(marked) == sorted(set(prompts))
+    assert sft_format_copies(0.2) == (1, 5) and sft_format_copies(0.33) == (1, 3)
+    for fraction in (0.0, 1.0):
+        one = pq.read_table(write_sft_dataset(str(tmp_path), 68, 20, seed=1, max_digits=1,
+                                              format_fraction=fraction))
+        answers = one.column("response").to_pylist()
+        assert len(answers) == 20
+        assert all(r.startswith("#### ") == (fraction == 1.0) for r in answers)
 
 
 def test_sft_entrypoint_unwritable_output_is_one_line(tmp_path, capsys, monkeypatch):
