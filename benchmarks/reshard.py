@@ -216,16 +216,17 @@ def _strategy_method(rank, cfg, layout, train, specs, named, strategy, info, res
 
 
 def _engine_method(rank, cfg, groups, layout, train, specs, named):
-    """zero_redundancy into hybridrl's builtin engine, as the trainer runs it: received rows land
-    in the engine's tensors, and the tensors a rank holds whole in both layouts are aliased (the
-    engine reads the training tensor; megatron's vocab padding, so the vocabulary too)."""
+    """zero_redundancy into hybridrl's builtin engine, as the trainer runs it: the engine keeps
+    its gen shard as t/tg training-shard-shaped parts (``engine_blocks``), received training
+    shards land whole in them, and the rank's own shards are aliased (the engine reads the
+    training tensor; megatron's vocab padding, so the vocabulary too)."""
     import torch
 
     from hybridrl.reshard.executor import check_same_plan
     from hybridrl.reshard.placement import gen_placement
     from hybridrl.reshard.planner import plan_reshard
     from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
-    from hybridrl.rollout.worker import sync_engine
+    from hybridrl.rollout.worker import engine_blocks, sync_engine
 
     tg, pg = cfg["layout"][2:]
     gen = gen_placement(layout, SHAPE, tg, pg, "hybridflow")
@@ -234,7 +235,7 @@ def _engine_method(rank, cfg, groups, layout, train, specs, named):
     spec = EngineSpec(SHAPE.hidden, SHAPE.ffn, SHAPE.heads, SHAPE.num_query_groups,
                       SHAPE.head_dim, SHAPE.layers, SHAPE.vocab, gen.vocab_chunk)
     engine = BuiltinEngine(spec, tp_group=groups.groups.get("gen_tp"), tp_rank=gen.coords[rank][0],
-                           tp_size=tg, pp_size=pg)
+                           tp_size=tg, pp_size=pg, blocks=engine_blocks(train, gen))
     info = {"planned": plan.recv_bytes(rank)}
 
     def once():

@@ -16,6 +16,11 @@ Contract:
   whose targets may be someone else's tensors), and the emitted tensors ARE those tensors: no
   allocation, no copy,
   ``fmt`` unused. Needs a plan whose destination is the gen shard (zero_redundancy, p2p).
+  A target may also be a list of K tensors: the gen shard kept in K parts, part k stored as
+  megatron stores TP rank k of the gen rank's K sub-ranks at TP size gen tp·K (vocab chunk /
+  K rows), i.e. consecutive row segments of the canonical gen piece (the builtin engine's
+  ``blocks``); a received piece lands in the part holding its rows (straight in, when it is
+  the whole part or another contiguous slice of it).
   Every target (name, shape, dtype) and the strategy are checked at construction; a problem is
   not raised there but kept in ``into_error``, which ``run_plan`` reports through its plan check
   so all ranks raise together before any transfer (a lazy check would raise mid-exchange on one
@@ -88,30 +93,54 @@ class Assembler:
             want = storage_shape(spec, gen.tp, gen.vocab_chunk)
             if name not in self.into:
                 return f"rank {self.rank}: into[{name!r}] is missing (expected shape {want})"
-            got = self.into[name]
-            if tuple(got.shape) != want:
-                return f"rank {self.rank}: into[{name!r}]: expected shape {want}, got {tuple(got.shape)}"
-            if got.dtype != self.dtype:
-                return f"rank {self.rank}: into[{name!r}]: expected dtype {self.dtype}, got {got.dtype}"
+            parts = self.into[name]
+            if isinstance(parts, (list, tuple)):
+                k = len(parts)
+                if k < 1 or gen.vocab_chunk % k or spec.rows % (gen.tp * k):
+                    return f"rank {self.rank}: into[{name!r}]: cannot be kept in {k} parts"
+                want = storage_shape(spec, gen.tp * k, gen.vocab_chunk // k)
+            else:
+                parts = [parts]
+            for got in parts:
+                if tuple(got.shape) != want:
+                    return (f"rank {self.rank}: into[{name!r}]: expected shape {want}, "
+                            f"got {tuple(got.shape)}")
+                if got.dtype != self.dtype:
+                    return (f"rank {self.rank}: into[{name!r}]: expected dtype {self.dtype}, "
+                            f"got {got.dtype}")
         return None
 
-    def _target(self, spec: ParamSpec) -> tuple[str, torch.Tensor]:
-        """(name, existing tensor) of ``into`` for a gen spec, shape-checked."""
+    def _target(self, spec: ParamSpec):
+        """(name, existing tensor or list of parts) of ``into`` for a gen spec."""
         gen = self.plan.gen
         name = spec.local_name(gen.pp, gen.num_layers)
-        want = storage_shape(spec, gen.tp, gen.vocab_chunk)
-        if name not in self.into or tuple(self.into[name].shape) != want:
-            got = tuple(self.into[name].shape) if name in self.into else "missing"
-            raise ValueError(f"into[{name!r}]: expected shape {want}, got {got}")
+        if name not in self.into:
+            raise ValueError(f"into[{name!r}] is missing")
         return name, self.into[name]
+
+    def _segments(self, spec: ParamSpec, lo: int, hi: int) -> list:
+        """[(first row, end row, canonical view)] of the target parts holding rows [lo, hi)."""
+        target = self._target(spec)[1]
+        if not isinstance(target, (list, tuple)):
+            return [(lo, hi, canonical_view(spec, target, hi - lo))]
+        c = target[0].shape[0] if spec.kind == "vocab" else (hi - lo) // len(target)
+        out = []
+        for k, part in enumerate(target):
+            a, b = lo + k * c, min(hi, lo + (k + 1) * c)
+            if b > a:
+                out.append((a, b, canonical_view(spec, part, b - a)))
+        return out
+
+    def _zero_padding(self, spec: ParamSpec, real: int) -> None:
+        target = self._target(spec)[1]
+        parts = target if isinstance(target, (list, tuple)) else [target]
+        c = parts[0].shape[0]
+        for k, part in enumerate(parts):  # padding rows never carry weights
+            part[max(0, min(c, real - k * c)):].zero_()
 
     def _emit(self, spec: ParamSpec, piece: torch.Tensor) -> None:
         if self.into is not None:
-            name, target = self._target(spec)
-            real = piece.shape[spec.cut_dim] if spec.kind == "vocab" else None
-            if real is not None and self.zero_padding:
-                target[real:].zero_()  # padding rows never carry weights
-            self.pending.append((name, target))
+            self._emit_into(spec, piece.shape[spec.cut_dim])
             return
         out = self.fmt(spec, piece)
         self.pending += out
@@ -120,40 +149,59 @@ class Assembler:
         else:
             self.pending_bytes += piece.numel() * piece.element_size()
 
+    def _emit_into(self, spec: ParamSpec, real_rows: int) -> None:
+        if spec.kind == "vocab" and self.zero_padding:
+            self._zero_padding(spec, real_rows)
+        self.pending.append(self._target(spec))
+
     def _region(self, key: str) -> list:
-        if key not in self.regions and self.into is not None:
-            spec = self.gen_specs[key][0]
-            buf = canonical_view(spec, self._target(spec)[1], self.dests[key][1] - self.dests[key][0])
-            self.regions[key] = [buf, 0]
+        """[segments [(first row, end row, canonical view)], rows filled] of ``key``'s dest."""
         if key not in self.regions:
             dlo, dhi = self.dests[key]
-            buf = torch.empty(self.plan.spec(key).piece_shape(dhi - dlo), dtype=self.dtype,
-                              device=self.device)
-            self.regions[key] = [buf, 0]
-            self.open_bytes += buf.numel() * buf.element_size()
+            if self.into is not None:
+                segs = self._segments(self.gen_specs[key][0], dlo, dhi)
+            else:
+                buf = torch.empty(self.plan.spec(key).piece_shape(dhi - dlo), dtype=self.dtype,
+                                  device=self.device)
+                self.open_bytes += buf.numel() * buf.element_size()
+                segs = [(dlo, dhi, buf)]
+            self.regions[key] = [segs, 0]
         return self.regions[key]
 
     def slot(self, key: str, lo: int, hi: int) -> torch.Tensor | None:
         """Where rows [lo, hi) of ``key`` will live, if contiguous (receive straight into it)."""
-        view = self._region(key)[0].narrow(self.plan.spec(key).cut_dim, lo - self.dests[key][0], hi - lo)
-        return view if view.is_contiguous() else None
+        cut = self.plan.spec(key).cut_dim
+        for a, b, view in self._region(key)[0]:
+            if a <= lo and hi <= b:
+                view = view.narrow(cut, lo - a, hi - lo)
+                return view if view.is_contiguous() else None
+        return None
 
     def accept(self, key: str, lo: int, hi: int, data: torch.Tensor) -> None:
         """Rows [lo, hi) of ``key`` in canonical layout (shape: piece_shape(hi - lo))."""
-        dlo, dhi = self.dests[key]
+        cut = self.plan.spec(key).cut_dim
         region = self._region(key)
-        target = region[0].narrow(self.plan.spec(key).cut_dim, lo - dlo, hi - lo)
-        if target.data_ptr() != data.data_ptr():  # not received in place via ``slot``
-            target.copy_(data)
+        for a, b, view in region[0]:
+            x, y = max(a, lo), min(b, hi)
+            if y <= x:
+                continue
+            target, src = view.narrow(cut, x - a, y - x), data.narrow(cut, x - lo, y - x)
+            if target.data_ptr() != src.data_ptr():  # not received in place via ``slot``
+                target.copy_(src)
         region[1] += hi - lo
-        if region[1] == dhi - dlo:
+        if region[1] == self.dests[key][1] - self.dests[key][0]:
             self._complete(key)
 
     def _complete(self, key: str) -> None:
-        buf, _ = self.regions.pop(key)
+        segs, _ = self.regions.pop(key)
         dlo, dhi = self.dests[key]
-        if self.into is None:
-            self.open_bytes -= buf.numel() * buf.element_size()
+        if self.into is not None:
+            for spec in self.gen_specs.get(key, []):
+                glo, ghi = self.plan.gen.interval(spec, self.rank)
+                self._emit_into(spec, ghi - glo)
+            return
+        buf = segs[0][2]
+        self.open_bytes -= buf.numel() * buf.element_size()
         for spec in self.gen_specs.get(key, []):
             glo, ghi = self.plan.gen.interval(spec, self.rank)
             piece = buf.narrow(spec.cut_dim, glo - dlo, ghi - glo)

@@ -208,8 +208,9 @@ def _fill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gbps", type=float, default=400.0, help="per-rank link speed, Gbit/s")
     p.add_argument("--bucket-mb", type=float, default=512.0, help="reshard bucket size, MiB")
     p.add_argument("--vocab-pad", type=int, default=ENGINE_VOCAB_PAD,
-                   help="gen vocab padded to this multiple, as the rollout engine does "
-                        f"(default {ENGINE_VOCAB_PAD}); 0: megatron's padded training vocab")
+                   help="gen vocab padded to this multiple, as SGLang does "
+                        f"(default {ENGINE_VOCAB_PAD}); 0: megatron's padded training vocab, "
+                        "as the builtin engine has it")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     m = p.add_argument_group("--memory: per-GPU bytes by phase and a verdict")
     m.add_argument("--memory", action="store_true", help="plan memory instead of the reshard")

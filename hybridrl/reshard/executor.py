@@ -10,6 +10,10 @@ Contract:
   at most one bucket of rows, or one larger parameter), then its buckets. Bucket k+1's sends and
   receives are posted (``batch_isend_irecv``, tag = bucket index) before the assembler handles
   bucket k, so the next bucket's communication overlaps the current bucket's copy/convert/load;
+  when the assembler receives in place (``into=``), every later bucket that needs no temporary
+  buffer (all its sends contiguous views, all its receives landing in their slots) is posted
+  too, up to the first that does: such buckets hold no memory in flight, and one long run of
+  posted transfers is what the wire does fastest (every rank posts in ascending bucket order);
   bucket k's deliveries are followed by the local rows of the parameters it completes. Every
   phase ends with one ``assembler.flush()`` (L local flushes on every rank, empty ones included,
   then one per bucket this rank sends or receives in). So at most two buckets' buffers are alive
@@ -112,6 +116,12 @@ class _Bucket:
             assembler.accept(t.key, t.lo, t.hi, slot.view(plan.spec(t.key).piece_shape(t.hi - t.lo)))
 
 
+def _needs_no_temp(plan: Plan, sources: dict, assembler: Assembler, sends, recvs) -> bool:
+    """True when every send of a bucket is a contiguous view and every receive has its slot."""
+    return (all(_piece(plan, sources, t).is_contiguous() for t in sends)
+            and all(assembler.slot(t.key, t.lo, t.hi) is not None for t in recvs))
+
+
 def plan_fingerprint(plan: Plan) -> tuple:
     """Small summary every rank of one reshard must share (layouts, strategy, buckets, bytes)."""
     g, t = plan.gen, plan.train
@@ -161,20 +171,31 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
     sched = phase_schedule(plan, rank)
     mine = [(*plan.rank_buckets(rank)[k], k) for k in sched.buckets]
     sent = recv = peak_comm = peak_live = peak_asm = 0
+    posted: dict[int, _Bucket] = {}
+    in_place = assembler.into is not None
 
-    def post(i):
-        s, r, k = mine[i]
-        return _Bucket(plan, sources, s, r, k, group, assembler)
+    nxt = 0
 
-    cur = post(0) if mine else None
-    for pieces in sched.local:  # local phases -L..-1 overlap the first bucket's transfer
+    def post_ahead(i):
+        """Post up to bucket i and, receiving in place, every following bucket that needs no
+        temporary buffer (its pieces go and land where they live: nothing held in flight)."""
+        nonlocal nxt
+        while nxt < len(mine) and (nxt <= i or (in_place and _needs_no_temp(
+                plan, sources, assembler, *mine[nxt][:2]))):
+            s, r, k = mine[nxt]
+            posted[nxt] = _Bucket(plan, sources, s, r, k, group, assembler)
+            nxt += 1
+
+    post_ahead(0)
+    for pieces in sched.local:  # local phases -L..-1 overlap the first buckets' transfers
         _accept_local(plan, rank, sources, assembler, pieces)
         peak_asm = max(peak_asm, assembler.live_bytes)
-        peak_live = max(peak_live, (cur.temp_bytes if cur else 0) + assembler.live_bytes)
+        peak_live = max(peak_live, sum(b.temp_bytes for b in posted.values()) + assembler.live_bytes)
         assembler.flush()
     for i in range(len(mine)):
-        nxt = post(i + 1) if i + 1 < len(mine) else None  # next bucket in flight ...
-        comm = cur.temp_bytes + (nxt.temp_bytes if nxt else 0)
+        post_ahead(i + 1)  # next bucket(s) in flight ...
+        comm = sum(b.temp_bytes for b in posted.values())
+        cur = posted.pop(i)
         cur.wait_and_deliver(plan, assembler)  # ... while this one is consumed
         _accept_local(plan, rank, sources, assembler, sched.at_bucket.get(mine[i][2], ()))
         peak_comm = max(peak_comm, comm)
@@ -182,7 +203,6 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
         peak_live = max(peak_live, comm + assembler.live_bytes)
         sent, recv = sent + cur.sent_bytes, recv + cur.recv_bytes
         assembler.flush()
-        cur = nxt
     peak_asm = max(peak_asm, assembler.live_bytes)
     peak_live = max(peak_live, assembler.live_bytes)
     return RunStats(sent, recv, len(mine), peak_live, peak_comm, peak_asm)

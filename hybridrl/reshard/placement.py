@@ -19,9 +19,9 @@ Contract:
   moved by the p2p reshard; ties, and blocks too large to solve, fall back to ``consecutive``.
   ``default_gen_placement`` (and the trainer's rollout worker) use it when the shards do not nest.
   ``vocab_pad=None`` keeps megatron's padded vocab of the TRAINING model split tg ways (not the
-  padding of a GPTModel built at tp = tg); an int (SGLang: 64) pads the real vocab to that multiple first, as
-  the rollout engine does (``ENGINE_VOCAB_PAD``, what the trainer uses). Either way a chunk is
-  ceil(padded / tg) rows.
+  padding of a GPTModel built at tp = tg; what the trainer's builtin engine uses); an int
+  (SGLang: 64) pads the real vocab to that multiple first, as SGLang does (``ENGINE_VOCAB_PAD``,
+  what the trainer uses with SGLang). Either way a chunk is ceil(padded / tg) rows.
 - Nothing here touches torch.distributed.
 """
 
@@ -35,7 +35,7 @@ from hybridrl.reshard.specs import LlamaShape, ParamSpec, build_specs, check_spl
 
 GROUPINGS = ("hybridflow", "vanilla", "consecutive", "optimal")
 
-ENGINE_VOCAB_PAD = 64  # vocab padding of the rollout engines: SGLang's, and the builtin one's
+ENGINE_VOCAB_PAD = 64  # SGLang's vocab padding (the builtin engine pads as training does)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The builtin rollout engine: pure-torch llama inference on one gen TP rank's engine-format shard.
 
 Contract:
-- ``BuiltinEngine(spec, tp_group=None, tp_rank=0, tp_size=1, tp_src=None, device, dtype, pp_size)``
+- ``BuiltinEngine(spec, tp_group=None, tp_rank=0, tp_size=1, tp_src=None, device, dtype, pp_size,
+  blocks=1)``
   holds gen TP rank ``tp_rank`` of ``tp_size`` of a llama decoder described by ``EngineSpec``
   (RMSNorm, RoPE as HF llama / megatron non-interleaved, SwiGLU, GQA; q/k/v biases when
   ``qkv_bias``, as Qwen2 has them, and no other biases). Weights arrive
@@ -13,15 +14,20 @@ Contract:
   vocab-parallel ``model.embed_tokens.weight`` / ``lm_head.weight`` [vocab_chunk, H] holding ids
   [tp_rank·chunk, (tp_rank+1)·chunk) (rows past the vocabulary are padding). A tied model may
   omit ``lm_head`` (the embedding is used).
-- Storage is megatron's gen-layout layout, so the reshard can write into it in place: every
-  tensor is stored exactly as megatron-core stores that rank's shard, which for all but qkv is
-  the engine format itself; ``qkv_proj`` is stored grouped per KV head, [q heads of the group;
-  k; v] (megatron's ``linear_qkv``), and ``update_weights`` regroups an engine-format [q; k; v]
-  on load. ``buffer(name, shape)`` returns the tensor that holds ``name`` (allocated, zeroed, on
-  first use) for a reshard to fill in place; ``alias(name, tensor)`` makes the engine read
-  ``name`` from someone else's tensor (a training parameter of the same shard: no copy, no
-  memory); a later ``update_weights``/``buffer`` of that name gives it its own storage again.
-  ``aliased`` names the aliased tensors.
+- Storage (``hybridrl.rollout.engine_weights``) is megatron's gen-layout layout, so the reshard
+  can write into it in place: every tensor is stored exactly as megatron-core stores that
+  rank's shard, which for all but qkv is the engine format itself; ``qkv_proj`` is stored
+  grouped per KV head, [q heads of the group; k; v] (megatron's ``linear_qkv``), and
+  ``update_weights`` regroups an engine-format [q; k; v] on load. ``blocks`` = K keeps every
+  TP-sharded tensor as K sub-shards, each stored as megatron stores it at TP size tp·K (set K
+  to train tp / gen tp: each sub-shard is then one training rank's tensor, received whole or
+  aliased); the forward runs the K parts as K matmuls (column-parallel outputs concatenated,
+  row-parallel partial products summed, the MLP per part). ``buffer(name, shape, block)``
+  returns the part that holds ``name`` (allocated, zeroed, on first use) for a reshard to fill
+  in place; ``alias(name, tensor, block)`` makes the engine read it from someone else's tensor
+  (a training parameter of the same shard: no copy, no memory); a later
+  ``update_weights``/``buffer`` gives it its own storage again. ``aliased`` labels the aliased
+  parts; ``weights`` gives every loaded tensor's whole stored-layout shard.
 - Row-parallel outputs (o_proj, down_proj) and the vocab-parallel embedding are summed with one
   all-reduce over ``tp_group``; last-position logits are all-gathered (real ids only) for
   sampling; ``tp_src`` (global rank of the group's first member) broadcasts the chosen tokens so
@@ -31,8 +37,9 @@ Contract:
   eos; generation stops when every row stopped or after ``max_new_tokens``.
 - Gen pipeline parallelism is not supported: ``pp_size != 1`` raises ``ValueError``.
 - Per decode step the work is the matmuls plus a fixed, small number of ops per layer: RoPE
-  tables and the additive attention mask are built once per forward and shared by every layer,
-  q and k are rotated together, GQA stacks a KV head's query heads instead of repeating K/V,
+  tables and the attention mask are built once per forward and shared by every layer, q and k
+  are rotated together, attention is one fused ``scaled_dot_product_attention`` call (GQA
+  without repeating K/V),
   and ``generate`` runs under ``inference_mode`` (it returns ordinary tensors).
   benchmarks/rollout_engine.py measures it against transformers' ``generate``.
 """
@@ -40,7 +47,6 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
 
 import torch
@@ -48,6 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridrl.rollout.base import GenerationOutput, SamplingParams, as_prompt_lists
+from hybridrl.rollout.engine_weights import EngineWeights
 from hybridrl.rollout.sampling import sample_next
 
 
@@ -96,99 +103,76 @@ class BuiltinEngine:
 
     def __init__(self, spec: EngineSpec, *, tp_group=None, tp_rank: int = 0, tp_size: int = 1,
                  tp_src: int | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, pp_size: int = 1):
+                 dtype: torch.dtype = torch.float32, pp_size: int = 1, blocks: int = 1):
         if pp_size != 1:
             raise ValueError(f"the builtin engine needs gen pp = 1 (parallel.gen.pp), got {pp_size}")
-        for field, value in (("num_attention_heads", spec.num_attention_heads),
-                             ("num_kv_heads", spec.num_kv_heads),
-                             ("ffn_hidden_size", spec.ffn_hidden_size)):
-            if value % tp_size:
-                raise ValueError(f"gen tp={tp_size} does not divide {field}={value}")
         if spec.vocab_chunk * tp_size < spec.vocab_size:
             raise ValueError(f"vocab_chunk={spec.vocab_chunk} x tp={tp_size} does not cover "
                              f"vocab_size={spec.vocab_size}")
         if tp_size > 1 and tp_group is None:
             raise ValueError(f"tp_size={tp_size} needs tp_group")
+        self.store = EngineWeights(spec, tp_size, blocks, dtype, device)  # checks divisibility
         self.spec, self.tp_group, self.tp_rank, self.tp_size = spec, tp_group, tp_rank, tp_size
-        self.tp_src = tp_src
+        self.tp_src, self.blocks = tp_src, blocks
         self.device, self.dtype = torch.device(device), dtype
         self.hq = spec.num_attention_heads // tp_size  # local query heads
         self.hk = spec.num_kv_heads // tp_size  # local KV heads
-        self.weights: dict[str, torch.Tensor] = {}
-        self.aliased: set[str] = set()
-        self.expected = self._expected_shapes()
+        self.expected = self.store.expected
         hd = spec.head_dim
         self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
 
     # ----------------------------------------------------------------------------- weights
-    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        s, hd = self.spec, self.spec.head_dim
-        H, f = s.hidden_size, s.ffn_hidden_size // self.tp_size
-        out = {"model.embed_tokens.weight": (s.vocab_chunk, H), "model.norm.weight": (H,),
-               "lm_head.weight": (s.vocab_chunk, H)}
-        for L in range(s.num_layers):
-            p = f"model.layers.{L}."
-            out.update({p + "input_layernorm.weight": (H,),
-                        p + "post_attention_layernorm.weight": (H,),
-                        p + "self_attn.qkv_proj.weight": ((self.hq + 2 * self.hk) * hd, H),
-                        p + "self_attn.o_proj.weight": (H, self.hq * hd),
-                        p + "mlp.gate_up_proj.weight": (2 * f, H),
-                        p + "mlp.down_proj.weight": (H, f)})
-            if s.qkv_bias:
-                out[p + "self_attn.qkv_proj.bias"] = ((self.hq + 2 * self.hk) * hd,)
-        return out
+    @property
+    def aliased(self) -> set[str]:
+        return self.store.aliased
 
-    def _check(self, name: str, shape) -> tuple[int, ...]:
-        want = self.expected.get(name)
-        if want is None:
-            raise ValueError(f"builtin engine: unknown weight {name!r}")
-        if tuple(shape) != want:
-            raise ValueError(f"builtin engine: {name} has shape {tuple(shape)}, "
-                             f"expected {want} (gen tp={self.tp_size})")
-        return want
-
-    def _grouped(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Engine-format [q; k; v] rows -> the stored layout [per KV head: its q heads; k; v]."""
-        hd, rest = self.spec.head_dim, tuple(qkv.shape[1:])
-        q, k, v = qkv.split([self.hq * hd, self.hk * hd, self.hk * hd])
-        return torch.cat([q.reshape(self.hk, -1, *rest), k.reshape(self.hk, hd, *rest),
-                          v.reshape(self.hk, hd, *rest)], dim=1).reshape(qkv.shape)
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every loaded tensor's whole stored-layout shard (new tensors where kept in parts)."""
+        return {n: self.store.full(n) for n in self.store.parts if self.store.loaded(n)}
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (a subset of) this rank's engine-format tensors; see the module docstring."""
-        for name, tensor in named_tensors:
-            self._check(name, tensor.shape)
-            if ".qkv_proj." in name:
-                tensor = self._grouped(tensor)
-            with torch.no_grad():
-                self.buffer(name, tensor.shape).copy_(tensor)
+        self.store.update(named_tensors)
 
-    def buffer(self, name: str, shape) -> torch.Tensor:
-        """The engine's own tensor for ``name`` (stored layout), to be filled in place."""
-        want = self._check(name, shape)
-        if name in self.aliased or name not in self.weights:
-            self.aliased.discard(name)
-            self.weights[name] = torch.zeros(want, dtype=self.dtype, device=self.device)
-        return self.weights[name]
+    def block_shape(self, name: str) -> tuple[int, ...]:
+        return self.store.block_shape(name)
 
-    def alias(self, name: str, tensor: torch.Tensor) -> None:
-        """Read ``name`` from ``tensor`` itself (stored layout, the engine's dtype and device)."""
-        self._check(name, tensor.shape)
-        if tensor.dtype != self.dtype or tensor.device != self.device:
-            raise ValueError(f"builtin engine: cannot alias {name} ({tensor.dtype}, "
-                             f"{tensor.device}); the engine runs {self.dtype} on {self.device}")
-        self.weights[name] = tensor.detach()
-        self.aliased.add(name)
+    def buffer(self, name: str, shape, block: int | None = None) -> torch.Tensor:
+        """The engine's own tensor for ``name`` (part ``block``), to be filled in place."""
+        return self.store.buffer(name, shape, block)
+
+    def alias(self, name: str, tensor: torch.Tensor, block: int | None = None) -> None:
+        """Read ``name`` (part ``block``) from ``tensor`` itself (stored layout, no copy)."""
+        self.store.alias(name, tensor, block)
 
     def finish_update(self) -> None:
         """End of a weight sync: nothing to do, ``update_weights`` already loaded (no collective)."""
 
     def missing_weights(self) -> list[str]:
-        optional = {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
-        return sorted(set(self.expected) - set(self.weights) - optional)
+        return self.store.missing()
 
-    def _w(self, name: str) -> torch.Tensor:
-        return self.weights[name]
+    def _parts(self, name: str) -> list[torch.Tensor]:
+        return self.store.parts[name]
+
+    def _w(self, name: str) -> torch.Tensor:  # a tensor kept as one part (norms; blocks = 1)
+        return self.store.parts[name][0]
+
+    def _col(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x @ W.T of a column-parallel W kept in parts (outputs concatenated)."""
+        parts = self._parts(name)
+        if len(parts) == 1:
+            return x @ parts[0].T
+        return torch.cat([x @ w.T for w in parts], dim=-1)
+
+    def _row(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x @ W.T of a row-parallel W kept in parts (column blocks: partial products summed)."""
+        parts = self._parts(name)
+        out = x[..., :parts[0].shape[1]] @ parts[0].T
+        c = parts[0].shape[1]
+        for k, w in enumerate(parts[1:], start=1):
+            out += x[..., k * c:(k + 1) * c] @ w.T
+        return out
 
     # ----------------------------------------------------------------------------- forward
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,13 +181,16 @@ class BuiltinEngine:
         return x
 
     def _embed(self, ids_BS: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(ids_BS, self._w("model.embed_tokens.weight"))
-        local_BS = ids_BS - self.tp_rank * self.spec.vocab_chunk
-        mine_BS = (local_BS >= 0) & (local_BS < self.spec.vocab_chunk)
-        h_BSH = F.embedding(local_BS.clamp(0, self.spec.vocab_chunk - 1),
-                            self._w("model.embed_tokens.weight"))
-        return self._all_reduce(h_BSH * mine_BS.unsqueeze(-1).to(h_BSH.dtype))
+        parts = self._parts("model.embed_tokens.weight")
+        if self.tp_size == 1 and len(parts) == 1:
+            return F.embedding(ids_BS, parts[0])
+        h_BSH, c = None, parts[0].shape[0]  # each part holds c consecutive vocabulary rows
+        for k, w in enumerate(parts):
+            local_BS = ids_BS - (self.tp_rank * self.spec.vocab_chunk + k * c)
+            mine_BS = (local_BS >= 0) & (local_BS < c)
+            e_BSH = F.embedding(local_BS.clamp(0, c - 1), w) * mine_BS.unsqueeze(-1).to(w.dtype)
+            h_BSH = e_BSH if h_BSH is None else h_BSH + e_BSH
+        return self._all_reduce(h_BSH)
 
     def _rope_tables(self, pos_BS: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, 1, S, D] of the positions, once per forward (shared by every layer)."""
@@ -221,42 +208,42 @@ class BuiltinEngine:
         p = f"model.layers.{L}."
         B, S, _ = h_BSH.shape
         rep = self.hq // self.hk
-        qkv = h_BSH @ self._w(p + "self_attn.qkv_proj.weight").T
+        qkv = self._col(h_BSH, p + "self_attn.qkv_proj.weight")
         if self.spec.qkv_bias:
-            qkv = qkv + self._w(p + "self_attn.qkv_proj.bias")
+            bias = self._parts(p + "self_attn.qkv_proj.bias")
+            qkv = qkv + (bias[0] if len(bias) == 1 else torch.cat(bias))
         g = qkv.view(B, S, self.hk, rep + 2, hd).permute(0, 2, 3, 1, 4)  # [B, hk, rep+2, S, hd]
         qk = self._rope(g[:, :, :rep + 1].reshape(B, self.hk * (rep + 1), S, hd), rope)
         qk = qk.view(B, self.hk, rep + 1, S, hd)  # each KV head's query heads, then its key
-        q_BGRD, k_BNSD = qk[:, :, :rep].reshape(B, self.hk, rep * S, hd), qk[:, :, rep]
+        q_BNSD, k_BNSD = qk[:, :, :rep].reshape(B, self.hq, S, hd), qk[:, :, rep]
         keys, values = cache[L]
         keys[:, :, start:start + S] = k_BNSD
         values[:, :, start:start + S] = g[:, :, rep + 1]
         K = start + S
-        # GQA without repeating K/V: the rep = hq/hk query heads of a KV head are stacked as
-        # rep*S rows against that head's keys; allowed_BSK is the additive fp32 mask [B, 1, rep*S, K]
-        scores = (q_BGRD @ keys[:, :, :K].transpose(-1, -2)).float() / math.sqrt(hd)
-        probs = torch.softmax(scores + allowed_BSK, dim=-1).to(values.dtype)  # [B, hk, rep*S, K]
-        out_BNSD = (probs @ values[:, :, :K]).view(B, self.hq, S, hd)
+        # one fused attention call (no [B, hq, S, K] scores in memory); GQA without repeating
+        # K/V: query head n reads KV head n // rep; allowed_BSK is the bool mask [B, 1, S, K]
+        out_BNSD = F.scaled_dot_product_attention(q_BNSD, keys[:, :, :K], values[:, :, :K],
+                                                  attn_mask=allowed_BSK, enable_gqa=rep > 1)
         out_BSX = out_BNSD.transpose(1, 2).reshape(B, S, self.hq * hd)
-        return self._all_reduce(out_BSX @ self._w(p + "self_attn.o_proj.weight").T)
+        return self._all_reduce(self._row(out_BSX, p + "self_attn.o_proj.weight"))
 
     def _mlp(self, L: int, h_BSH: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{L}."
-        gate, up = (h_BSH @ self._w(p + "mlp.gate_up_proj.weight").T).chunk(2, dim=-1)
-        return self._all_reduce((F.silu(gate) * up) @ self._w(p + "mlp.down_proj.weight").T)
+        out = None
+        for gate_up, down in zip(self._parts(p + "mlp.gate_up_proj.weight"),
+                                 self._parts(p + "mlp.down_proj.weight")):
+            gate, up = (h_BSH @ gate_up.T).chunk(2, dim=-1)  # each part: [gate_k; up_k]
+            y = (F.silu(gate) * up) @ down.T
+            out = y if out is None else out.add_(y)
+        return self._all_reduce(out)
 
     def forward(self, ids_BS, pos_BS, cache, start: int, allowed_BSK) -> torch.Tensor:
         """Hidden states [B, S, H] after the final norm; fills ``cache`` columns [start, start+S)."""
         eps = self.spec.norm_eps
         h = self._embed(ids_BS)
         rope = self._rope_tables(pos_BS, h.dtype)
-        # additive fp32 mask built once for every layer: 0 allowed, -inf not, [B, 1, rep*S, K]
-        # (rows repeated for the rep query heads of a KV head; the diagonal is always allowed)
-        B, S, K = allowed_BSK.shape
-        rep = self.hq // self.hk
-        allowed_BSK = torch.zeros((B, S, K), device=h.device).masked_fill_(
-            ~allowed_BSK, float("-inf"))[:, None, None].expand(B, 1, rep, S, K).reshape(
-            B, 1, rep * S, K)
+        allowed_BSK = allowed_BSK.unsqueeze(1)  # [B, 1, S, K] for every head and layer; True =
+        # attend (the diagonal always is, so no row is fully masked)
         for L in range(self.spec.num_layers):
             p = f"model.layers.{L}."
             h = h + self._attention(L, _rms_norm(h, self._w(p + "input_layernorm.weight"), eps),
@@ -266,10 +253,8 @@ class BuiltinEngine:
 
     def logits(self, h_BH: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [B, V] (real ids only) from final hidden states [B, H]."""
-        head = self.weights.get("lm_head.weight", None)
-        if head is None:
-            head = self._w("model.embed_tokens.weight")
-        local_BC = (h_BH @ head.T).float()
+        head = "lm_head.weight" if self.store.loaded("lm_head.weight") else "model.embed_tokens.weight"
+        local_BC = self._col(h_BH, head).float()
         if self.tp_size > 1:
             parts = [torch.empty_like(local_BC) for _ in range(self.tp_size)]
             dist.all_gather(parts, local_BC.contiguous(), group=self.tp_group)

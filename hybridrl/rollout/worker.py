@@ -8,8 +8,9 @@ Contract:
   ``reshard.strategy``; ``auto`` = zero_redundancy when nested, else p2p), takes this rank's gen
   TP group (``groups.groups["gen_tp"]`` when ``groups`` holds the same gen layout, else one new
   group per gen TP group with a finite timeout) and builds the engine (``rollout.engine``:
-  builtin or sglang) on this rank's gen shard, with the engines' vocab padding
-  (``ENGINE_VOCAB_PAD`` = 64). Every model the reshard moves is accepted here, q/k/v biases
+  builtin or sglang) on this rank's gen shard, with the engine's vocab padding (SGLang's
+  ``ENGINE_VOCAB_PAD`` = 64; the builtin engine pads as training does, and keeps each gen
+  shard as ``engine_blocks`` training-shard-shaped parts). Every model the reshard moves is accepted here, q/k/v biases
   (Qwen2) included, and both engines run them.
 - ``sync_weights(actor)`` runs the plan: every rank sends what others lack. The builtin engine
   is filled in place (received rows land in its tensors; where a rank's gen shard of a
@@ -89,25 +90,43 @@ def _gen_tp_groups(gen, rank: int, groups, grouping: str):
     return mine, members
 
 
-def rollout_gen_placement(layout, shape: LlamaShape, gen_cfg):
-    """(gen ``Placement`` with the engines' vocab padding, its grouping) of the rollout engines:
-    ``gen_cfg.grouping`` when tg | t and pg | p, else ``optimal`` (pure)."""
+def rollout_gen_placement(layout, shape: LlamaShape, gen_cfg, vocab_pad: int | None = ENGINE_VOCAB_PAD):
+    """(gen ``Placement``, its grouping) of the rollout engines: ``gen_cfg.grouping`` when tg | t
+    and pg | p, else ``optimal`` (pure). ``vocab_pad``: the engine's vocabulary padding (None:
+    megatron's training padding, so each gen vocab chunk is whole training chunks)."""
     nested = layout.tp % gen_cfg.tp == 0 and layout.pp % gen_cfg.pp == 0
     grouping = gen_cfg.grouping if nested else "optimal"
-    gen = gen_placement(layout, shape, gen_cfg.tp, gen_cfg.pp, grouping,
-                        vocab_pad=ENGINE_VOCAB_PAD)
+    gen = gen_placement(layout, shape, gen_cfg.tp, gen_cfg.pp, grouping, vocab_pad=vocab_pad)
     return gen, gen.grouping
 
 
-def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
-    """Megatron gen-layout name -> the engine tensor the reshard fills in place (``into=``).
+def engine_blocks(train, gen) -> int:
+    """K = train tp / gen tp when the gen shards nest whole training shards (vocabulary chunks
+    included), else 1: the builtin engine then keeps each gen shard as K training shards."""
+    if train.tp % gen.tp or gen.vocab_chunk != (train.tp // gen.tp) * train.vocab_chunk:
+        return 1
+    return train.tp // gen.tp
 
-    With ``alias``, a parameter whose gen shard on this rank IS its training shard (same
-    canonical rows, same storage shape: e.g. gen tp = train tp on the rank's own stage) is not
-    copied at all: the engine reads the training tensor itself (``engine.alias``), and the
-    reshard's local copy finds source and destination the same memory. Padding rows of the
-    vocabulary are left as they are (the engine never reads them; its own buffers start zeroed),
-    so an aliased training tensor keeps its own."""
+
+def _part_rows(spec, iv, parts: int, vocab_chunk: int) -> list[tuple[int, int]]:
+    """Canonical rows of each of ``parts`` consecutive parts of the gen interval ``iv``
+    (vocabulary: ``vocab_chunk / parts`` rows each, real rows only; as the Assembler cuts them)."""
+    lo, hi = iv
+    c = vocab_chunk // parts if spec.kind == "vocab" else (hi - lo) // parts
+    return [(lo + k * c, max(lo + k * c, min(hi, lo + (k + 1) * c))) for k in range(parts)]
+
+
+def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
+    """Megatron gen-layout name -> the engine tensor (or its K parts) the reshard fills in place.
+
+    An engine with ``blocks`` = K > 1 keeps each sharded tensor as K training-shard-shaped
+    parts (``into=`` gets the list). With ``alias``, a part whose rows on this rank ARE the
+    rank's training shard (same canonical rows, same storage shape: with K = train tp / gen tp
+    the rank's own stage; with gen tp = train tp the same) is not copied at all: the engine
+    reads the training tensor itself (``engine.alias``), and the reshard's local copy finds
+    source and destination the same memory. Padding rows of the vocabulary are left as they are
+    (the engine never reads them; its own buffers start zeroed), so an aliased training tensor
+    keeps its own."""
     gen, train = plan.gen, plan.train
     into = {}
     for spec in plan.specs:
@@ -115,16 +134,22 @@ def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
         if iv is None:
             continue
         gname, ename = spec.local_name(gen.pp, gen.num_layers), hf_name(spec)
-        shape = storage_shape(spec, gen.tp, gen.vocab_chunk)
+        parts = 1 if spec.kind == "norm" else getattr(engine, "blocks", 1)
         own = named.get(spec.local_name(train.pp, train.num_layers))
-        same = (alias and own is not None and train.interval(spec, rank) == iv
-                and tuple(own.shape) == shape and own.dtype == engine.dtype
-                and own.device == engine.device)
-        if same:
-            engine.alias(ename, own)
-            into[gname] = own
-        else:
-            into[gname] = engine.buffer(ename, shape)
+        shape = engine.block_shape(ename) if hasattr(engine, "block_shape") else \
+            storage_shape(spec, gen.tp, gen.vocab_chunk)
+        targets = []
+        for k, rows in enumerate(_part_rows(spec, iv, parts, gen.vocab_chunk)):
+            block = k if parts > 1 else None
+            same = (alias and own is not None and rows[1] > rows[0]
+                    and train.interval(spec, rank) == rows and tuple(own.shape) == shape
+                    and own.dtype == engine.dtype and own.device == engine.device)
+            if same:
+                engine.alias(ename, own, block)
+                targets.append(own)
+            else:
+                targets.append(engine.buffer(ename, shape, block))
+        into[gname] = targets if parts > 1 else targets[0]
     return into
 
 
@@ -166,7 +191,11 @@ class RolloutWorker:
         self.rank, layout, gen_cfg = groups.rank, groups.train, cfg.parallel.gen
         self.layout = layout
         self.shape = LlamaShape.from_model(actor.spec)  # q/k/v biases move too
-        self.gen, grouping = rollout_gen_placement(layout, self.shape, gen_cfg)
+        # the builtin engine pads the vocabulary as training does, so that its chunks nest
+        # whole training chunks (engine_blocks); SGLang pads to its own multiple
+        self.gen, grouping = rollout_gen_placement(
+            layout, self.shape, gen_cfg,
+            None if cfg.rollout.engine == "builtin" else ENGINE_VOCAB_PAD)
         strategy = cfg.reshard.strategy
         if strategy == "auto":
             strategy = "zero_redundancy" if grouping == "hybridflow" else "p2p"
@@ -195,7 +224,8 @@ class RolloutWorker:
         spec = EngineSpec.from_llama(actor.spec, self.gen.vocab_chunk)
         return BuiltinEngine(spec, tp_group=tp_group, tp_rank=tp_rank, tp_size=self.gen.tp,
                              tp_src=tp_src, device=actor.device, dtype=self.dtype,
-                             pp_size=self.gen.pp)
+                             pp_size=self.gen.pp,
+                             blocks=engine_blocks(self.plan.train, self.gen))
 
     @torch.no_grad()
     def sync_weights(self, actor):

@@ -20,20 +20,24 @@ import torch
 from hybridrl.testing.dist import run_on_ranks
 
 # (train tp, train pp) on 4 ranks, gen tp, the engine's vocab padding (None: megatron's, so at
-# gen tp = train tp the vocabulary chunks coincide too); gen pp = 1
-CASES = [(2, 2, 2, 64), (2, 1, 1, 64), (2, 1, 2, 64), (2, 1, 2, None)]
+# gen tp = train tp the vocabulary chunks coincide too), the engine's parts K (blocks; K =
+# t / tg: each part one training shard, the rank's own aliased; with 64-padding the vocabulary
+# parts straddle training chunks, so received pieces are split across parts); gen pp = 1
+CASES = [(2, 2, 2, 64, 1), (2, 1, 1, 64, 1), (2, 1, 2, 64, 1), (2, 1, 2, None, 1),
+         (2, 2, 1, None, 2), (2, 1, 1, None, 2), (2, 1, 1, 64, 2)]
 
 
-def _engine(shape, gen, rank, chunk):
+def _engine(shape, gen, rank, chunk, blocks=1):
     from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
 
     spec = EngineSpec(shape.hidden, shape.ffn, shape.heads, shape.num_query_groups,
                       shape.head_dim, shape.layers, shape.vocab, chunk)
     b = gen.coords[rank][0]
-    return BuiltinEngine(spec, tp_rank=b, tp_size=gen.tp, tp_group=object() if gen.tp > 1 else None)
+    return BuiltinEngine(spec, tp_rank=b, tp_size=gen.tp, blocks=blocks,
+                         tp_group=object() if gen.tp > 1 else None)
 
 
-def _case_rank(rank, world, t, p, tg, pad, alias):
+def _case_rank(rank, world, t, p, tg, pad, blocks, alias):
     from hybridrl.parallel.layout import TrainLayout
     from hybridrl.reshard.formats import hf_name
     from hybridrl.reshard.placement import gen_placement, train_placement
@@ -60,7 +64,7 @@ def _case_rank(rank, world, t, p, tg, pad, alias):
         fresh = megatron_shards(SMALL, hf, t, b, p, a, train.vocab_chunk, pad_value=PAD)
         if step == 0:
             named = fresh
-            engine = _engine(SMALL, gen, rank, gen.vocab_chunk)
+            engine = _engine(SMALL, gen, rank, gen.vocab_chunk, blocks)
         else:  # an optimizer step writes the training tensors in place
             for name, tensor in named.items():
                 tensor.copy_(fresh[name])
@@ -75,24 +79,53 @@ def _case_rank(rank, world, t, p, tg, pad, alias):
         out[f"missing{step}"] = engine.missing_weights()
         out[f"received{step}"] = stats.bytes_received
         snapshot.update((n, w.clone()) for n, w in engine.weights.items())
+    # temporary send/receive buffers, with buckets large enough that no shard is split (but
+    # several of them), and the order the executor posts buckets and waits for them in
+    from hybridrl.reshard import executor
+
+    big = plan_reshard(train, gen, specs, "zero_redundancy", bucket_mb=0.01, itemsize=4)
+    events, bucket_cls = [], executor._Bucket
+
+    class Recording(bucket_cls):
+        def __init__(self, *args):
+            events.append("post")
+            super().__init__(*args)
+
+        def wait_and_deliver(self, *args):
+            events.append("wait")
+            super().wait_and_deliver(*args)
+
+    executor._Bucket = Recording
+    try:
+        out["temp"] = sync_engine(big, rank, SMALL, named, engine, torch.float32,
+                                  alias=alias).peak_comm_bytes
+    finally:
+        executor._Bucket = bucket_cls
+    out["posted_before_first_wait"] = events.index("wait") if "wait" in events else 0
+    out["buckets"] = events.count("post")
     out["aliased"] = sorted(engine.aliased)
     by_name = {hf_name(s): s.local_name(train.pp, train.num_layers) for s in specs}
-    out["same_memory"] = all(engine.weights[n].data_ptr() == named[by_name[n]].data_ptr()
-                             for n in engine.aliased)
+    parts = {label: engine.store.parts[label.split("#")[0]][int(label.split("#")[1])]
+             if "#" in label else engine.store.parts[label][0] for label in engine.aliased}
+    out["same_memory"] = all(parts[label].data_ptr() == named[by_name[label.split("#")[0]]]
+                             .data_ptr() for label in engine.aliased)
+    out["changed_expected"] = sorted({label.split("#")[0] for label in engine.aliased})
     # what a rank holds whole in both layouts (same rows, same shape): its own stage's norms
-    # (never split), its own stage's layers when tg == t, and its vocabulary chunk when the
-    # padding is megatron's too
+    # (never split), its own stage's layers when each gen part is a training shard (tg == t,
+    # or K = t / tg parts: the part of the rank's own train tp rank), and its vocabulary chunk
+    # when the padding is megatron's too
+    own = b % blocks
     out["expected"] = sorted(
-        hf_name(s) for s in specs
-        if alias and (tg == t or s.kind == "norm") and (s.kind != "vocab" or pad is None)
+        hf_name(s) + (f"#{own}" if blocks > 1 and s.kind != "norm" else "") for s in specs
+        if alias and (tg * blocks == t or s.kind == "norm") and (s.kind != "vocab" or pad is None)
         and gen.interval(s, rank) is not None
         and train.interval(s, rank) is not None)
     return out
 
 
 def _all_cases(rank, world):
-    return {(t, p, tg, pad, alias): _case_rank(rank, world, t, p, tg, pad, alias)
-            for t, p, tg, pad in CASES for alias in (True, False)}
+    return {(t, p, tg, pad, k, alias): _case_rank(rank, world, t, p, tg, pad, k, alias)
+            for t, p, tg, pad, k in CASES for alias in (True, False)}
 
 
 @pytest.fixture(scope="module")
@@ -102,29 +135,44 @@ def results():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("alias", [True, False])
-@pytest.mark.parametrize("t,p,tg,pad", CASES)
-def test_inplace_sync_equals_the_engine_format_load(results, t, p, tg, pad, alias):
+@pytest.mark.parametrize("t,p,tg,pad,blocks", CASES)
+def test_inplace_sync_equals_the_engine_format_load(results, t, p, tg, pad, blocks, alias):
     for rank, per in enumerate(results):
-        r = per[(t, p, tg, pad, alias)]
+        r = per[(t, p, tg, pad, blocks, alias)]
         assert r["bad0"] == [] and r["bad1"] == [], (rank, r["bad0"], r["bad1"])
         assert r["missing0"] == [] and r["missing1"] == []
         assert r["aliased"] == r["expected"], rank
         assert r["same_memory"]
-        assert r["changed_before_sync"] == r["aliased"]  # the engine reads the training tensor
+        assert r["changed_before_sync"] == r["changed_expected"]  # it reads the training tensor
         assert r["received0"] == r["received1"]  # aliasing never changes what travels
 
 
 @pytest.mark.slow
 def test_aliasing_cases_are_not_vacuous(results):
-    own_stage = [per[(2, 2, 2, 64, True)]["aliased"] for per in results]
-    assert all(own_stage) and all(len(a) < len(per[(2, 1, 2, 64, True)]["aliased"])
+    own_stage = [per[(2, 2, 2, 64, 1, True)]["aliased"] for per in results]
+    assert all(own_stage) and all(len(a) < len(per[(2, 1, 2, 64, 1, True)]["aliased"])
                                   for a, per in zip(own_stage, results))
-    # gen tp 1 < train tp 2: only the (unsplit) norms
-    assert all(all("norm" in n for n in per[(2, 1, 1, 64, True)]["aliased"]) for per in results)
+    # gen tp 1 < train tp 2 in one part: only the (unsplit) norms
+    assert all(all("norm" in n for n in per[(2, 1, 1, 64, 1, True)]["aliased"]) for per in results)
+    # ... in 2 parts: the rank's own training shard of every sharded tensor is one of them
+    # (embedding, output layer, 4 per layer)
+    assert all(sum("#" in n for n in per[(2, 1, 1, None, 2, True)]["aliased"]) == 2 + 4 * 8
+               for per in results)
+    # whole training shards travel into whole parts: no temporary buffer on either side,
+    # where one part must take strided columns (o_proj, down_proj, gate_up) through them
+    assert [per[(2, 1, 1, None, 2, True)]["temp"] for per in results] == [0] * 4
+    assert all(per[(2, 1, 1, 64, 1, True)]["temp"] > 0 for per in results)
+    # ... so the executor posts all those buckets at once; with temporary buffers it stops
+    # posting ahead at the second bucket that needs one
+    aligned = [per[(2, 1, 1, None, 2, True)] for per in results]
+    assert all(r["buckets"] > 2 and r["posted_before_first_wait"] == r["buckets"]
+               for r in aligned), aligned
+    strided = [per[(2, 1, 1, 64, 1, True)] for per in results]
+    assert all(2 <= r["posted_before_first_wait"] < r["buckets"] for r in strided), strided
     # tg == t on one stage: every rank's gen shard is its training shard but for the vocabulary,
     # so only the vocabulary rows travel (much less than the gather at gen tp 1)
-    whole = [per[(2, 1, 2, 64, True)]["received0"] for per in results]
-    gathered = [per[(2, 1, 1, 64, True)]["received0"] for per in results]
+    whole = [per[(2, 1, 2, 64, 1, True)]["received0"] for per in results]
+    gathered = [per[(2, 1, 1, 64, 1, True)]["received0"] for per in results]
     assert all(w < g / 4 for w, g in zip(whole, gathered)), (whole, gathered)
     # ... and with megatron's vocab padding the layouts are equal: nothing travels at all
-    assert [per[(2, 1, 2, None, True)]["received0"] for per in results] == [0] * 4
+    assert [per[(2, 1, 2, None, 1, True)]["received0"] for per in results] == [0] * 4

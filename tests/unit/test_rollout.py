@@ -88,6 +88,59 @@ def test_greedy_matches_transformers(tied, qwen2):
         assert out.response_mask[b].tolist() == [1] * 6
 
 
+@pytest.mark.parametrize("tied, qwen2, blocks", [(False, False, 2), (True, False, 2),
+                                                 (False, True, 2), (False, False, 4)])
+def test_engine_in_parts_matches_one_part(tied, qwen2, blocks):
+    """blocks=K keeps each sharded tensor as K training-TP sub-shards (K matmuls): the same
+    logits and greedy tokens as the engine holding whole tensors, the same whole tensors back,
+    and each part is the sub-shard megatron would store at TP size K (checked on qkv, whose
+    parts are consecutive KV groups, and gate_up, whose parts are [gate_k; up_k])."""
+    model = tiny_hf(tied, qwen2=qwen2, seed=1)
+    if blocks == 4:  # 4 parts need 4 KV heads
+        import transformers
+
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=4,
+                                       vocab_size=VOCAB, max_position_embeddings=64)
+        torch.manual_seed(2)
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    whole, parts = engine_from_hf(model), engine_from_hf(model, blocks=blocks)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    a, b = whole.generate(PROMPTS, params), parts.generate(PROMPTS, params)
+    assert torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    for name, w in whole.weights.items():
+        assert torch.equal(parts.weights[name], w), name
+    H = 32
+    qkv, gu = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"
+    per = whole.weights[qkv].shape[0] // blocks
+    assert [p.shape for p in parts.store.parts[qkv]] == [(per, H)] * blocks
+    assert torch.equal(parts.store.parts[qkv][-1], whole.weights[qkv][-per:])
+    f = 48 // blocks
+    gate, up = whole.weights[gu][:48], whole.weights[gu][48:]
+    assert torch.equal(parts.store.parts[gu][1], torch.cat([gate[f:2 * f], up[f:2 * f]]))
+
+
+def test_engine_parts_alias_and_checks():
+    spec = EngineSpec(32, 48, 4, 2, 8, 2, VOCAB, CHUNK)
+    engine = BuiltinEngine(spec, blocks=2)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert engine.block_shape(name) == (32, 24)
+    with pytest.raises(ValueError, match="name the block"):
+        engine.buffer(name, (32, 24))
+    with pytest.raises(ValueError, match="expected"):
+        engine.buffer(name, (32, 48), block=0)
+    mine = torch.randn(32, 24)
+    engine.alias(name, mine, block=1)
+    assert engine.aliased == {name + "#1"}
+    assert engine.store.parts[name][1].data_ptr() == mine.data_ptr()
+    engine.buffer(name, (32, 24), block=1)  # its own storage again
+    assert engine.aliased == set() and engine.store.parts[name][1].data_ptr() != mine.data_ptr()
+    assert engine.block_shape("model.norm.weight") == (32,)
+    with pytest.raises(ValueError, match="does not divide"):
+        BuiltinEngine(spec, blocks=3)
+
+
 def test_sampled_logprobs_match_transformers_at_temperature():
     model = tiny_hf()
     engine = engine_from_hf(model)

@@ -1,0 +1,173 @@
+"""The builtin engine's weight store: one gen TP rank's shard, kept as training-TP sub-shards.
+
+Contract:
+- ``EngineWeights(spec, tp_size, blocks=1, dtype, device)`` holds gen TP rank's tensors of a
+  llama decoder (``hybridrl.rollout.builtin.EngineSpec``) by HF-style engine name. ``expected``
+  maps each name to the shape of the rank's whole gen shard in the STORED layout: megatron's
+  gen-layout layout (``qkv_proj`` grouped per KV head, [q heads of the group; k; v], as
+  megatron's ``linear_qkv``; every other tensor as the engine format has it).
+- ``blocks`` = K >= 1: every TP-sharded tensor is kept as K separate, contiguous sub-shards,
+  each laid out exactly as megatron stores that tensor on one rank of TP size ``tp_size * K``
+  (the gen rank's shard is the concatenation of K such shards: consecutive KV groups of qkv,
+  consecutive columns of o_proj/down_proj, [gate_k; up_k] row pairs of gate_up_proj,
+  consecutive vocabulary rows of embed_tokens/lm_head). With K = train TP / gen TP every
+  sub-shard IS one training rank's tensor, so a reshard into the engine receives whole training
+  tensors into contiguous sub-shards and the rank's own one can be the training tensor itself:
+  no copies, no temporary buffers. Norms are replicated: one part. ``parts[name]`` is the list.
+- ``block_shape(name)``: one part's shape. ``buffer(name, shape, block=None)`` returns the part
+  (allocated zeroed on first use, or after an alias) for a reshard to fill in place;
+  ``alias(name, tensor, block=None)`` makes a part someone else's tensor (same shape, dtype,
+  device; no copy). ``block`` may be omitted only for a name kept as one part. ``aliased``
+  holds the aliased parts' labels (``name``, or ``name#k`` when K > 1 and the name is sharded).
+- ``update(named)`` loads whole gen shards in the ENGINE format ([q; k; v] for qkv), regrouping
+  and splitting into parts; ``full(name)`` returns the whole stored-layout shard (a view when
+  kept as one part, else a new tensor); ``missing()`` the names not loaded yet.
+- Bad names or shapes raise ``ValueError`` naming the tensor and both shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class EngineWeights:
+    """Stored tensors of one gen TP rank (see module docstring)."""
+
+    def __init__(self, spec, tp_size: int = 1, blocks: int = 1, dtype=torch.float32,
+                 device: str | torch.device = "cpu"):
+        n = tp_size * blocks
+        for field, value in (("num_attention_heads", spec.num_attention_heads),
+                             ("num_kv_heads", spec.num_kv_heads),
+                             ("ffn_hidden_size", spec.ffn_hidden_size)):
+            if value % n:
+                raise ValueError(f"gen tp={tp_size} x blocks={blocks} does not divide "
+                                 f"{field}={value}")
+        if spec.vocab_chunk % blocks:
+            raise ValueError(f"blocks={blocks} does not divide vocab_chunk={spec.vocab_chunk}")
+        self.spec, self.tp_size, self.blocks = spec, tp_size, blocks
+        self.dtype, self.device = dtype, torch.device(device)
+        self.hq, self.hk = spec.num_attention_heads // tp_size, spec.num_kv_heads // tp_size
+        self.parts: dict[str, list[torch.Tensor | None]] = {}
+        self.aliased: set[str] = set()
+        self.expected, self.split_dim = self._layout()
+
+    def _layout(self):
+        """(name -> whole stored shape, name -> dim its K parts split: 0, 1, 'gate_up' or None)."""
+        s, hd = self.spec, self.spec.head_dim
+        H, f = s.hidden_size, s.ffn_hidden_size // self.tp_size
+        shapes = {"model.embed_tokens.weight": (s.vocab_chunk, H), "model.norm.weight": (H,),
+                  "lm_head.weight": (s.vocab_chunk, H)}
+        dims = {"model.embed_tokens.weight": 0, "model.norm.weight": None, "lm_head.weight": 0}
+        for L in range(s.num_layers):
+            p = f"model.layers.{L}."
+            qkv_rows = (self.hq + 2 * self.hk) * hd
+            for name, shape, dim in (("input_layernorm.weight", (H,), None),
+                                     ("post_attention_layernorm.weight", (H,), None),
+                                     ("self_attn.qkv_proj.weight", (qkv_rows, H), 0),
+                                     ("self_attn.o_proj.weight", (H, self.hq * hd), 1),
+                                     ("mlp.gate_up_proj.weight", (2 * f, H), "gate_up"),
+                                     ("mlp.down_proj.weight", (H, f), 1)):
+                shapes[p + name], dims[p + name] = shape, dim
+            if s.qkv_bias:
+                shapes[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
+                dims[p + "self_attn.qkv_proj.bias"] = 0
+        return shapes, dims
+
+    # ------------------------------------------------------------------------ shapes, labels
+    def n_parts(self, name: str) -> int:
+        return 1 if self.split_dim[name] is None else self.blocks
+
+    def block_shape(self, name: str) -> tuple[int, ...]:
+        shape, dim = list(self._known(name)), self.split_dim[name]
+        if dim is not None:
+            shape[0 if dim == "gate_up" else dim] //= self.blocks
+        return tuple(shape)
+
+    def label(self, name: str, block: int) -> str:
+        return f"{name}#{block}" if self.n_parts(name) > 1 else name
+
+    def _known(self, name: str) -> tuple[int, ...]:
+        if name not in self.expected:
+            raise ValueError(f"builtin engine: unknown weight {name!r}")
+        return self.expected[name]
+
+    def _block(self, name: str, shape, block: int | None) -> int:
+        k = self.n_parts(name)
+        if block is None:
+            if k > 1:
+                raise ValueError(f"builtin engine: {name} is kept as {k} parts; name the block")
+            block = 0
+        if not 0 <= block < k:
+            raise ValueError(f"builtin engine: {name} has {k} parts, no block {block}")
+        want = self.block_shape(name)
+        if tuple(shape) != want:
+            raise ValueError(f"builtin engine: {name} (part {block}) has shape {tuple(shape)}, "
+                             f"expected {want} (gen tp={self.tp_size}, blocks={k})")
+        return block
+
+    # ------------------------------------------------------------------------ storage
+    def buffer(self, name: str, shape, block: int | None = None) -> torch.Tensor:
+        """The engine's own tensor for part ``block`` of ``name``, to be filled in place."""
+        block = self._block(name, shape, block)
+        parts = self.parts.setdefault(name, [None] * self.n_parts(name))
+        label = self.label(name, block)
+        if label in self.aliased or parts[block] is None:
+            self.aliased.discard(label)
+            parts[block] = torch.zeros(self.block_shape(name), dtype=self.dtype, device=self.device)
+        return parts[block]
+
+    def alias(self, name: str, tensor: torch.Tensor, block: int | None = None) -> None:
+        """Make part ``block`` of ``name`` read ``tensor`` itself (stored layout, no copy)."""
+        block = self._block(name, tensor.shape, block)
+        if tensor.dtype != self.dtype or tensor.device != self.device:
+            raise ValueError(f"builtin engine: cannot alias {name} ({tensor.dtype}, "
+                             f"{tensor.device}); the engine runs {self.dtype} on {self.device}")
+        self.parts.setdefault(name, [None] * self.n_parts(name))[block] = tensor.detach()
+        self.aliased.add(self.label(name, block))
+
+    def _grouped(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Engine-format [q; k; v] rows -> the stored layout [per KV head: its q heads; k; v]."""
+        hd, rest = self.spec.head_dim, tuple(qkv.shape[1:])
+        q, k, v = qkv.split([self.hq * hd, self.hk * hd, self.hk * hd])
+        return torch.cat([q.reshape(self.hk, -1, *rest), k.reshape(self.hk, hd, *rest),
+                          v.reshape(self.hk, hd, *rest)], dim=1).reshape(qkv.shape)
+
+    def _split(self, name: str, whole: torch.Tensor) -> list[torch.Tensor]:
+        dim, k = self.split_dim[name], self.n_parts(name)
+        if k == 1:
+            return [whole]
+        if dim == "gate_up":  # [gate; up] -> K of [gate_k; up_k]
+            pairs = whole.view(2, whole.shape[0] // 2, *whole.shape[1:]).chunk(k, dim=1)
+            return [p.reshape(-1, *whole.shape[1:]) for p in pairs]
+        return list(whole.chunk(k, dim=dim))
+
+    def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load whole gen shards in the engine format (see the module docstring)."""
+        for name, tensor in named_tensors:
+            if tuple(tensor.shape) != self._known(name):
+                raise ValueError(f"builtin engine: {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {self.expected[name]} (gen tp={self.tp_size})")
+            if ".qkv_proj." in name:
+                tensor = self._grouped(tensor)
+            with torch.no_grad():
+                for block, part in enumerate(self._split(name, tensor)):
+                    self.buffer(name, part.shape, block).copy_(part)
+
+    def full(self, name: str) -> torch.Tensor:
+        """The whole stored-layout shard of ``name``."""
+        parts, dim = self.parts[name], self.split_dim[name]
+        if len(parts) == 1:
+            return parts[0]
+        if dim == "gate_up":
+            halves = [p.view(2, p.shape[0] // 2, *p.shape[1:]) for p in parts]
+            return torch.cat(halves, dim=1).reshape(self.expected[name])
+        return torch.cat(parts, dim=dim)
+
+    def loaded(self, name: str) -> bool:
+        return name in self.parts and all(p is not None for p in self.parts[name])
+
+    def missing(self) -> list[str]:
+        optional = {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
+        return sorted(n for n in self.expected if n not in optional and not self.loaded(n))
