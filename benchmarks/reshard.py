@@ -8,8 +8,10 @@ megatron training shard (random values) and the script times, each as the max ov
 median of ``--repeats`` runs after one warm-up:
 - hybridrl's four strategies (plan once, then ``run_plan`` into gen-layout megatron shards);
 - the wire limit: one bare ``all_gather`` of the same bytes in the same (micro-DP) groups, one
-  bare p2p batch of them, and that batch plus one plain copy of the rows the rank keeps (what any
-  reshard into separate engine tensors must also do);
+  bare p2p batch of them (one message per peer), that batch plus one plain copy of the rows the
+  rank keeps (what any reshard into separate engine tensors must also do), and one bare batch
+  of the plan's own messages (each transfer of zero_redundancy's plan between plain buffers:
+  what the message count alone costs);
 - megatron-core's ``swap_model_weights`` (``megatron.core.resharding``) between a GPTModel on the
   training layout and one on the generation layout, over its gloo copy service; the first call
   (which plans) is reported apart from the steady state, and its result is compared bit for bit
@@ -35,6 +37,7 @@ from hybridrl.testing.dist import run_on_ranks  # noqa: E402
 SHAPE = LlamaShape(hidden=768, ffn=2048, heads=12, num_query_groups=4, layers=12, vocab=16000)
 STRATEGIES = ("allgather", "vanilla", "zero_redundancy", "p2p")
 ENGINE = "zero_redundancy -> builtin engine"
+PLAN_MSGS = "wire: p2p batch, plan's messages"
 
 
 def _rounds(methods, repeats, barrier):
@@ -180,6 +183,25 @@ def _wire_methods(groups, zr_recv_bytes, local_bytes=0):
             "wire: p2p batch + own-row copy": p2p_and_copy}, per * (dg - 1) * 4
 
 
+def _plan_messages_method(plan, rank):
+    """The plan's own messages (every transfer of every bucket, same sizes, peers and order) as
+    one bare p2p batch between plain buffers: the wire cost of the reshard's message count
+    (gloo pays per message), without its bookkeeping, copies or buckets."""
+    import torch
+    import torch.distributed as dist
+
+    sends = [(t, torch.randn(t.nbytes // 4)) for b in plan.buckets for t in b if t.src == rank]
+    recvs = [(t, torch.empty(t.nbytes // 4)) for b in plan.buckets for t in b if t.dst == rank]
+
+    def run():
+        ops = [dist.P2POp(dist.isend, buf, t.dst) for t, buf in sends]
+        ops += [dist.P2POp(dist.irecv, buf, t.src) for t, buf in recvs]
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+
+    return run, len(recvs)
+
+
 def _strategy_method(rank, cfg, layout, train, specs, named, strategy, info, results):
     """Plan ``strategy`` once; return a function running it into gen megatron tensors."""
     import torch
@@ -308,6 +330,8 @@ def _bench_rank(rank, world, cfg):
     methods.update(wire)
     for name in wire:
         info[name] = {"recv": wire_bytes, "planned": wire_bytes}
+    methods[PLAN_MSGS], n_msgs = _plan_messages_method(zr, rank)
+    info[PLAN_MSGS] = {"recv": zr.recv_bytes(rank), "planned": zr.recv_bytes(rank), "msgs": n_msgs}
     if cfg["megatron"]:
         dst, swap, first = _megatron_swap(groups, SHAPE, pgc, src_model)
         methods["megatron swap_model_weights"] = swap
@@ -342,6 +366,10 @@ def _report(layout, res, world):
         lines.append(f"ratio {ENGINE} / wire: bare p2p batch = "
                      f"{res[ENGINE]['s'] / res['wire: bare p2p batch']['s']:.2f}; the engine's "
                      f"tensors == zero_redundancy's gen shard: {res[ENGINE]['same']}")
+        lines.append(f"ratio {ENGINE} / {PLAN_MSGS} ({res[PLAN_MSGS]['msgs']:.0f} messages "
+                     f"received per rank at most) = {res[ENGINE]['s'] / res[PLAN_MSGS]['s']:.2f}; "
+                     f"{PLAN_MSGS} / wire: bare p2p batch = "
+                     f"{res[PLAN_MSGS]['s'] / res['wire: bare p2p batch']['s']:.2f}")
     for name in ("allgather", "vanilla", "p2p"):
         lines.append(f"ratio {name} / zero_redundancy = {res[name]['s'] / zr:.2f}")
     mg = res.get("megatron swap_model_weights")

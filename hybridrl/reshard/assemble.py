@@ -177,11 +177,12 @@ class Assembler:
                 return view if view.is_contiguous() else None
         return None
 
-    def accept(self, key: str, lo: int, hi: int, data: torch.Tensor) -> None:
-        """Rows [lo, hi) of ``key`` in canonical layout (shape: piece_shape(hi - lo))."""
+    def accept(self, key: str, lo: int, hi: int, data: torch.Tensor | None) -> None:
+        """Rows [lo, hi) of ``key`` in canonical layout (shape: piece_shape(hi - lo)); None:
+        they were received straight into ``slot(key, lo, hi)``."""
         cut = self.plan.spec(key).cut_dim
         region = self._region(key)
-        for a, b, view in region[0]:
+        for a, b, view in region[0] if data is not None else ():
             x, y = max(a, lo), min(b, hi)
             if y <= x:
                 continue

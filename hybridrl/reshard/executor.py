@@ -82,44 +82,46 @@ def _piece(plan: Plan, sources: dict, t: Transfer) -> torch.Tensor:
 
 
 class _Bucket:
-    """One bucket's posted operations on this rank: one isend / irecv per transfer, in plan order.
+    """One bucket's operations on this rank: one isend / irecv per transfer, in plan order.
 
-    A send whose canonical piece is contiguous goes out as a view (no copy); a receive lands
-    directly in the assembler's buffer when that slot is contiguous, else in a temporary buffer.
+    Built unposted (``temp_bytes`` then says what posting it would allocate); ``post()`` issues
+    them. A send whose canonical piece is contiguous goes out as a view (no copy); a receive
+    lands directly in the assembler's buffer when that slot is contiguous, else in a temporary
+    buffer.
     """
 
     def __init__(self, plan, sources, sends, recvs, tag, group, assembler):
-        ops, self.sent_bytes, self.recv_bytes, self.temp_bytes = [], 0, 0, 0
-        self.landing = []  # (transfer, tensor it lands in, direct?)
-        for t in sends:
-            buf = _piece(plan, sources, t)
-            if not buf.is_contiguous():
-                buf = buf.contiguous()
-                self.temp_bytes += t.nbytes
-            ops.append(dist.P2POp(dist.isend, buf.view(-1), t.dst, group, tag))
-            self.sent_bytes += buf.numel() * buf.element_size()
-        for t in recvs:
-            slot = assembler.slot(t.key, t.lo, t.hi)
-            if slot is None:
-                slot = torch.empty(t.nbytes // plan.itemsize, dtype=assembler.dtype,
-                                   device=assembler.device)  # [numel]
-                self.temp_bytes += t.nbytes
-            self.landing.append((t, slot))
-            ops.append(dist.P2POp(dist.irecv, slot.view(-1), t.src, group, tag))
-            self.recv_bytes += slot.numel() * slot.element_size()
+        self.plan, self.tag, self.group, self.assembler = plan, tag, group, assembler
+        self.sends = [(t, _piece(plan, sources, t)) for t in sends]
+        self.landing = [(t, assembler.slot(t.key, t.lo, t.hi)) for t in recvs]
+        self.temp_bytes = (sum(t.nbytes for t, piece in self.sends if not piece.is_contiguous())
+                           + sum(t.nbytes for t, slot in self.landing if slot is None))
+        self.sent_bytes = sum(t.nbytes for t in sends)
+        self.recv_bytes = sum(t.nbytes for t in recvs)
+        self.works = None
+
+    def post(self) -> _Bucket:
+        ops, group, tag, asm = [], self.group, self.tag, self.assembler
+        for t, piece in self.sends:
+            ops.append(dist.P2POp(dist.isend, piece.contiguous().view(-1), t.dst, group, tag))
+        landing = []
+        for t, slot in self.landing:
+            buf = slot if slot is not None else torch.empty(
+                t.nbytes // self.plan.itemsize, dtype=asm.dtype, device=asm.device)  # [numel]
+            landing.append((t, buf, slot is not None))
+            ops.append(dist.P2POp(dist.irecv, buf.view(-1), t.src, group, tag))
+        self.landing, self.sends = landing, None
         self.works = dist.batch_isend_irecv(ops) if ops else []
+        return self
 
     def wait_and_deliver(self, plan: Plan, assembler: Assembler) -> None:
         for w in self.works:
             w.wait()
-        for t, slot in self.landing:
-            assembler.accept(t.key, t.lo, t.hi, slot.view(plan.spec(t.key).piece_shape(t.hi - t.lo)))
-
-
-def _needs_no_temp(plan: Plan, sources: dict, assembler: Assembler, sends, recvs) -> bool:
-    """True when every send of a bucket is a contiguous view and every receive has its slot."""
-    return (all(_piece(plan, sources, t).is_contiguous() for t in sends)
-            and all(assembler.slot(t.key, t.lo, t.hi) is not None for t in recvs))
+        for t, buf, direct in self.landing:
+            if direct:  # already where it lives
+                assembler.accept(t.key, t.lo, t.hi, None)
+            else:
+                assembler.accept(t.key, t.lo, t.hi, buf.view(plan.spec(t.key).piece_shape(t.hi - t.lo)))
 
 
 def plan_fingerprint(plan: Plan) -> tuple:
@@ -174,16 +176,19 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
     posted: dict[int, _Bucket] = {}
     in_place = assembler.into is not None
 
-    nxt = 0
+    nxt, ready = 0, None
 
     def post_ahead(i):
         """Post up to bucket i and, receiving in place, every following bucket that needs no
         temporary buffer (its pieces go and land where they live: nothing held in flight)."""
-        nonlocal nxt
-        while nxt < len(mine) and (nxt <= i or (in_place and _needs_no_temp(
-                plan, sources, assembler, *mine[nxt][:2]))):
-            s, r, k = mine[nxt]
-            posted[nxt] = _Bucket(plan, sources, s, r, k, group, assembler)
+        nonlocal nxt, ready
+        while nxt < len(mine) and (nxt <= i or in_place):  # (preparing opens no buffer then)
+            if ready is None:
+                s, r, k = mine[nxt]
+                ready = _Bucket(plan, sources, s, r, k, group, assembler)
+            if not (nxt <= i or (in_place and ready.temp_bytes == 0)):
+                return
+            posted[nxt], ready = ready.post(), None
             nxt += 1
 
     post_ahead(0)
