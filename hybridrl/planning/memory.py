@@ -7,7 +7,9 @@ Contract:
   ``sequence_parallel``, the trained roles (``critic``), the reference (``ref``), the distributed
   optimizer (``dist_opt``), what is offloaded (``offload`` subset of params/grads/optim, actor and
   critic; ``params`` also offloads the reference), the rollout (``rollout_seqs`` sequences per
-  step), ``gpu_gb`` and the layer ``spec`` (``te``: transformer-engine, flash attention, what runs
+  step), ``gpu_gb``, the rollout ``engine`` (``builtin``: its weights that are the rank's own
+  training tensors are not counted twice, ``aliased_bytes``) and the layer ``spec`` (``te``:
+  transformer-engine, flash attention, what runs
   on GPU; ``local``: megatron's local spec with hybridrl's lean forwards, what runs on CPU,
   ``hybridrl.models.local_spec``: SDPA attention keeps no [s, s] matrix).
 - ``stage_numel(shape, tp, pp, stage, role)``: parameters of one rank of pipeline stage
@@ -71,12 +73,15 @@ class MemoryJob:
     spec: str = "te"
     reshard_bytes: int = 0  # transient of the train->gen reshard on a rank (hybridrl plan)
     critic_tokens_per_gpu: int = 0  # the critic's micro-batch; 0 = max_tokens_per_gpu
+    engine: str = "sglang"  # rollout engine: "builtin" reads the rank's own shards in place
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"--recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.engine not in ("builtin", "sglang"):
+            raise ValueError(f"engine must be builtin or sglang, got {self.engine!r}")
         if self.spec not in SPECS:
             raise ValueError(f"spec must be one of {SPECS}, got {self.spec!r}")
         if not set(self.offload) <= set(OFFLOADABLE):
@@ -198,6 +203,19 @@ def _gen_bytes(job: MemoryJob) -> dict[str, int]:
             "seqs_per_replica": seqs}
 
 
+def aliased_bytes(job: MemoryJob, stage: int) -> int:
+    """Bytes of the builtin engine's weights that ARE the actor's training tensors on a rank of
+    ``stage`` (counted once, as actor params): with gen tp | train tp and gen pp = 1 the engine
+    keeps each gen shard as training-shard parts and reads the rank's own (every parameter of its
+    stage at the model dtype; the local spec's fp32 norms are copied). 0 for SGLang, with
+    offloaded params, or when the shards do not nest."""
+    if job.engine != "builtin" or "params" in job.offload or job.gen_pp != 1 \
+            or job.tp % job.gen_tp:
+        return 0
+    n, norms = stage_counts(job.shape, job.tp, job.pp, stage)
+    return (n - norms if job.spec == "local" and job.itemsize != 4 else n) * job.itemsize
+
+
 def _resident(job: MemoryJob, stage: int, active: dict[str, set]) -> dict[str, int]:
     """Bytes of every model part on the device when ``active`` parts are needed."""
     roles = ["actor"] + (["critic"] if job.critic else []) + (["reference"] if job.ref else [])
@@ -220,9 +238,10 @@ def plan_memory(job: MemoryJob) -> dict:
         candidates = {
             "train_actor": {**_resident(job, stage, {"actor": full}),
                             "activations": activation_bytes(job, stage)},
-            "gen": {**_resident(job, stage, {}), "engine_weights": gen["engine_weights"]},
+            "gen": {**_resident(job, stage, {}),
+                    "engine_weights": gen["engine_weights"] - aliased_bytes(job, stage)},
             "reshard": {**_resident(job, stage, {"actor": {"params"}}),
-                        "engine_weights": gen["engine_weights"],
+                        "engine_weights": gen["engine_weights"] - aliased_bytes(job, stage),
                         "reshard_transient": job.reshard_bytes},
         }
         if job.critic:
@@ -270,7 +289,8 @@ def job_from_config(cfg, shape: LlamaShape, world: int, gpu_gb: float, **overrid
         sequence_parallel=cfg.model.sequence_parallel, critic=cfg.use_critic,
         ref=a.use_kl_loss or cfg.algorithm.use_kl_in_reward,
         dist_opt=a.use_distributed_optimizer, offload=frozenset(a.offload_parts),
-        rollout_seqs=cfg.data.train_batch_size * cfg.rollout.n, gpu_gb=gpu_gb)
+        rollout_seqs=cfg.data.train_batch_size * cfg.rollout.n, gpu_gb=gpu_gb,
+        engine=cfg.rollout.engine)
     return MemoryJob(**{**fields, **overrides})
 
 

@@ -162,7 +162,8 @@ def memory_report(args: argparse.Namespace) -> dict:
             max_tokens_per_gpu=args.max_tokens_per_gpu, seq_len=args.seq_len,
             recompute=args.recompute, sequence_parallel=args.sp, critic=not args.no_critic,
             ref=not args.no_ref, dist_opt=not args.no_dist_opt, offload=frozenset(parts),
-            rollout_seqs=args.rollout_seqs, gpu_gb=args.gpu_gb, spec=args.spec)
+            rollout_seqs=args.rollout_seqs, gpu_gb=args.gpu_gb, spec=args.spec,
+            engine=args.engine)
     reshard = plan_report(args)["strategies"]
     auto = reshard["zero_redundancy"] if "reason" not in reshard["zero_redundancy"] else \
         reshard["p2p"]
@@ -232,6 +233,9 @@ def _fill(p: argparse.ArgumentParser) -> None:
                    help="plain optimizer (state on every DP rank)")
     m.add_argument("--spec", choices=("te", "local"), default="te",
                    help="layer spec: te (GPU) or local (megatron's CPU path)")
+    m.add_argument("--engine", choices=("sglang", "builtin"), default="sglang",
+                   help="rollout engine (builtin: reads the rank's own training shards in "
+                        "place, so those bytes count once)")
     p.set_defaults(func=_cmd_plan)
 
 

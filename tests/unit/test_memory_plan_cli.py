@@ -2,6 +2,7 @@
 (The figures themselves are checked against real tensors in tests/distributed/test_memory_plan.py.)"""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,27 @@ def test_docs_table_is_current():
     res = subprocess.run([sys.executable, str(REPO / "scripts" / "memory_table.py"), "--check"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
+
+
+def test_builtin_engine_weights_that_are_training_tensors_count_once():
+    """The builtin engine reads the rank's own training shards (gen tp | train tp, gen pp 1):
+    its gen/reshard weights shrink by exactly the actor's params of the stage; not for SGLang,
+    not with offloaded params, not when the shards do not nest; independent count here."""
+    from hybridrl.planning.memory import aliased_bytes
+    from hybridrl.reshard.specs import build_specs, storage_shape
+
+    shape = PRESETS["llama-7b"]
+    base = dict(world=16, tp=4, pp=2, gen_tp=2, dtype="bf16", gpu_gb=80.0)
+    sg = plan_memory(MemoryJob(shape, **base))
+    bi = plan_memory(MemoryJob(shape, engine="builtin", **base))
+    for stage in (0, 1):  # the rank's stage tensors at train tp 4, counted from the specs
+        own = sum(math.prod(storage_shape(s, 4, shape.padded_vocab(4) // 4)) for s in
+                  build_specs(shape) if s.on_stage(2, shape.layers, stage)) * 2
+        assert aliased_bytes(MemoryJob(shape, engine="builtin", **base), stage) == own
+    worst = bi["phases"]["gen"]["stage"]
+    assert sg["phases"]["gen"]["engine_weights"] - bi["phases"]["gen"]["engine_weights"] == \
+        aliased_bytes(MemoryJob(shape, engine="builtin", **base), worst)
+    assert bi["totals"]["gen"] < sg["totals"]["gen"]
+    off = MemoryJob(shape, engine="builtin", offload=frozenset({"params"}), **base)
+    odd = MemoryJob(shape, engine="builtin", **{**base, "tp": 2, "gen_tp": 4, "pp": 4})
+    assert aliased_bytes(off, 0) == 0 and aliased_bytes(odd, 0) == 0
