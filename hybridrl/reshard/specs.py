@@ -199,11 +199,16 @@ class ParamSpec:
         return b * per, (b + 1) * per
 
     def local_name(self, pp: int, num_layers: int) -> str:
-        """The name megatron gives it on its stage (layer index local to the stage)."""
+        """The name megatron gives it on its stage (layer index local to the stage; memoized
+        per (pp, num_layers): a reshard asks for the same ones at every sync)."""
         if self.layer is None:
             return self.name
-        offset = self.stage(pp, num_layers) * (num_layers // pp)
-        return self.name.replace(f"layers.{self.layer}.", f"layers.{self.layer - offset}.", 1)
+        memo = self.__dict__.setdefault("_local_names", {})  # not a field: no effect on ==
+        if (pp, num_layers) not in memo:
+            offset = self.stage(pp, num_layers) * (num_layers // pp)
+            memo[(pp, num_layers)] = self.name.replace(
+                f"layers.{self.layer}.", f"layers.{self.layer - offset}.", 1)
+        return memo[(pp, num_layers)]
 
 
 def check_split(shape: LlamaShape, tp: int, pp: int, what: str = "train") -> None:
