@@ -73,7 +73,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["hybridrl", "hybridrl.*"]),
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.5",  # scaled_dot_product_attention(enable_gqa=)
         "megatron-core==0.16.1",
         "omegaconf>=2.3",
         "pyarrow>=14",

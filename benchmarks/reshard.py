@@ -272,12 +272,13 @@ def _engine_same(engine, plan, rank, zr_result) -> bool:
     """The engine's tensors == zero_redundancy's gen shard (real vocab rows), bit for bit."""
     from hybridrl.reshard.formats import hf_name
 
+    weights = engine.weights  # whole shards (built from the parts once)
     for spec in plan.specs:
         iv = plan.gen.interval(spec, rank)
         if iv is None:
             continue
         want = zr_result[spec.local_name(1, SHAPE.layers)]
-        got = engine.weights[hf_name(spec)]
+        got = weights[hf_name(spec)]
         if spec.kind == "vocab":  # padding rows: zeroed by zero_redundancy, never read by the engine
             want, got = want[:iv[1] - iv[0]], got[:iv[1] - iv[0]]
         if not (got.shape == want.shape and bool((got == want).all())):

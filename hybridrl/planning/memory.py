@@ -38,8 +38,9 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from hybridrl.reshard.specs import LlamaShape, build_specs
+from hybridrl.reshard.specs import LlamaShape, build_specs, storage_shape
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE = ("none", "selective", "full")
@@ -74,6 +75,7 @@ class MemoryJob:
     reshard_bytes: int = 0  # transient of the train->gen reshard on a rank (hybridrl plan)
     critic_tokens_per_gpu: int = 0  # the critic's micro-batch; 0 = max_tokens_per_gpu
     engine: str = "sglang"  # rollout engine: "builtin" reads the rank's own shards in place
+    gen_grouping: str = "hybridflow"  # parallel.gen.grouping (which rank takes which gen shard)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -205,15 +207,26 @@ def _gen_bytes(job: MemoryJob) -> dict[str, int]:
 
 def aliased_bytes(job: MemoryJob, stage: int) -> int:
     """Bytes of the builtin engine's weights that ARE the actor's training tensors on a rank of
-    ``stage`` (counted once, as actor params): with gen tp | train tp and gen pp = 1 the engine
-    keeps each gen shard as training-shard parts and reads the rank's own (every parameter of its
-    stage at the model dtype; the local spec's fp32 norms are copied). 0 for SGLang, with
-    offloaded params, or when the shards do not nest."""
+    ``stage`` (counted once, as actor params): with gen tp | train tp, gen pp = 1 and the
+    hybridflow grouping (each rank's training shard inside its gen shard) the engine keeps each
+    gen shard as training-shard parts and reads the rank's own, i.e. every parameter of its
+    stage but a tied embedding's output-layer copy (the engine has no lm_head then); with
+    another grouping only the (replicated) norms are sure to be the rank's own. Norms count only
+    at the model dtype (the local spec keeps them fp32, so a 16-bit engine copies them). 0 for
+    SGLang, with offloaded params, or when the shards do not nest."""
     if job.engine != "builtin" or "params" in job.offload or job.gen_pp != 1 \
             or job.tp % job.gen_tp:
         return 0
-    n, norms = stage_counts(job.shape, job.tp, job.pp, stage)
-    return (n - norms if job.spec == "local" and job.itemsize != 4 else n) * job.itemsize
+    chunk = job.shape.padded_vocab(job.tp) // job.tp
+    total = 0
+    for spec in build_specs(job.shape):
+        if not spec.on_stage(job.pp, job.shape.layers, stage) or spec.tied_copy:
+            continue
+        if spec.kind == "norm":
+            total += spec.numel if (job.spec != "local" or job.itemsize == 4) else 0
+        elif job.gen_grouping == "hybridflow":
+            total += math.prod(storage_shape(spec, job.tp, chunk))
+    return total * job.itemsize
 
 
 def _resident(job: MemoryJob, stage: int, active: dict[str, set]) -> dict[str, int]:
@@ -290,7 +303,7 @@ def job_from_config(cfg, shape: LlamaShape, world: int, gpu_gb: float, **overrid
         ref=a.use_kl_loss or cfg.algorithm.use_kl_in_reward,
         dist_opt=a.use_distributed_optimizer, offload=frozenset(a.offload_parts),
         rollout_seqs=cfg.data.train_batch_size * cfg.rollout.n, gpu_gb=gpu_gb,
-        engine=cfg.rollout.engine)
+        engine=cfg.rollout.engine, gen_grouping=cfg.parallel.gen.grouping)
     return MemoryJob(**{**fields, **overrides})
 
 

@@ -96,7 +96,8 @@ class Assembler:
             parts = self.into[name]
             if isinstance(parts, (list, tuple)):
                 k = len(parts)
-                if k < 1 or gen.vocab_chunk % k or spec.rows % (gen.tp * k):
+                if k < 1 or (gen.vocab_chunk % k if spec.kind == "vocab"
+                             else spec.rows % (gen.tp * k)):
                     return f"rank {self.rank}: into[{name!r}]: cannot be kept in {k} parts"
                 want = storage_shape(spec, gen.tp * k, gen.vocab_chunk // k)
             else:

@@ -14,8 +14,9 @@ Contract:
   runs the subcommand standalone with the same behaviour (tests call it in-process).
 - Costs come from ``summarize`` (no per-element enumeration): 1024 ranks answer in about a second.
   Bytes are those of the point-to-point send / receive buffers every strategy posts. The gen
-  placement pads the vocab to ``--vocab-pad`` (default 64, the rollout engine's padding, which
-  the trainer's reshard uses); ``--vocab-pad 0`` keeps megatron's padded training vocab instead.
+  placement pads the vocab to ``--vocab-pad`` (default: the engine's padding as the trainer's
+  reshard uses it, 64 for SGLang, megatron's padded training vocab with ``--engine builtin``);
+  ``--vocab-pad 0`` keeps megatron's padded training vocab.
 - The gen placement is the one the trainer uses (``default_gen_placement``: HybridFlow grouping
   when tg | t and pg | p, else the placement-optimal one). ``gen.replicas`` lists each gen
   replica's ranks in (gen_pp, gen_tp) order (the text shows the first few); when the grouping is
@@ -71,6 +72,8 @@ def plan_report(args: argparse.Namespace) -> dict:
     model_bytes = shape.num_params() * itemsize
     if not args.gbps > 0 or not args.bucket_mb > 0:
         raise ValueError(f"--gbps and --bucket-mb must be > 0, got {args.gbps}, {args.bucket_mb}")
+    if args.vocab_pad is None:  # the engine's own padding: SGLang's 64, the builtin's training one
+        args.vocab_pad = 0 if getattr(args, "engine", "sglang") == "builtin" else ENGINE_VOCAB_PAD
     if args.vocab_pad < 0:
         raise ValueError(f"--vocab-pad must be >= 0, got {args.vocab_pad}")
     vocab_pad = args.vocab_pad or None  # 0: megatron's padded training vocab
@@ -151,7 +154,7 @@ def memory_report(args: argparse.Namespace) -> dict:
         job = job_from_config(load_config([args.config]), shape, args.world, args.gpu_gb,
                               spec=args.spec)
         args.tp, args.pp, args.gen_tp, args.gen_pp = job.tp, job.pp, job.gen_tp, job.gen_pp
-        args.dtype = job.dtype
+        args.dtype, args.engine = job.dtype, job.engine
     else:
         if args.gen_tp is None:
             raise ValueError("--gen-tp is required (or --config)")
@@ -208,9 +211,9 @@ def _fill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     p.add_argument("--gbps", type=float, default=400.0, help="per-rank link speed, Gbit/s")
     p.add_argument("--bucket-mb", type=float, default=512.0, help="reshard bucket size, MiB")
-    p.add_argument("--vocab-pad", type=int, default=ENGINE_VOCAB_PAD,
-                   help="gen vocab padded to this multiple, as SGLang does "
-                        f"(default {ENGINE_VOCAB_PAD}); 0: megatron's padded training vocab, "
+    p.add_argument("--vocab-pad", type=int, default=None,
+                   help=f"gen vocab padded to this multiple (default: {ENGINE_VOCAB_PAD}, "
+                        "SGLang's; 0 with --engine builtin); 0: megatron's padded training vocab, "
                         "as the builtin engine has it")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     m = p.add_argument_group("--memory: per-GPU bytes by phase and a verdict")
@@ -233,9 +236,9 @@ def _fill(p: argparse.ArgumentParser) -> None:
                    help="plain optimizer (state on every DP rank)")
     m.add_argument("--spec", choices=("te", "local"), default="te",
                    help="layer spec: te (GPU) or local (megatron's CPU path)")
-    m.add_argument("--engine", choices=("sglang", "builtin"), default="sglang",
-                   help="rollout engine (builtin: reads the rank's own training shards in "
-                        "place, so those bytes count once)")
+    p.add_argument("--engine", choices=("sglang", "builtin"), default="sglang",
+                   help="rollout engine: its vocab padding; with --memory, builtin reads the "
+                        "rank's own training shards in place, so those bytes count once")
     p.set_defaults(func=_cmd_plan)
 
 

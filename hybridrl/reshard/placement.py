@@ -50,7 +50,6 @@ class Placement:
     grouping: str = "train"
     _index: dict = dataclasses.field(default=None, repr=False, compare=False)
     _exact: dict = dataclasses.field(default=None, repr=False, compare=False)
-    _intervals: dict = dataclasses.field(default=None, repr=False, compare=False)  # memo
 
     def __post_init__(self) -> None:
         index: dict[tuple[int, int], list[int]] = {}
@@ -66,7 +65,6 @@ class Placement:
             raise ValueError(f"placement leaves some of the tp*pp={self.tp * self.pp} shards empty")
         object.__setattr__(self, "_index", {k: tuple(v) for k, v in index.items()})
         object.__setattr__(self, "_exact", exact)
-        object.__setattr__(self, "_intervals", {})
 
     @property
     def world(self) -> int:
@@ -84,14 +82,11 @@ class Placement:
         return self.coords[rank][2]
 
     def interval(self, spec: ParamSpec, rank: int) -> tuple[int, int] | None:
-        """Canonical rows [lo, hi) that ``rank`` holds of ``spec`` (None: not on its stage;
-        memoized: a reshard asks for the same ones at every sync)."""
-        memo = (spec, rank)
-        if memo not in self._intervals:
-            b, a, _ = self.coords[rank]
-            self._intervals[memo] = (spec.tp_interval(self.tp, b, self.vocab_chunk)
-                                     if spec.on_stage(self.pp, self.num_layers, a) else None)
-        return self._intervals[memo]
+        """Canonical rows [lo, hi) that ``rank`` holds of ``spec`` (None: not on its stage)."""
+        b, a, _ = self.coords[rank]
+        if not spec.on_stage(self.pp, self.num_layers, a):
+            return None
+        return spec.tp_interval(self.tp, b, self.vocab_chunk)
 
     def pieces(self, spec: ParamSpec) -> dict[tuple[int, int], list[tuple[int, int]]]:
         """Distinct non-empty pieces of ``spec``: {(lo, hi): [(tp_rank, pp_rank) shards]}."""

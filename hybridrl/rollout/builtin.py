@@ -39,7 +39,8 @@ Contract:
 - Per decode step the work is the matmuls plus a fixed, small number of ops per layer: RoPE
   tables and the attention mask are built once per forward and shared by every layer, q and k
   are rotated together, attention is one fused ``scaled_dot_product_attention`` call (GQA
-  without repeating K/V),
+  without repeating K/V: SDPA's ``enable_gqa`` on CPU, a KV head's query heads stacked against
+  it elsewhere, ``native_gqa``),
   and ``generate`` runs under ``inference_mode`` (it returns ordinary tensors).
   benchmarks/rollout_engine.py measures it against transformers' ``generate``.
 """
@@ -118,6 +119,7 @@ class BuiltinEngine:
         self.hq = spec.num_attention_heads // tp_size  # local query heads
         self.hk = spec.num_kv_heads // tp_size  # local KV heads
         self.expected = self.store.expected
+        self.native_gqa = self.device.type == "cpu"  # attention form, see ``_mask``
         hd = spec.head_dim
         self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
 
@@ -215,15 +217,21 @@ class BuiltinEngine:
         g = qkv.view(B, S, self.hk, rep + 2, hd).permute(0, 2, 3, 1, 4)  # [B, hk, rep+2, S, hd]
         qk = self._rope(g[:, :, :rep + 1].reshape(B, self.hk * (rep + 1), S, hd), rope)
         qk = qk.view(B, self.hk, rep + 1, S, hd)  # each KV head's query heads, then its key
-        q_BNSD, k_BNSD = qk[:, :, :rep].reshape(B, self.hq, S, hd), qk[:, :, rep]
+        q, k_BNSD = qk[:, :, :rep], qk[:, :, rep]
         keys, values = cache[L]
         keys[:, :, start:start + S] = k_BNSD
         values[:, :, start:start + S] = g[:, :, rep + 1]
         K = start + S
-        # one fused attention call (no [B, hq, S, K] scores in memory); GQA without repeating
-        # K/V: query head n reads KV head n // rep; allowed_BSK is the bool mask [B, 1, S, K]
-        out_BNSD = F.scaled_dot_product_attention(q_BNSD, keys[:, :, :K], values[:, :, :K],
-                                                  attn_mask=allowed_BSK, enable_gqa=rep > 1)
+        # one fused attention call, GQA without repeating K/V (see ``_mask``): query head n
+        # reads KV head n // rep
+        if self.native_gqa:
+            out_BNSD = F.scaled_dot_product_attention(
+                q.reshape(B, self.hq, S, hd), keys[:, :, :K], values[:, :, :K],
+                attn_mask=allowed_BSK, enable_gqa=rep > 1)
+        else:  # a KV head's rep query heads stacked as rep*S rows against its keys
+            out_BNSD = F.scaled_dot_product_attention(
+                q.reshape(B, self.hk, rep * S, hd), keys[:, :, :K], values[:, :, :K],
+                attn_mask=allowed_BSK).view(B, self.hq, S, hd)
         out_BSX = out_BNSD.transpose(1, 2).reshape(B, S, self.hq * hd)
         return self._all_reduce(self._row(out_BSX, p + "self_attn.o_proj.weight"))
 
@@ -237,13 +245,24 @@ class BuiltinEngine:
             out = y if out is None else out.add_(y)
         return self._all_reduce(out)
 
+    def _mask(self, allowed_BSK: torch.Tensor) -> torch.Tensor:
+        """The bool attention mask of every layer (True = attend; the diagonal always is, so no
+        row is fully masked): [B, 1, S, K] for SDPA's own GQA (``enable_gqa``: torch's CPU
+        kernel runs it fused), or, rows repeated for the rep query heads of a KV head, [B, 1,
+        rep*S, K] for the stacked form (CUDA: with a mask, ``enable_gqa`` only has the math
+        kernel, which repeats K/V; the stacked form runs in the memory-efficient one)."""
+        B, S, K = allowed_BSK.shape
+        if self.native_gqa:
+            return allowed_BSK.unsqueeze(1)
+        rep = self.hq // self.hk
+        return allowed_BSK[:, None, None].expand(B, 1, rep, S, K).reshape(B, 1, rep * S, K)
+
     def forward(self, ids_BS, pos_BS, cache, start: int, allowed_BSK) -> torch.Tensor:
         """Hidden states [B, S, H] after the final norm; fills ``cache`` columns [start, start+S)."""
         eps = self.spec.norm_eps
         h = self._embed(ids_BS)
         rope = self._rope_tables(pos_BS, h.dtype)
-        allowed_BSK = allowed_BSK.unsqueeze(1)  # [B, 1, S, K] for every head and layer; True =
-        # attend (the diagonal always is, so no row is fully masked)
+        allowed_BSK = self._mask(allowed_BSK)
         for L in range(self.spec.num_layers):
             p = f"model.layers.{L}."
             h = h + self._attention(L, _rms_norm(h, self._w(p + "input_layernorm.weight"), eps),

@@ -1,6 +1,7 @@
 """``hybridrl plan --memory``: the verdicts the docs promise, what each knob changes, bad input.
 (The figures themselves are checked against real tensors in tests/distributed/test_memory_plan.py.)"""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -103,3 +104,12 @@ def test_builtin_engine_weights_that_are_training_tensors_count_once():
     off = MemoryJob(shape, engine="builtin", offload=frozenset({"params"}), **base)
     odd = MemoryJob(shape, engine="builtin", **{**base, "tp": 2, "gen_tp": 4, "pp": 4})
     assert aliased_bytes(off, 0) == 0 and aliased_bytes(odd, 0) == 0
+    # another grouping: a rank's training shard need not lie in its gen shard, only the
+    # replicated norms of its stage are surely its own (16 layers' two + the final one)
+    vanilla = MemoryJob(shape, engine="builtin", gen_grouping="vanilla", **base)
+    assert aliased_bytes(vanilla, 1) == (2 * 16 + 1) * shape.hidden * 2
+    # tied embeddings at pp > 1: the last stage's output-layer copy is not read (no lm_head)
+    tied = dataclasses.replace(shape, tied=True)
+    a = aliased_bytes(MemoryJob(tied, engine="builtin", **base), 1)
+    b = aliased_bytes(MemoryJob(shape, engine="builtin", **base), 1)
+    assert b - a == shape.padded_vocab(4) // 4 * shape.hidden * 2

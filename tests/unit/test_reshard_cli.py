@@ -68,12 +68,13 @@ def test_plan_prices_the_engine_vocab_padding_the_trainer_uses(capsys, tmp_path)
     shape = load_shape(str(tmp_path))
     layout = TrainLayout(world=4, tp=2, pp=1)
     got = {}
-    for pad in (None, 0):
-        extra = () if pad is None else ("--vocab-pad", str(pad))
+    for pad in (None, 0, "builtin"):
+        extra = {None: (), 0: ("--vocab-pad", "0"), "builtin": ("--engine", "builtin")}[pad]
         rc, out, _ = _run(capsys, "--model", str(tmp_path), "--world", "4", "--tp", "2",
                           "--gen-tp", "2", "--dtype", "fp32", "--json", *extra)
         assert rc == 0
         got[pad] = json.loads(out)["strategies"]["zero_redundancy"]
+    assert got["builtin"] == got[0]  # the builtin engine pads as training does
     for pad, vocab_pad in ((None, 64), (0, None)):  # default: the trainer's ENGINE_VOCAB_PAD
         gen = default_gen_placement(layout, shape, 2, 1, vocab_pad)
         want = summarize(train_placement(layout, shape), gen, build_specs(shape),

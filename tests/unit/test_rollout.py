@@ -121,6 +121,19 @@ def test_engine_in_parts_matches_one_part(tied, qwen2, blocks):
     assert torch.equal(parts.store.parts[gu][1], torch.cat([gate[f:2 * f], up[f:2 * f]]))
 
 
+def test_stacked_gqa_attention_equals_sdpa_gqa():
+    """The attention form used off the CPU (a KV head's query heads stacked against its keys,
+    mask rows repeated) gives what the CPU form (SDPA's enable_gqa) gives, prefill and decode,
+    left-padded prompts included."""
+    model = tiny_hf(seed=3)
+    native, stacked = engine_from_hf(model), engine_from_hf(model)
+    stacked.native_gqa = False
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=5)
+    a, b = native.generate(PROMPTS, params), stacked.generate(PROMPTS, params)
+    assert native.native_gqa and torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
 def test_engine_parts_alias_and_checks():
     spec = EngineSpec(32, 48, 4, 2, 8, 2, VOCAB, CHUNK)
     engine = BuiltinEngine(spec, blocks=2)
