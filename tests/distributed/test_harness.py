@@ -55,6 +55,10 @@ def test_timeout_names_missing_ranks():
 def _rank0_exits_silently(rank, world):
     import os
 
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank is done joining (rank 0 hosts the store: leaving earlier can make
+    # a peer fail its own join first, and that failure would be the one reported)
     if rank == 0:
         os._exit(0)  # no result, exit status 0
     time.sleep(120)
