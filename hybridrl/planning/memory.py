@@ -248,13 +248,13 @@ def plan_memory(job: MemoryJob) -> dict:
     gen = _gen_bytes(job)
     phases: dict[str, dict[str, int]] = {}
     for stage in range(job.pp):
+        engine_weights = gen["engine_weights"] - aliased_bytes(job, stage)
         candidates = {
             "train_actor": {**_resident(job, stage, {"actor": full}),
                             "activations": activation_bytes(job, stage)},
-            "gen": {**_resident(job, stage, {}),
-                    "engine_weights": gen["engine_weights"] - aliased_bytes(job, stage)},
+            "gen": {**_resident(job, stage, {}), "engine_weights": engine_weights},
             "reshard": {**_resident(job, stage, {"actor": {"params"}}),
-                        "engine_weights": gen["engine_weights"] - aliased_bytes(job, stage),
+                        "engine_weights": engine_weights,
                         "reshard_transient": job.reshard_bytes},
         }
         if job.critic:

@@ -124,13 +124,9 @@ class Assembler:
         target = self._target(spec)[1]
         if not isinstance(target, (list, tuple)):
             return [(lo, hi, canonical_view(spec, target, hi - lo))]
-        c = target[0].shape[0] if spec.kind == "vocab" else (hi - lo) // len(target)
-        out = []
-        for k, part in enumerate(target):
-            a, b = lo + k * c, min(hi, lo + (k + 1) * c)
-            if b > a:
-                out.append((a, b, canonical_view(spec, part, b - a)))
-        return out
+        rows = spec.part_intervals(lo, hi, len(target), self.plan.gen.vocab_chunk)
+        return [(a, b, canonical_view(spec, part, b - a))
+                for (a, b), part in zip(rows, target) if b > a]
 
     def _zero_padding(self, spec: ParamSpec, real: int) -> None:
         target = self._target(spec)[1]

@@ -104,24 +104,23 @@ class _Bucket:
         ops, group, tag, asm = [], self.group, self.tag, self.assembler
         for t, piece in self.sends:
             ops.append(dist.P2POp(dist.isend, piece.contiguous().view(-1), t.dst, group, tag))
-        landing = []
-        for t, slot in self.landing:
-            buf = slot if slot is not None else torch.empty(
-                t.nbytes // self.plan.itemsize, dtype=asm.dtype, device=asm.device)  # [numel]
-            landing.append((t, buf, slot is not None))
-            ops.append(dist.P2POp(dist.irecv, buf.view(-1), t.src, group, tag))
-        self.landing, self.sends = landing, None
+        self.temps = {}  # receive index -> temporary buffer (its slot is not contiguous)
+        for i, (t, slot) in enumerate(self.landing):
+            if slot is None:
+                slot = self.temps[i] = torch.empty(
+                    t.nbytes // self.plan.itemsize, dtype=asm.dtype, device=asm.device)  # [numel]
+            ops.append(dist.P2POp(dist.irecv, slot.view(-1), t.src, group, tag))
+        self.sends = None
         self.works = dist.batch_isend_irecv(ops) if ops else []
         return self
 
     def wait_and_deliver(self, plan: Plan, assembler: Assembler) -> None:
         for w in self.works:
             w.wait()
-        for t, buf, direct in self.landing:
-            if direct:  # already where it lives
-                assembler.accept(t.key, t.lo, t.hi, None)
-            else:
-                assembler.accept(t.key, t.lo, t.hi, buf.view(plan.spec(t.key).piece_shape(t.hi - t.lo)))
+        for i, (t, _) in enumerate(self.landing):
+            buf = self.temps.get(i)  # None: already where it lives
+            assembler.accept(t.key, t.lo, t.hi,
+                             None if buf is None else buf.view(plan.spec(t.key).piece_shape(t.hi - t.lo)))
 
 
 def plan_fingerprint(plan: Plan) -> tuple:

@@ -199,16 +199,19 @@ class ParamSpec:
         return b * per, (b + 1) * per
 
     def local_name(self, pp: int, num_layers: int) -> str:
-        """The name megatron gives it on its stage (layer index local to the stage; memoized
-        per (pp, num_layers): a reshard asks for the same ones at every sync)."""
+        """The name megatron gives it on its stage (layer index local to the stage)."""
         if self.layer is None:
             return self.name
-        memo = self.__dict__.setdefault("_local_names", {})  # not a field: no effect on ==
-        if (pp, num_layers) not in memo:
-            offset = self.stage(pp, num_layers) * (num_layers // pp)
-            memo[(pp, num_layers)] = self.name.replace(
-                f"layers.{self.layer}.", f"layers.{self.layer - offset}.", 1)
-        return memo[(pp, num_layers)]
+        offset = self.stage(pp, num_layers) * (num_layers // pp)
+        return self.name.replace(f"layers.{self.layer}.", f"layers.{self.layer - offset}.", 1)
+
+    def part_intervals(self, lo: int, hi: int, parts: int,
+                       vocab_chunk: int) -> list[tuple[int, int]]:
+        """Canonical rows of each of ``parts`` consecutive parts of a gen shard's rows [lo, hi)
+        (a shard kept as ``parts`` sub-shards of TP size tp·parts; vocabulary: ``vocab_chunk /
+        parts`` rows each, real rows only, so a part past the vocabulary is empty (a, a))."""
+        c = vocab_chunk // parts if self.kind == "vocab" else (hi - lo) // parts
+        return [(lo + k * c, max(lo + k * c, min(hi, lo + (k + 1) * c))) for k in range(parts)]
 
 
 def check_split(shape: LlamaShape, tp: int, pp: int, what: str = "train") -> None:

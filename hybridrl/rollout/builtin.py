@@ -118,7 +118,6 @@ class BuiltinEngine:
         self.device, self.dtype = torch.device(device), dtype
         self.hq = spec.num_attention_heads // tp_size  # local query heads
         self.hk = spec.num_kv_heads // tp_size  # local KV heads
-        self.expected = self.store.expected
         self.native_gqa = self.device.type == "cpu"  # attention form, see ``_mask``
         hd = spec.head_dim
         self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
@@ -170,8 +169,8 @@ class BuiltinEngine:
     def _row(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x @ W.T of a row-parallel W kept in parts (column blocks: partial products summed)."""
         parts = self._parts(name)
-        out = x[..., :parts[0].shape[1]] @ parts[0].T
         c = parts[0].shape[1]
+        out = x[..., :c] @ parts[0].T
         for k, w in enumerate(parts[1:], start=1):
             out += x[..., k * c:(k + 1) * c] @ w.T
         return out

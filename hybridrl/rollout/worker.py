@@ -54,7 +54,7 @@ from hybridrl.reshard.executor import run_plan, train_sources
 from hybridrl.reshard.formats import engine_format, hf_name
 from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, gen_placement, train_placement
 from hybridrl.reshard.planner import plan_reshard
-from hybridrl.reshard.specs import LlamaShape, build_specs, storage_shape
+from hybridrl.reshard.specs import LlamaShape, build_specs
 from hybridrl.rollout.base import GenerationOutput, SamplingParams
 from hybridrl.rollout.partition import (
     TransportStats,
@@ -108,14 +108,6 @@ def engine_blocks(train, gen) -> int:
     return train.tp // gen.tp
 
 
-def _part_rows(spec, iv, parts: int, vocab_chunk: int) -> list[tuple[int, int]]:
-    """Canonical rows of each of ``parts`` consecutive parts of the gen interval ``iv``
-    (vocabulary: ``vocab_chunk / parts`` rows each, real rows only; as the Assembler cuts them)."""
-    lo, hi = iv
-    c = vocab_chunk // parts if spec.kind == "vocab" else (hi - lo) // parts
-    return [(lo + k * c, max(lo + k * c, min(hi, lo + (k + 1) * c))) for k in range(parts)]
-
-
 def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
     """Megatron gen-layout name -> the engine tensor (or its K parts) the reshard fills in place.
 
@@ -134,12 +126,11 @@ def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
         if iv is None:
             continue
         gname, ename = spec.local_name(gen.pp, gen.num_layers), hf_name(spec)
-        parts = 1 if spec.kind == "norm" else getattr(engine, "blocks", 1)
+        parts = 1 if spec.kind == "norm" else engine.blocks
         own = named.get(spec.local_name(train.pp, train.num_layers))
-        shape = engine.block_shape(ename) if hasattr(engine, "block_shape") else \
-            storage_shape(spec, gen.tp, gen.vocab_chunk)
+        shape = engine.block_shape(ename)
         targets = []
-        for k, rows in enumerate(_part_rows(spec, iv, parts, gen.vocab_chunk)):
+        for k, rows in enumerate(spec.part_intervals(*iv, parts, gen.vocab_chunk)):
             block = k if parts > 1 else None
             same = (alias and own is not None and rows[1] > rows[0]
                     and train.interval(spec, rank) == rows and tuple(own.shape) == shape
