@@ -23,6 +23,7 @@ swap_model_weights / zero_redundancy.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -37,6 +38,7 @@ from hybridrl.testing.dist import run_on_ranks  # noqa: E402
 SHAPE = LlamaShape(hidden=768, ffn=2048, heads=12, num_query_groups=4, layers=12, vocab=16000)
 STRATEGIES = ("allgather", "vanilla", "zero_redundancy", "p2p")
 ENGINE = "zero_redundancy -> builtin engine"
+MERGED = "zero_redundancy -> engine, merged"
 PLAN_MSGS = "wire: p2p batch, plan's messages"
 
 
@@ -237,7 +239,7 @@ def _strategy_method(rank, cfg, layout, train, specs, named, strategy, info, res
     return once, plan
 
 
-def _engine_method(rank, cfg, groups, layout, train, specs, named):
+def _engine_method(rank, cfg, groups, layout, train, specs, named, merged=False):
     """zero_redundancy into hybridrl's builtin engine, as the trainer runs it: the engine keeps
     its gen shard as t/tg training-shard-shaped parts (``engine_blocks``), received training
     shards land whole in them, and the rank's own shards are aliased (the engine reads the
@@ -248,7 +250,8 @@ def _engine_method(rank, cfg, groups, layout, train, specs, named):
     from hybridrl.reshard.placement import gen_placement
     from hybridrl.reshard.planner import plan_reshard
     from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
-    from hybridrl.rollout.worker import engine_blocks, sync_engine
+    from hybridrl.rollout.engine_sync import Coalescing, sync_engine
+    from hybridrl.rollout.worker import engine_blocks
 
     tg, pg = cfg["layout"][2:]
     gen = gen_placement(layout, SHAPE, tg, pg, "hybridflow")
@@ -259,11 +262,12 @@ def _engine_method(rank, cfg, groups, layout, train, specs, named):
     engine = BuiltinEngine(spec, tp_group=groups.groups.get("gen_tp"), tp_rank=gen.coords[rank][0],
                            tp_size=tg, pp_size=pg, blocks=engine_blocks(train, gen))
     info = {"planned": plan.recv_bytes(rank)}
+    coalescing = Coalescing() if merged else None  # the first call (the warm-up) agrees
 
     def once():
         stats = sync_engine(plan, rank, SHAPE, named, engine, torch.float32, alias=True,
-                            verify=False)
-        info.update(recv=stats.bytes_received, peak=stats.peak_live_bytes)
+                            verify=False, coalescing=coalescing)
+        info.update(recv=stats.bytes_received, peak=stats.peak_live_bytes, msgs=stats.messages)
 
     return once, info, engine, plan
 
@@ -296,12 +300,25 @@ def _sources(rank, cfg, groups, train, specs):
     torch.manual_seed(1234)  # same seed everywhere: DP replicas agree, as in training
     if not cfg["megatron"]:
         a = train.coords[rank][1]
-        return None, None, {s.local_name(p, SHAPE.layers): torch.randn(
-            storage_shape(s, t, train.vocab_chunk)) for s in specs if s.on_stage(p, SHAPE.layers, a)}
+        shapes = {s.local_name(p, SHAPE.layers): storage_shape(s, t, train.vocab_chunk)
+                  for s in specs if s.on_stage(p, SHAPE.layers, a)}
+        # one buffer, last tensor first, as megatron DDP's parameter buffer holds them
+        flat = torch.randn(sum(math.prod(x) for x in shapes.values()))
+        views, at = {}, 0
+        for name in reversed(list(shapes)):
+            views[name] = flat.narrow(0, at, math.prod(shapes[name])).view(shapes[name])
+            at += views[name].numel()
+        return None, None, {name: views[name] for name in shapes}
+    from hybridrl.models import cpu_compat
+    from hybridrl.models.build import DDPOptions, _wrap_ddp
     from hybridrl.parallel.megatron import apply_megatron_groups
 
     pgc = apply_megatron_groups(groups)  # once: re-applying destroys megatron's groups
     model = _build_model(groups, SHAPE, pgc, gen=False)
+    cpu_compat.install()
+    # as the trainer holds it: megatron DDP with the distributed optimizer, whose parameter
+    # buffer holds the stage's tensors back to back (reverse order, padded)
+    _wrap_ddp(model, model.config, pgc, DDPOptions())
     return pgc, model, {n: prm.data for n, prm in model.named_parameters()}
 
 
@@ -322,9 +339,12 @@ def _bench_rank(rank, world, cfg):
     for strategy in STRATEGIES:
         methods[strategy], plans[strategy] = _strategy_method(
             rank, cfg, layout, train, specs, named, strategy, info, results)
+    engines = {}
     if cfg["layout"][3] == 1:  # the builtin engine runs gen pp = 1
-        methods[ENGINE], info[ENGINE], engine, eplan = _engine_method(
-            rank, cfg, groups, layout, train, specs, named)
+        for name in (ENGINE, MERGED):
+            methods[name], info[name], engine, eplan = _engine_method(
+                rank, cfg, groups, layout, train, specs, named, merged=name == MERGED)
+            engines[name] = engine
     zr = plans["zero_redundancy"]
     local = sum((hi - lo) * zr.spec(k).row_numel * zr.itemsize for k, lo, hi in zr.locals[rank])
     wire, wire_bytes = _wire_methods(groups, zr.recv_bytes(rank), local)
@@ -339,9 +359,9 @@ def _bench_rank(rank, world, cfg):
     secs = _rounds(methods, cfg["repeats"], dist.barrier)
     out = {name: {"s": _max(sec), **{k: _max(v) for k, v in info.get(name, {}).items()}}
            for name, sec in secs.items()}
-    if ENGINE in methods:
-        out[ENGINE]["same"] = _max(0 if _engine_same(engine, eplan, rank, results["zero_redundancy"])
-                                   else 1) == 0
+    for name, engine in engines.items():
+        out[name]["same"] = _max(0 if _engine_same(engine, eplan, rank, results["zero_redundancy"])
+                                 else 1) == 0
     if cfg["megatron"]:
         recv, same = _megatron_check(groups, SHAPE, dst, results["zero_redundancy"])
         out["megatron swap_model_weights"].update(
@@ -363,10 +383,12 @@ def _report(layout, res, world):
     zr = res["zero_redundancy"]["s"]
     for name in ("wire: bare all_gather", "wire: bare p2p batch", "wire: p2p batch + own-row copy"):
         lines.append(f"ratio zero_redundancy / {name} = {zr / res[name]['s']:.2f}")
+    for name in (ENGINE, MERGED) if ENGINE in res else ():
+        lines.append(f"ratio {name} / wire: bare p2p batch = "
+                     f"{res[name]['s'] / res['wire: bare p2p batch']['s']:.2f} "
+                     f"({res[name]['msgs']:.0f} messages per rank at most); the engine's "
+                     f"tensors == zero_redundancy's gen shard: {res[name]['same']}")
     if ENGINE in res:
-        lines.append(f"ratio {ENGINE} / wire: bare p2p batch = "
-                     f"{res[ENGINE]['s'] / res['wire: bare p2p batch']['s']:.2f}; the engine's "
-                     f"tensors == zero_redundancy's gen shard: {res[ENGINE]['same']}")
         lines.append(f"ratio {ENGINE} / {PLAN_MSGS} ({res[PLAN_MSGS]['msgs']:.0f} messages "
                      f"received per rank at most) = {res[ENGINE]['s'] / res[PLAN_MSGS]['s']:.2f}; "
                      f"{PLAN_MSGS} / wire: bare p2p batch = "
@@ -376,9 +398,9 @@ def _report(layout, res, world):
     mg = res.get("megatron swap_model_weights")
     if mg:
         zr_first = zr + res["zero_redundancy"]["plan_s"]
-        if ENGINE in res:
-            lines.append(f"ratio megatron swap_model_weights / {ENGINE} = "
-                         f"{mg['s'] / res[ENGINE]['s']:.2f}")
+        for name in (ENGINE, MERGED) if ENGINE in res else ():
+            lines.append(f"ratio megatron swap_model_weights / {name} = "
+                         f"{mg['s'] / res[name]['s']:.2f}")
         lines.append(f"ratio megatron swap_model_weights / zero_redundancy = {mg['s'] / zr:.2f} "
                      f"(steady); first call incl. planning: {mg['first_s']:.3f} s vs "
                      f"{zr_first:.3f} s = {mg['first_s'] / zr_first:.2f}; megatron's gen shard == "

@@ -98,6 +98,10 @@ class ReshardConfig:
                          "allgather | vanilla | zero_redundancy | p2p.")
     bucket_mb: int = knob(256, "Transfer bucket size in MiB (peak transient memory is about "
                           "two buckets).")
+    merge_messages: bool = knob(True, "Builtin engine: transfers between two ranks whose tensors "
+                                "lie back to back on both sides travel as one message (agreed "
+                                "at the first sync; the engine lays its received parts out in "
+                                "the senders' memory order).")
 
     def __post_init__(self) -> None:
         check_choice("reshard.strategy", self.strategy, RESHARD_STRATEGIES)

@@ -26,7 +26,9 @@ Contract:
   so all ranks raise together before any transfer (a lazy check would raise mid-exchange on one
   rank and leave its peers blocked).
 - Gen pieces with no real rows (vocab chunks past the vocabulary) are emitted at construction.
-- ``slot(key, lo, hi)`` gives the executor a contiguous view to receive into (no extra copy).
+- ``slot(key, lo, hi)`` gives the executor a contiguous view to receive into (no extra copy);
+  ``spare`` (optional, from the targets' owner): how many elements right after such a view are
+  scratch a merged message may overwrite (``hybridrl.reshard.coalesce``).
 - ``dtype`` / ``device``: of the buffers it allocates (must match the training tensors; NCCL:
   the CUDA device, which is also where an engine reading the emitted tensors through CUDA IPC
   needs them). The default stays the CPU.
@@ -51,12 +53,13 @@ class Assembler:
     def __init__(self, plan: Plan, rank: int, fmt: Format | None, sink: Sink | None = None,
                  dtype: torch.dtype = torch.float32, into: dict[str, torch.Tensor] | None = None,
                  device: torch.device | str = "cpu", sink_every_flush: bool = False,
-                 zero_padding: bool = True):
+                 zero_padding: bool = True, spare: Callable | None = None):
         self.plan, self.rank, self.fmt, self.sink, self.dtype = plan, rank, fmt, sink, dtype
         self.zero_padding = zero_padding
         self.sink_every_flush = sink_every_flush
         self.device = torch.device(device)
         self.into = into
+        self.spare = spare  # view -> elements of scratch after it (merged messages' holes)
         self.dests = plan.dests[rank]
         self.gen_specs: dict[str, list[ParamSpec]] = {}
         self.regions: dict[str, list] = {}  # key -> [buffer, rows filled]

@@ -20,9 +20,12 @@ Contract:
   and one flush emits at most about one bucket (the planner charges a parameter's local rows to
   its last receiving bucket); the full model is never built on a rank (unless the strategy's
   destination is the full model: the allgather/vanilla baselines).
-- One isend/irecv per transfer, of flat 1-D contiguous tensors (gloo: no 2-D all_gather outputs,
-  no uneven all_gather): a contiguous piece is sent as a view, a contiguous destination slot is
-  received into directly; other pieces go through a temporary buffer. Every strategy runs this
+- One isend/irecv per message, of flat 1-D contiguous tensors (gloo: no 2-D all_gather outputs,
+  no uneven all_gather). A message is one transfer, or, with ``merges`` (agreed once by
+  ``hybridrl.reshard.coalesce.agree``), several transfers between the same two ranks that lie in
+  memory as agreed on both sides (one flat view over them). A contiguous piece is sent as a
+  view, a contiguous destination slot is received into directly; other pieces (and a merged
+  message whose memory no longer lies as agreed) go through a temporary buffer. Every strategy runs this
   way: zero_redundancy's micro-DP "all-gather" is p2p exchanges inside the micro-DP group and the
   allgather baseline is a p2p emulation of an all_gather; no collective moves weights (the only
   collective is the ``verify`` check below).
@@ -33,7 +36,8 @@ Contract:
 - ``run_plan_local(plan, sources_by_rank, assemblers)`` plays every rank in one process, phase by
   phase in the same order (tests); returns each rank's peak ``assembler.live_bytes``.
 - Returns ``RunStats``: bytes of the send / receive buffers this rank posted to isend / irecv
-  (not wire traffic), number of buckets, and, measured before every flush, the peak live bytes
+  (not wire traffic; merged messages include the holes they run through), number of buckets,
+  messages posted (isends + irecvs) and, measured before every flush, the peak live bytes
   (comm buffers + ``assembler.live_bytes``: assembling regions + emitted canonical bytes not yet
   flushed or kept), the peak comm buffer bytes and the peak ``assembler.live_bytes``.
 """
@@ -46,6 +50,8 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.reshard.assemble import Assembler
+from hybridrl.reshard.coalesce import Merges, message_numel, message_view
+from hybridrl.reshard.coalesce import source_piece as _piece
 from hybridrl.reshard.planner import Plan, Transfer
 from hybridrl.reshard.schedule import local_phases, phase_schedule
 from hybridrl.reshard.specs import canonical_view
@@ -59,6 +65,7 @@ class RunStats:
     peak_live_bytes: int
     peak_comm_bytes: int
     peak_assembler_bytes: int = 0
+    messages: int = 0
 
 
 def train_sources(plan: Plan, rank: int, named: dict[str, torch.Tensor]) -> dict:
@@ -76,40 +83,50 @@ def train_sources(plan: Plan, rank: int, named: dict[str, torch.Tensor]) -> dict
     return out
 
 
-def _piece(plan: Plan, sources: dict, t: Transfer) -> torch.Tensor:
-    view, lo0 = sources[t.key]
-    return view.narrow(plan.spec(t.key).cut_dim, t.lo - lo0, t.hi - t.lo)
-
-
 class _Bucket:
-    """One bucket's operations on this rank: one isend / irecv per transfer, in plan order.
+    """One bucket's operations on this rank: one isend / irecv per message, in posting order.
 
+    A message is one transfer, or several merged by ``merges`` (``hybridrl.reshard.coalesce``).
     Built unposted (``temp_bytes`` then says what posting it would allocate); ``post()`` issues
-    them. A send whose canonical piece is contiguous goes out as a view (no copy); a receive
-    lands directly in the assembler's buffer when that slot is contiguous, else in a temporary
-    buffer.
+    them. A send whose pieces are one contiguous run of memory goes out as a view (no copy); a
+    receive lands directly in the assembler's buffers when their slots are one contiguous run,
+    else in a temporary buffer (a merged message whose memory moved since it was agreed packs /
+    unpacks through one).
     """
 
-    def __init__(self, plan, sources, sends, recvs, tag, group, assembler):
+    def __init__(self, plan, sources, sends, recvs, tag, group, assembler, merges=None):
         self.plan, self.tag, self.group, self.assembler = plan, tag, group, assembler
-        self.sends = [(t, _piece(plan, sources, t)) for t in sends]
-        self.landing = [(t, assembler.slot(t.key, t.lo, t.hi)) for t in recvs]
-        self.temp_bytes = (sum(t.nbytes for t, piece in self.sends if not piece.is_contiguous())
-                           + sum(t.nbytes for t, slot in self.landing if slot is None))
-        self.sent_bytes = sum(t.nbytes for t in sends)
-        self.recv_bytes = sum(t.nbytes for t in recvs)
+        split = merges.groups if merges is not None else (lambda k, ts: [((t,), ()) for t in ts])
+        spare = assembler.spare or (lambda view: 0)
+        self.sends = []
+        for ts, gaps in split(tag, sends):
+            pieces = [_piece(plan, sources, t) for t in ts]
+            self.sends.append((ts, gaps, pieces, message_view(pieces, gaps)))
+        self.landing = []
+        for ts, gaps in split(tag, recvs):
+            slots = [assembler.slot(t.key, t.lo, t.hi) for t in ts]
+            whole = all(x is not None for x in slots)
+            self.landing.append((ts, gaps, message_view(slots, gaps, spare) if whole else None))
+        size = plan.itemsize
+        self.temp_bytes = sum(message_numel(ts, gaps, size) * size
+                              for ts, gaps, *rest in self.sends + self.landing if rest[-1] is None)
+        self.sent_bytes = sum(message_numel(ts, gaps, size) * size for ts, gaps, *_ in self.sends)
+        self.recv_bytes = sum(message_numel(ts, gaps, size) * size for ts, gaps, _ in self.landing)
+        self.messages = len(self.sends) + len(self.landing)
         self.works = None
 
     def post(self) -> _Bucket:
         ops, group, tag, asm = [], self.group, self.tag, self.assembler
-        for t, piece in self.sends:
-            ops.append(dist.P2POp(dist.isend, piece.contiguous().view(-1), t.dst, group, tag))
-        self.temps = {}  # receive index -> temporary buffer (its slot is not contiguous)
-        for i, (t, slot) in enumerate(self.landing):
-            if slot is None:
-                slot = self.temps[i] = torch.empty(
-                    t.nbytes // self.plan.itemsize, dtype=asm.dtype, device=asm.device)  # [numel]
-            ops.append(dist.P2POp(dist.irecv, slot.view(-1), t.src, group, tag))
+        for ts, gaps, pieces, flat in self.sends:
+            if flat is None:  # not laid out as agreed (or not contiguous): pack
+                flat = torch.cat([x.reshape(-1) for x in _with_gaps(pieces, gaps)])
+            ops.append(dist.P2POp(dist.isend, flat, ts[0].dst, group, tag))
+        self.temps = {}  # message index -> temporary buffer (its slots are not laid out as agreed)
+        for i, (ts, gaps, flat) in enumerate(self.landing):
+            if flat is None:
+                flat = self.temps[i] = torch.empty(message_numel(ts, gaps, self.plan.itemsize),
+                                                   dtype=asm.dtype, device=asm.device)
+            ops.append(dist.P2POp(dist.irecv, flat, ts[0].src, group, tag))
         self.sends = None
         self.works = dist.batch_isend_irecv(ops) if ops else []
         return self
@@ -117,10 +134,21 @@ class _Bucket:
     def wait_and_deliver(self, plan: Plan, assembler: Assembler) -> None:
         for w in self.works:
             w.wait()
-        for i, (t, _) in enumerate(self.landing):
-            buf = self.temps.get(i)  # None: already where it lives
-            assembler.accept(t.key, t.lo, t.hi,
-                             None if buf is None else buf.view(plan.spec(t.key).piece_shape(t.hi - t.lo)))
+        for i, (ts, gaps, _) in enumerate(self.landing):
+            buf, at = self.temps.get(i), 0  # buf None: already where it lives
+            for t, gap in zip(ts, (*gaps, 0)):
+                n = t.nbytes // plan.itemsize
+                assembler.accept(t.key, t.lo, t.hi, None if buf is None else
+                                 buf.narrow(0, at, n).view(plan.spec(t.key).piece_shape(t.hi - t.lo)))
+                at += n + gap
+
+
+def _with_gaps(pieces, gaps):
+    """The pieces with zero-filled holes between them (a merged message packed by copy)."""
+    for piece, gap in zip(pieces, (*gaps, 0)):
+        yield piece
+        if gap:
+            yield piece.new_zeros(gap)
 
 
 def plan_fingerprint(plan: Plan) -> tuple:
@@ -130,10 +158,12 @@ def plan_fingerprint(plan: Plan) -> tuple:
             plan.itemsize, len(plan.buckets), sum(x.nbytes for b in plan.buckets for x in b))
 
 
-def check_same_plan(plan: Plan, group=None, local_error: str | None = None) -> None:
-    """One all_gather_object: ValueError on every rank unless all ranks run the same plan and
-    none reports a ``local_error`` (so a bad input on one rank fails all, never hangs)."""
-    mine = plan_fingerprint(plan)
+def check_same_plan(plan: Plan, group=None, local_error: str | None = None,
+                    merged: bool = False) -> None:
+    """One all_gather_object: ValueError on every rank unless all ranks run the same plan, all
+    with or all without merged messages (``merged``), and none reports a ``local_error`` (so a
+    bad input on one rank fails all, never hangs)."""
+    mine = (plan_fingerprint(plan), merged)
     seen: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(seen, (mine, local_error), group=group)
     errors = [(i, err) for i, (_, err) in enumerate(seen) if err]
@@ -162,16 +192,16 @@ def _accept_local(plan: Plan, rank: int, sources: dict, assembler: Assembler, pi
 
 
 def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=None,
-             verify: bool = True) -> RunStats:
+             verify: bool = True, merges: Merges | None = None) -> RunStats:
     """Execute this rank's part of ``plan`` (see module doc)."""
     error, _ = _local_error(plan, sources, assembler)
     if verify:
-        check_same_plan(plan, group, error)
+        check_same_plan(plan, group, error, merges is not None)
     elif error:
         raise ValueError(error)
     sched = phase_schedule(plan, rank)
     mine = [(*plan.rank_buckets(rank)[k], k) for k in sched.buckets]
-    sent = recv = peak_comm = peak_live = peak_asm = 0
+    sent = recv = peak_comm = peak_live = peak_asm = messages = 0
     posted: dict[int, _Bucket] = {}
     in_place = assembler.into is not None
 
@@ -184,7 +214,7 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
         while nxt < len(mine) and (nxt <= i or in_place):  # (preparing opens no buffer then)
             if ready is None:
                 s, r, k = mine[nxt]
-                ready = _Bucket(plan, sources, s, r, k, group, assembler)
+                ready = _Bucket(plan, sources, s, r, k, group, assembler, merges)
             if not (nxt <= i or (in_place and ready.temp_bytes == 0)):
                 return
             posted[nxt], ready = ready.post(), None
@@ -205,11 +235,11 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
         peak_comm = max(peak_comm, comm)
         peak_asm = max(peak_asm, assembler.live_bytes)
         peak_live = max(peak_live, comm + assembler.live_bytes)
-        sent, recv = sent + cur.sent_bytes, recv + cur.recv_bytes
+        sent, recv, messages = sent + cur.sent_bytes, recv + cur.recv_bytes, messages + cur.messages
         assembler.flush()
     peak_asm = max(peak_asm, assembler.live_bytes)
     peak_live = max(peak_live, assembler.live_bytes)
-    return RunStats(sent, recv, len(mine), peak_live, peak_comm, peak_asm)
+    return RunStats(sent, recv, len(mine), peak_live, peak_comm, peak_asm, messages)
 
 
 def run_plan_local(plan: Plan, sources: list[dict], assemblers: list[Assembler]) -> list[int]:

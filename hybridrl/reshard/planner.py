@@ -12,8 +12,10 @@ Contract:
   * ``vanilla``: owners within the rank's training DP replica (t*p ranks): (tp-1)/(tp)*M.
   * ``zero_redundancy``: HybridFlow grouping only (tg | t, pg | p). A rank keeps what it holds and
     receives the rest of its gen shard from its micro-DP group (same DP replica, same gen
-    coordinates): (dg-1)/(tp)*M. Rows no micro-DP peer holds (vocab chunks that a different
-    padding does not nest) come from the nearest holder, as in p2p.
+    coordinates): (dg-1)/(tp)*M. A piece several peers hold (a norm) is split evenly over them,
+    unless it has at most 64K elements: then the first of them sends it whole. Rows
+    no micro-DP peer holds (vocab chunks that a different padding does not nest) come from the
+    nearest holder, as in p2p.
   * ``p2p``: any (tg, pg); a rank keeps what it holds and receives exactly the missing rows, each
     from a holder in its own DP replica when one exists: the minimum volume.
 - Every strategy is a list of point-to-point transfers (the executor posts one isend/irecv pair
@@ -40,6 +42,7 @@ from hybridrl.reshard.specs import ParamSpec
 
 STRATEGIES = ("allgather", "vanilla", "zero_redundancy", "p2p")
 MiB = 1 << 20
+WHOLE_PIECE_NUMEL = 1 << 16  # zero_redundancy: a replicated piece this small has one sender
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +171,20 @@ class Sourcer:
     def everywhere(self, shards) -> list[int]:
         return sorted(r for b, a in shards for r in self.train.ranks_at(b, a))
 
-    def owners(self, key: str, group: int, members: Callable) -> list[tuple[int, int, int]]:
-        """Each piece split evenly over ``members(shards)``: [(owner, lo, hi)] (cached per group)."""
+    def owners(self, key: str, group: int, members: Callable,
+               whole_small: bool = False) -> list[tuple[int, int, int]]:
+        """Each piece split evenly over ``members(shards)``: [(owner, lo, hi)] (cached per group).
+        ``whole_small``: a piece of at most ``WHOLE_PIECE_NUMEL`` elements (a norm) is not
+        split; its first member owns it (rows of a few KB split over the members cost a message
+        each and balance nothing; all norms of a stage are ~2.6 MB at 70B)."""
         if (key, group) not in self._owners:
             out = []
             for lo, hi, shards in self.pieces(key):
                 cands = members(shards)
+                if (whole_small and cands
+                        and (hi - lo) * self.by_key[key][0].row_numel <= WHOLE_PIECE_NUMEL):
+                    out.append((cands[0], lo, hi))
+                    continue
                 k = len(cands)
                 for j, h in enumerate(cands):
                     a, b = lo + (hi - lo) * j // k, lo + (hi - lo) * (j + 1) // k
@@ -217,7 +228,8 @@ class Sourcer:
             def micro_dp(shards):
                 return [h for h in self.in_replica(shards, rep) if g.coords[h][:2] == (gt, gp)]
 
-            got = [p for a, b in rest for p in _clip(self.owners(key, group, micro_dp), a, b)]
+            got = [p for a, b in rest
+                   for p in _clip(self.owners(key, group, micro_dp, whole_small=True), a, b)]
             out += got
             rest = [iv for a, b in rest for iv in _subtract(a, b, [(x, y) for _, x, y in got])]
         if rest:

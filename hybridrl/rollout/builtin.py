@@ -147,6 +147,13 @@ class BuiltinEngine:
         """Read ``name`` (part ``block``) from ``tensor`` itself (stored layout, no copy)."""
         self.store.alias(name, tensor, block)
 
+    def arrange(self, order, spare=()) -> None:
+        """Lay the listed (name, block) parts out in one buffer (``EngineWeights.arrange``)."""
+        self.store.arrange(order, spare)
+
+    def spare(self, view: torch.Tensor) -> int:
+        return self.store.spare(view)
+
     def finish_update(self) -> None:
         """End of a weight sync: nothing to do, ``update_weights`` already loaded (no collective)."""
 

@@ -19,6 +19,9 @@ Contract:
   ``alias(name, tensor, block=None)`` makes a part someone else's tensor (same shape, dtype,
   device; no copy). ``block`` may be omitted only for a name kept as one part. ``aliased``
   holds the aliased parts' labels (``name``, or ``name#k`` when K > 1 and the name is sharded).
+- ``arrange(order, spare)`` re-allocates the listed parts in one buffer (zeroed), in that
+  order, each followed by its ``spare`` elements of scratch; ``spare(view)`` says how much
+  scratch follows a view (0 unless it ends an arranged part with room after it).
 - ``update(named)`` loads whole gen shards in the ENGINE format ([q; k; v] for qkv), regrouping
   and splitting into parts; ``full(name)`` returns the whole stored-layout shard (a view when
   kept as one part, else a new tensor); ``missing()`` the names not loaded yet.
@@ -27,6 +30,8 @@ Contract:
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Iterable
 
 import torch
@@ -51,6 +56,7 @@ class EngineWeights:
         self.hq, self.hk = spec.num_attention_heads // tp_size, spec.num_kv_heads // tp_size
         self.parts: dict[str, list[torch.Tensor | None]] = {}
         self.aliased: set[str] = set()
+        self.holes: dict[int, int] = {}  # end address of an arranged part -> spare elements after
         self.expected, self.split_dim = self._layout()
 
     def _layout(self):
@@ -124,8 +130,43 @@ class EngineWeights:
         if tensor.dtype != self.dtype or tensor.device != self.device:
             raise ValueError(f"builtin engine: cannot alias {name} ({tensor.dtype}, "
                              f"{tensor.device}); the engine runs {self.dtype} on {self.device}")
-        self.parts.setdefault(name, [None] * self.n_parts(name))[block] = tensor.detach()
+        parts = self.parts.setdefault(name, [None] * self.n_parts(name))
+        if self.label(name, block) not in self.aliased:
+            self._drop_hole(parts[block])
+        parts[block] = tensor.detach()
         self.aliased.add(self.label(name, block))
+
+    def _drop_hole(self, part: torch.Tensor | None) -> None:
+        """A part leaves its arranged place: its scratch is nobody's to hand out any more."""
+        if part is not None:
+            self.holes.pop(part.data_ptr() + part.nbytes, None)
+
+    def arrange(self, order: Iterable[tuple[str, int | None]], spare: Iterable[int] = ()) -> None:
+        """Keep the listed parts in ONE new zeroed buffer, in this order, part i followed by
+        ``spare[i]`` elements of scratch (default none: back to back), so that a reshard
+        receives a run of them as one message (``hybridrl.reshard.coalesce``). Each listed
+        part's previous tensor is dropped before the buffer is allocated (a sync refills it; an
+        aliased one stops being aliased); parts not listed stay as they are."""
+        labels: dict[tuple[str, int], int] = {}
+        for (name, block), extra in itertools.zip_longest(order, spare, fillvalue=0):
+            block = self._block(name, self.block_shape(name), block)
+            labels.setdefault((name, block), extra)
+        for name, block in labels:
+            self.parts.setdefault(name, [None] * self.n_parts(name))[block] = None
+            self.aliased.discard(self.label(name, block))
+        shapes = [self.block_shape(name) for name, _ in labels]
+        sizes = [n for shape, extra in zip(shapes, labels.values())
+                 for n in (math.prod(shape), extra)]
+        arena = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
+        self.holes = {}
+        for (name, block), shape, piece in zip(labels, shapes, arena.split(sizes)[::2]):
+            self.parts[name][block] = piece.view(shape)
+            if labels[(name, block)]:
+                self.holes[piece.data_ptr() + piece.nbytes] = labels[(name, block)]
+
+    def spare(self, view: torch.Tensor) -> int:
+        """Elements of scratch right after ``view`` (a part ``arrange`` left room after)."""
+        return self.holes.get(view.data_ptr() + view.nbytes, 0)
 
     def _grouped(self, qkv: torch.Tensor) -> torch.Tensor:
         """Engine-format [q; k; v] rows -> the stored layout [per KV head: its q heads; k; v]."""

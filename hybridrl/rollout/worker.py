@@ -15,7 +15,9 @@ Contract:
 - ``sync_weights(actor)`` runs the plan: every rank sends what others lack. The builtin engine
   is filled in place (received rows land in its tensors; where a rank's gen shard of a
   parameter is its training shard the engine reads the training tensor itself, unless
-  ``actor.param_offload``: ``inplace_targets``); another engine receives its engine-format
+  ``actor.param_offload``: ``inplace_targets``; with ``reshard.merge_messages`` transfers
+  between two ranks that lie back to back on both sides travel as one message, agreed at the
+  first sync: hybridrl.rollout.engine_sync); another engine receives its engine-format
   shard bucket by bucket (``update_weights`` is the sink, called a rank-dependent number of
   times, never communicating). Then ``finish_update()`` exactly once on every rank (the one
   place an engine may run a gen-TP collective). Returns the executor's ``RunStats``. The
@@ -49,13 +51,11 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.parallel.groups import DEFAULT_TIMEOUT_S
-from hybridrl.reshard.assemble import Assembler
-from hybridrl.reshard.executor import run_plan, train_sources
-from hybridrl.reshard.formats import engine_format, hf_name
 from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, gen_placement, train_placement
 from hybridrl.reshard.planner import plan_reshard
 from hybridrl.reshard.specs import LlamaShape, build_specs
 from hybridrl.rollout.base import GenerationOutput, SamplingParams
+from hybridrl.rollout.engine_sync import Coalescing, inplace_targets, sync_engine  # noqa: F401 (API)
 from hybridrl.rollout.partition import (
     TransportStats,
     check_prefix_mask,
@@ -108,70 +108,6 @@ def engine_blocks(train, gen) -> int:
     return train.tp // gen.tp
 
 
-def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
-    """Megatron gen-layout name -> the engine tensor (or its K parts) the reshard fills in place.
-
-    An engine with ``blocks`` = K > 1 keeps each sharded tensor as K training-shard-shaped
-    parts (``into=`` gets the list). With ``alias``, a part whose rows on this rank ARE the
-    rank's training shard (same canonical rows, same storage shape: with K = train tp / gen tp
-    the rank's own stage; with gen tp = train tp the same) is not copied at all: the engine
-    reads the training tensor itself (``engine.alias``), and the reshard's local copy finds
-    source and destination the same memory. Padding rows of the vocabulary are left as they are
-    (the engine never reads them; its own buffers start zeroed), so an aliased training tensor
-    keeps its own."""
-    gen, train = plan.gen, plan.train
-    into = {}
-    for spec in plan.specs:
-        iv = gen.interval(spec, rank)
-        if iv is None:
-            continue
-        gname, ename = spec.local_name(gen.pp, gen.num_layers), hf_name(spec)
-        parts = 1 if spec.kind == "norm" else engine.blocks
-        own = named.get(spec.local_name(train.pp, train.num_layers))
-        shape = engine.block_shape(ename)
-        targets = []
-        for k, rows in enumerate(spec.part_intervals(*iv, parts, gen.vocab_chunk)):
-            block = k if parts > 1 else None
-            same = (alias and own is not None and rows[1] > rows[0]
-                    and train.interval(spec, rank) == rows and tuple(own.shape) == shape
-                    and own.dtype == engine.dtype and own.device == engine.device)
-            if same:
-                engine.alias(ename, own, block)
-                targets.append(own)
-            else:
-                targets.append(engine.buffer(ename, shape, block))
-        into[gname] = targets if parts > 1 else targets[0]
-    return into
-
-
-@torch.no_grad()
-def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, device="cpu",
-                alias: bool = False, verify: bool = True):
-    """Run ``plan`` from this rank's training tensors ``named`` into ``engine`` (collective).
-
-    An engine with ``buffer`` (the builtin one; needs a gen-shard strategy) is filled in place:
-    received rows land in its tensors, nothing is converted or buffered (``inplace_targets``;
-    ``alias``: see there). Any other engine gets ``update_weights`` per flushed bucket in the
-    engine format; the reshard's buffers live on ``device`` (the engine's). An engine with
-    ``start_update(plan)`` (SGLang) is told the plan first and gets ``update_weights`` at every
-    flush, empty ones included. ``finish_update`` runs exactly once at the end. ``verify``: see
-    ``run_plan`` (a caller that checked the plan once may skip the per-sync check)."""
-    start = getattr(engine, "start_update", None)
-    if start is not None:
-        start(plan)
-    if hasattr(engine, "buffer") and plan.strategy in ("zero_redundancy", "p2p"):
-        asm = Assembler(plan, rank, None, dtype=dtype, device=device, zero_padding=False,
-                        into=inplace_targets(plan, rank, named, engine, alias))
-    else:
-        asm = Assembler(plan, rank, engine_format(shape, plan.gen, rank),
-                        sink=engine.update_weights, dtype=dtype, device=device,
-                        sink_every_flush=start is not None)
-    stats = run_plan(plan, rank, train_sources(plan, rank, named), asm, verify=verify)
-    asm.result()
-    engine.finish_update()
-    return stats
-
-
 class RolloutWorker:
     """This rank's engine plus the reshard plan that feeds it (see module docstring)."""
 
@@ -203,6 +139,8 @@ class RolloutWorker:
         # the builtin engine reads the rank's own training tensors where its gen shard is that
         # shard (no copy); not when the weights leave the device while generating
         self.alias = not cfg.actor.param_offload
+        # merged messages, agreed at the first sync (builtin engine; hybridrl.reshard.coalesce)
+        self.coalescing = Coalescing() if cfg.reshard.merge_messages else None
         self.engine = self._build_engine(cfg, actor, tp_group, tp_rank, members[0])
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -223,7 +161,7 @@ class RolloutWorker:
         """Reshard the actor's training shards into the engine (collective)."""
         named = {n: p.detach() for n, p in actor.module.named_parameters()}
         return sync_engine(self.plan, self.rank, self.shape, named, self.engine, self.dtype,
-                           self.device, alias=self.alias)
+                           self.device, alias=self.alias, coalescing=self.coalescing)
 
     # ------------------------------------------------------------------ SGLang only
     def _build_sglang(self, cfg, actor, backend=None):
