@@ -4,9 +4,14 @@
                                            [--bucket-mb 64] [--no-megatron]
 
 For each layout "t,p,tg,pg" of the ~100M-parameter llama shape below (fp32), every rank holds its
-megatron training shard (random values) and the script times, each as the max over ranks of the
-median of ``--repeats`` runs after one warm-up:
+megatron training shard as the trainer does (a GPTModel in megatron DDP with the distributed
+optimizer: the stage's tensors lie in DDP's parameter buffer; with ``--no-megatron`` random
+tensors in one buffer, last first, as that buffer holds them) and the script times, each as the
+max over ranks of the median of ``--repeats`` runs after one warm-up:
 - hybridrl's four strategies (plan once, then ``run_plan`` into gen-layout megatron shards);
+- zero_redundancy into the builtin engine as the trainer runs it (in place, training-shard
+  parts, own parts aliased), one message per transfer and merged (``Coalescing``: agreed in
+  the warm-up; hybridrl.reshard.coalesce);
 - the wire limit: one bare ``all_gather`` of the same bytes in the same (micro-DP) groups, one
   bare p2p batch of them (one message per peer), that batch plus one plain copy of the rows the
   rank keeps (what any reshard into separate engine tensors must also do), and one bare batch

@@ -60,6 +60,7 @@ class Assembler:
         self.device = torch.device(device)
         self.into = into
         self.spare = spare  # view -> elements of scratch after it (merged messages' holes)
+        self.copies: list | None = None  # (target, source) row copies made, while recording
         self.dests = plan.dests[rank]
         self.gen_specs: dict[str, list[ParamSpec]] = {}
         self.regions: dict[str, list] = {}  # key -> [buffer, rows filled]
@@ -189,6 +190,8 @@ class Assembler:
             target, src = view.narrow(cut, x - a, y - x), data.narrow(cut, x - lo, y - x)
             if target.data_ptr() != src.data_ptr():  # not received in place via ``slot``
                 target.copy_(src)
+                if self.copies is not None:  # recording a Replay (executor)
+                    self.copies.append((target, src))
         region[1] += hi - lo
         if region[1] == self.dests[key][1] - self.dests[key][0]:
             self._complete(key)

@@ -117,16 +117,19 @@ class _Bucket:
 
     def post(self) -> _Bucket:
         ops, group, tag, asm = [], self.group, self.tag, self.assembler
+        self.posted = []  # (is send, flat tensor, peer): what a Replay re-posts
         for ts, gaps, pieces, flat in self.sends:
             if flat is None:  # not laid out as agreed (or not contiguous): pack
                 flat = torch.cat([x.reshape(-1) for x in _with_gaps(pieces, gaps)])
             ops.append(dist.P2POp(dist.isend, flat, ts[0].dst, group, tag))
+            self.posted.append((True, flat, ts[0].dst))
         self.temps = {}  # message index -> temporary buffer (its slots are not laid out as agreed)
         for i, (ts, gaps, flat) in enumerate(self.landing):
             if flat is None:
                 flat = self.temps[i] = torch.empty(message_numel(ts, gaps, self.plan.itemsize),
                                                    dtype=asm.dtype, device=asm.device)
             ops.append(dist.P2POp(dist.irecv, flat, ts[0].src, group, tag))
+            self.posted.append((False, flat, ts[0].src))
         self.sends = None
         self.works = dist.batch_isend_irecv(ops) if ops else []
         return self
@@ -191,9 +194,35 @@ def _accept_local(plan: Plan, rank: int, sources: dict, assembler: Assembler, pi
         assembler.accept(key, lo, hi, _piece(plan, sources, Transfer(key, rank, rank, lo, hi, 0)))
 
 
+@dataclasses.dataclass
+class Replay:
+    """A recorded in-place run: its messages (flat views, peers, tags) and local row copies.
+
+    ``run(group)`` posts every message at once in the recorded order (same tags, so a peer
+    running ``run_plan`` matches it), copies the local rows while they travel and waits. Valid
+    only while every tensor it holds views is still the memory the caller reads and writes
+    (``hybridrl.rollout.engine_sync`` checks the addresses before each replay)."""
+
+    ops: list[tuple[bool, torch.Tensor, int, int]]  # (is send, flat tensor, peer, tag)
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (destination rows, source rows)
+    stats: RunStats
+
+    def run(self, group=None) -> RunStats:
+        ops = [dist.P2POp(dist.isend if send else dist.irecv, x, peer, group, tag)
+               for send, x, peer, tag in self.ops]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        for dst, src in self.copies:
+            dst.copy_(src)
+        for w in works:
+            w.wait()
+        return self.stats
+
+
 def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=None,
-             verify: bool = True, merges: Merges | None = None) -> RunStats:
-    """Execute this rank's part of ``plan`` (see module doc)."""
+             verify: bool = True, merges: Merges | None = None,
+             recorder: list | None = None) -> RunStats:
+    """Execute this rank's part of ``plan`` (see module doc). ``recorder``: a list that gets a
+    ``Replay`` of this run when it received in place with no temporary buffer."""
     error, _ = _local_error(plan, sources, assembler)
     if verify:
         check_same_plan(plan, group, error, merges is not None)
@@ -204,6 +233,9 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
     sent = recv = peak_comm = peak_live = peak_asm = messages = 0
     posted: dict[int, _Bucket] = {}
     in_place = assembler.into is not None
+    ops, replayable = [], recorder is not None and in_place
+    if replayable:
+        assembler.copies = []
 
     nxt, ready = 0, None
 
@@ -230,6 +262,8 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
         post_ahead(i + 1)  # next bucket(s) in flight ...
         comm = sum(b.temp_bytes for b in posted.values())
         cur = posted.pop(i)
+        replayable = replayable and cur.temp_bytes == 0
+        ops += [(send, x, peer, cur.tag) for send, x, peer in cur.posted]
         cur.wait_and_deliver(plan, assembler)  # ... while this one is consumed
         _accept_local(plan, rank, sources, assembler, sched.at_bucket.get(mine[i][2], ()))
         peak_comm = max(peak_comm, comm)
@@ -239,7 +273,11 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
         assembler.flush()
     peak_asm = max(peak_asm, assembler.live_bytes)
     peak_live = max(peak_live, assembler.live_bytes)
-    return RunStats(sent, recv, len(mine), peak_live, peak_comm, peak_asm, messages)
+    stats = RunStats(sent, recv, len(mine), peak_live, peak_comm, peak_asm, messages)
+    if replayable:
+        recorder.append(Replay(ops, assembler.copies, stats))
+    assembler.copies = None
+    return stats
 
 
 def run_plan_local(plan: Plan, sources: list[dict], assemblers: list[Assembler]) -> list[int]:

@@ -154,6 +154,11 @@ class BuiltinEngine:
     def spare(self, view: torch.Tensor) -> int:
         return self.store.spare(view)
 
+    def tensor_addresses(self) -> tuple:
+        """(label, address, shape) of every weight tensor held now (replay validity)."""
+        return tuple((n, k, p.data_ptr(), tuple(p.shape)) for n, parts in self.store.parts.items()
+                     for k, p in enumerate(parts) if p is not None)
+
     def finish_update(self) -> None:
         """End of a weight sync: nothing to do, ``update_weights`` already loaded (no collective)."""
 

@@ -15,6 +15,11 @@ Contract:
   megatron DDP's parameter buffer) lands in a run of engine parts as ONE message; later syncs
   reuse the agreement (``Coalescing.merges``). Every rank of the plan passes one or none
   (with ``verify`` a mismatch raises on every rank instead of hanging). Other engines ignore it.
+  A sync that received in place with no temporary buffer is recorded (``executor.Replay``: its
+  messages as flat views, its local row copies); the next sync replays it (post, copy, wait: no
+  planning, targets or buckets rebuilt) when the training tensors and the engine's tensors are
+  where they were (same addresses and shapes), else it runs and records again. A replaying
+  rank posts exactly what ``run_plan`` would, so peers may replay or not independently.
 """
 
 from __future__ import annotations
@@ -26,7 +31,13 @@ import torch
 
 from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.coalesce import Merges, agree
-from hybridrl.reshard.executor import _local_error, check_same_plan, run_plan, train_sources
+from hybridrl.reshard.executor import (
+    Replay,
+    _local_error,
+    check_same_plan,
+    run_plan,
+    train_sources,
+)
 from hybridrl.reshard.formats import engine_format, hf_name
 from hybridrl.reshard.specs import LlamaShape
 
@@ -35,9 +46,12 @@ HOLE_MAX_BYTES = 256 << 10  # a sender's hole up to this travels in the message 
 
 @dataclasses.dataclass
 class Coalescing:
-    """Merged messages agreed at the first in-place sync (None before; see module doc)."""
+    """Merged messages agreed at the first in-place sync (None before; see module doc), and the
+    last sync recorded for replay with the addresses it was recorded at."""
 
     merges: Merges | None = None
+    replay: Replay | None = None
+    addresses: tuple = ()
 
 
 def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
@@ -92,9 +106,18 @@ def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, 
     start = getattr(engine, "start_update", None)
     if start is not None:
         start(plan)
+    in_place = hasattr(engine, "buffer") and plan.strategy in ("zero_redundancy", "p2p")
+    if in_place and coalescing is not None and coalescing.replay is not None:
+        if coalescing.addresses == _addresses(named, engine, alias):
+            if verify:
+                check_same_plan(plan, None, None, merged=True)
+            stats = coalescing.replay.run()
+            engine.finish_update()
+            return stats
+        coalescing.replay = None  # something moved: run (and record) again
     sources = train_sources(plan, rank, named)
     merges = None
-    if hasattr(engine, "buffer") and plan.strategy in ("zero_redundancy", "p2p"):
+    if in_place:
         def build():
             return Assembler(plan, rank, None, dtype=dtype, device=device, zero_padding=False,
                              into=inplace_targets(plan, rank, named, engine, alias),
@@ -108,10 +131,20 @@ def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, 
         asm = Assembler(plan, rank, engine_format(shape, plan.gen, rank),
                         sink=engine.update_weights, dtype=dtype, device=device,
                         sink_every_flush=start is not None)
-    stats = run_plan(plan, rank, sources, asm, verify=verify, merges=merges)
+    recorded: list = [] if in_place and coalescing is not None else None
+    stats = run_plan(plan, rank, sources, asm, verify=verify, merges=merges, recorder=recorded)
     asm.result()
+    if recorded:
+        coalescing.replay, coalescing.addresses = recorded[0], _addresses(named, engine, alias)
     engine.finish_update()
     return stats
+
+
+def _addresses(named: dict, engine, alias: bool) -> tuple:
+    """Where the training tensors and the engine's tensors live now (a replay is valid only
+    while this is unchanged: same memory, same shapes)."""
+    return (alias, tuple((name, x.data_ptr(), tuple(x.shape)) for name, x in named.items()),
+            engine.tensor_addresses())
 
 
 def _agree(plan, rank, sources, engine, build, coalescing, device, verify):

@@ -5,7 +5,7 @@ Each rank's training tensors lie in one flat buffer, in reverse order with gaps 
 ``Coalescing`` agrees once which transfers travel together and lays the engine's received parts
 out in the senders' order; checked against the engine loaded the independent way (engine-format
 shards of the oracle): bit-identical weights at the agreeing sync and the next one (changed
-weights), fewer messages than transfers, no temporary buffer. Then the memory moves under the
+weights, a replay of the recorded first), fewer messages than transfers, no temporary buffer. Then the memory moves under the
 agreement (training tensors re-allocated one by one; engine parts re-laid in another order):
 the next syncs are still bit-identical, through packing/unpacking buffers. A rank that skips
 coalescing while its peers use it raises on every rank instead of hanging.
@@ -18,8 +18,10 @@ import torch
 
 from hybridrl.testing.dist import run_on_ranks
 
-# (train tp, train pp, gen tp, engine parts K) on 4 ranks, megatron's vocab padding, gen pp 1
-CASES = [(2, 2, 2, 1), (2, 2, 1, 2), (2, 1, 1, 2), (1, 2, 1, 1)]
+# (train tp, train pp, gen tp, engine parts K, alias) on 4 ranks, megatron's vocab padding, gen
+# pp 1 (alias False: the rank's own rows are copied, by the replay too)
+CASES = [(2, 2, 2, 1, True), (2, 2, 1, 2, True), (2, 1, 1, 2, True), (1, 2, 1, 1, True),
+         (2, 2, 1, 2, False)]
 
 
 def _flat(named: dict, gap_every: int = 3) -> dict:
@@ -35,7 +37,7 @@ def _flat(named: dict, gap_every: int = 3) -> dict:
     return {name: out[name] for name in named}
 
 
-def _case_rank(rank, world, t, p, tg, blocks):
+def _case_rank(rank, world, t, p, tg, blocks, alias):
     from hybridrl.parallel.layout import TrainLayout
     from hybridrl.reshard.formats import hf_name
     from hybridrl.reshard.placement import gen_placement, train_placement
@@ -71,8 +73,10 @@ def _case_rank(rank, world, t, p, tg, blocks):
             engine.arrange([(n, k if len(ps) > 1 else None) for n, ps in
                             sorted(store.parts.items(), reverse=True) for k in range(len(ps))
                             if store.label(n, k) not in store.aliased])
-        stats = sync_engine(plan, rank, SMALL, named, engine, torch.float32, alias=True,
+        had = coalescing.replay
+        stats = sync_engine(plan, rank, SMALL, named, engine, torch.float32, alias=alias,
                             coalescing=coalescing)
+        out[f"replayed{step}"] = had is not None and coalescing.replay is had
         oracle = _engine(SMALL, gen, rank, gen.vocab_chunk)
         oracle.update_weights(engine_shards(SMALL, hf, tg, gb, 1, 0, gen.vocab_chunk).items())
         out[f"bad{step}"] = sorted(n for n in oracle.weights
@@ -80,7 +84,7 @@ def _case_rank(rank, world, t, p, tg, blocks):
                                                       engine.weights[n][:real[n]]))
         out[f"messages{step}"], out[f"temp{step}"] = stats.messages, stats.peak_comm_bytes
         out[f"received{step}"] = stats.bytes_received
-    base = sync_engine(plan, rank, SMALL, named, plain, torch.float32, alias=True)
+    base = sync_engine(plan, rank, SMALL, named, plain, torch.float32, alias=alias)
     out["messages_plain"], out["received_plain"] = base.messages, base.bytes_received
     out["agreed"] = (coalescing.merges.messages, coalescing.merges.transfers)
     out["holes"] = coalescing.merges.gap_bytes
@@ -148,7 +152,9 @@ def test_back_to_back_transfers_travel_as_one_message(results, case):
             # floor of one message per bucket and peer (a tensor cut at a bucket's end costs one)
             assert merged < transfers / 2 and merged <= 2 * r["floor"], (rank, r)
         assert r["temp0"] == r["temp1"] == 0  # zero-copy on both sides
-        # memory moved under the agreement: same messages, packed / unpacked
+        # the second sync (same memory, new values) replays the first: bit-identical above
+        assert [r[f"replayed{s}"] for s in range(4)] == [False, True, False, False], rank
+        # memory moved under the agreement: same messages, packed / unpacked (and not replayed)
         assert r["messages2"] == r["messages3"] == merged
         if merged < transfers:
             assert r["temp2"] > 0 and r["temp3"] > 0, rank
