@@ -162,9 +162,10 @@ def plan_fingerprint(plan: Plan) -> tuple:
 
 
 def check_same_plan(plan: Plan, group=None, local_error: str | None = None,
-                    merged: bool = False) -> None:
+                    merged: str | None = None) -> None:
     """One all_gather_object: ValueError on every rank unless all ranks run the same plan, all
-    with or all without merged messages (``merged``), and none reports a ``local_error`` (so a
+    in the same messages phase (``merged``: None = one message per transfer, "agree" = about to
+    agree on merged messages, "run" = running agreed ones), and none reports a ``local_error`` (so a
     bad input on one rank fails all, never hangs)."""
     mine = (plan_fingerprint(plan), merged)
     seen: list = [None] * dist.get_world_size(group)
@@ -225,7 +226,7 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
     ``Replay`` of this run when it received in place with no temporary buffer."""
     error, _ = _local_error(plan, sources, assembler)
     if verify:
-        check_same_plan(plan, group, error, merges is not None)
+        check_same_plan(plan, group, error, None if merges is None else "run")
     elif error:
         raise ValueError(error)
     sched = phase_schedule(plan, rank)

@@ -14,7 +14,8 @@ Contract:
   (``BuiltinEngine.arrange``), so that a run of training tensors that lie back to back (e.g.
   megatron DDP's parameter buffer) lands in a run of engine parts as ONE message; later syncs
   reuse the agreement (``Coalescing.merges``). Every rank of the plan passes one or none
-  (with ``verify`` a mismatch raises on every rank instead of hanging). Other engines ignore it.
+  (with ``verify`` a mismatch raises on every rank instead of hanging, and so does a rank
+  whose ``Coalescing`` is fresh while its peers' have agreed). Other engines ignore it.
   A sync that received in place with no temporary buffer is recorded (``executor.Replay``: its
   messages as flat views, its local row copies); the next sync replays it (post, copy, wait: no
   planning, targets or buckets rebuilt) when the training tensors and the engine's tensors are
@@ -47,7 +48,9 @@ HOLE_MAX_BYTES = 256 << 10  # a sender's hole up to this travels in the message 
 @dataclasses.dataclass
 class Coalescing:
     """Merged messages agreed at the first in-place sync (None before; see module doc), and the
-    last sync recorded for replay with the addresses it was recorded at."""
+    last sync recorded for replay with the addresses it was recorded at. The replay holds views
+    of the training and engine storages it was recorded on: memory re-allocated elsewhere since
+    stays alive until the next sync finds the addresses changed and drops it."""
 
     merges: Merges | None = None
     replay: Replay | None = None
@@ -110,7 +113,7 @@ def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, 
     if in_place and coalescing is not None and coalescing.replay is not None:
         if coalescing.addresses == _addresses(named, engine, alias):
             if verify:
-                check_same_plan(plan, None, None, merged=True)
+                check_same_plan(plan, None, None, merged="run")
             stats = coalescing.replay.run()
             engine.finish_update()
             return stats
@@ -152,7 +155,7 @@ def _agree(plan, rank, sources, engine, build, coalescing, device, verify):
     received parts out in the senders' memory order first (before any of its tensors is built,
     so the engine's memory is never held twice). Returns (the Assembler, verify still to do)."""
     if verify:  # everyone takes this path with the same plan, before any exchange
-        check_same_plan(plan, None, None, merged=True)
+        check_same_plan(plan, None, None, merged="agree")
     made = {}
 
     def arrange(peer_layouts):
@@ -160,7 +163,7 @@ def _agree(plan, rank, sources, engine, build, coalescing, device, verify):
         engine.arrange(order, spare)
         asm = made["asm"] = build()
         if verify:  # inputs (dtype, targets) now, collectively: a bad one raises on every rank
-            check_same_plan(plan, None, _local_error(plan, sources, asm)[0], merged=True)
+            check_same_plan(plan, None, _local_error(plan, sources, asm)[0], merged="agree")
         return asm
 
     coalescing.merges = agree(plan, rank, sources, arrange, device=device)

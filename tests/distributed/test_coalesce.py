@@ -8,7 +8,8 @@ shards of the oracle): bit-identical weights at the agreeing sync and the next o
 weights, a replay of the recorded first), fewer messages than transfers, no temporary buffer. Then the memory moves under the
 agreement (training tensors re-allocated one by one; engine parts re-laid in another order):
 the next syncs are still bit-identical, through packing/unpacking buffers. A rank that skips
-coalescing while its peers use it raises on every rank instead of hanging.
+coalescing while its peers use it, or starts agreeing again while they run agreed messages,
+makes every rank raise instead of hanging.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _case_rank(rank, world, t, p, tg, blocks, alias):
 
 
 def _mixed_rank(rank, world):
-    """Rank 1 runs without coalescing, its peers with: every rank must raise."""
+    """Rank 1 out of step with its peers (see the test): every rank must raise, twice."""
     from hybridrl.parallel.layout import TrainLayout
     from hybridrl.reshard.placement import gen_placement, train_placement
     from hybridrl.reshard.planner import plan_reshard
@@ -111,12 +112,22 @@ def _mixed_rank(rank, world):
     b, a, _ = train.coords[rank]
     named = megatron_shards(SMALL, make_hf(SMALL, seed=3), 2, b, 2, a, train.vocab_chunk,
                             pad_value=PAD)
+    errors = []
+    engine = _engine(SMALL, gen, rank, gen.vocab_chunk)
     try:
-        sync_engine(plan, rank, SMALL, named, _engine(SMALL, gen, rank, gen.vocab_chunk),
-                    torch.float32, alias=True, coalescing=None if rank == 1 else Coalescing())
+        sync_engine(plan, rank, SMALL, named, engine, torch.float32, alias=True,
+                    coalescing=None if rank == 1 else Coalescing())
     except ValueError as e:
-        return str(e)
-    return None
+        errors.append(str(e))
+    # all agree; then rank 1 starts over with a fresh state while its peers replay
+    states = Coalescing()
+    sync_engine(plan, rank, SMALL, named, engine, torch.float32, alias=True, coalescing=states)
+    try:
+        sync_engine(plan, rank, SMALL, named, engine, torch.float32, alias=True,
+                    coalescing=Coalescing() if rank == 1 else states)
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
 
 
 def _all(rank, world):
@@ -161,6 +172,8 @@ def test_back_to_back_transfers_travel_as_one_message(results, case):
 
 
 @pytest.mark.slow
-def test_a_rank_without_coalescing_fails_every_rank(results):
+def test_a_rank_out_of_step_fails_every_rank(results):
+    """Without merging while the peers merge, or agreeing afresh while they run their agreed
+    messages: every rank raises (instead of posting unmatched messages and hanging)."""
     errors = [per["mixed"] for per in results]
-    assert all(e and "disagree" in e for e in errors), errors
+    assert all(len(e) == 2 and all("disagree" in x for x in e) for e in errors), errors
