@@ -36,6 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.reshard_wire import max_over_ranks as _max  # noqa: E402
+from benchmarks.reshard_wire import plan_messages_method, wire_methods  # noqa: E402
 from hybridrl.reshard.specs import LlamaShape  # noqa: E402
 from hybridrl.testing.dist import run_on_ranks  # noqa: E402
 
@@ -64,15 +66,6 @@ def _rounds(methods, repeats, barrier):
             barrier()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def _max(x):
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 class _CpuTracker:
@@ -159,54 +152,6 @@ def _megatron_check(groups, shape, dst, ours):
             theirs, ours_t = theirs[:real], ours_t[:real]
         same = same and torch.equal(theirs, ours_t)
     return recv, same
-
-
-def _wire_methods(groups, zr_recv_bytes, local_bytes=0):
-    """The same bytes in the same micro-DP groups, bare: one all_gather; one p2p batch; and that
-    batch plus one plain copy of the ``local_bytes`` a rank keeps (its own training rows, which
-    every reshard into separate engine tensors must copy: the floor of what a reshard does)."""
-    import torch
-    import torch.distributed as dist
-
-    dg, members, me = groups.size("micro_dp"), groups.members["micro_dp"], groups.rank
-    per = int(_max(zr_recv_bytes)) // max(1, dg - 1) // 4  # all_gather needs equal sizes
-    x, y = torch.randn(per), torch.empty(per * dg)
-    bufs = {peer: torch.empty(per) for peer in members if peer != me}
-
-    def p2p():
-        ops = [dist.P2POp(dist.isend, x, peer) for peer in bufs]
-        ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in bufs.items()]
-        for w in dist.batch_isend_irecv(ops) if ops else []:
-            w.wait()
-
-    own, own_dst = torch.randn(local_bytes // 4), torch.empty(local_bytes // 4)
-
-    def p2p_and_copy():
-        p2p()
-        own_dst.copy_(own)
-
-    return {"wire: bare all_gather": lambda: dist.all_gather_into_tensor(y, x, group=groups.micro_dp),
-            "wire: bare p2p batch": p2p,
-            "wire: p2p batch + own-row copy": p2p_and_copy}, per * (dg - 1) * 4
-
-
-def _plan_messages_method(plan, rank):
-    """The plan's own messages (every transfer of every bucket, same sizes, peers and order) as
-    one bare p2p batch between plain buffers: the wire cost of the reshard's message count
-    (gloo pays per message), without its bookkeeping, copies or buckets."""
-    import torch
-    import torch.distributed as dist
-
-    sends = [(t, torch.randn(t.nbytes // 4)) for b in plan.buckets for t in b if t.src == rank]
-    recvs = [(t, torch.empty(t.nbytes // 4)) for b in plan.buckets for t in b if t.dst == rank]
-
-    def run():
-        ops = [dist.P2POp(dist.isend, buf, t.dst) for t, buf in sends]
-        ops += [dist.P2POp(dist.irecv, buf, t.src) for t, buf in recvs]
-        for w in dist.batch_isend_irecv(ops) if ops else []:
-            w.wait()
-
-    return run, len(recvs)
 
 
 def _strategy_method(rank, cfg, layout, train, specs, named, strategy, info, results):
@@ -352,11 +297,11 @@ def _bench_rank(rank, world, cfg):
             engines[name] = engine
     zr = plans["zero_redundancy"]
     local = sum((hi - lo) * zr.spec(k).row_numel * zr.itemsize for k, lo, hi in zr.locals[rank])
-    wire, wire_bytes = _wire_methods(groups, zr.recv_bytes(rank), local)
+    wire, wire_bytes = wire_methods(groups, zr.recv_bytes(rank), local)
     methods.update(wire)
     for name in wire:
         info[name] = {"recv": wire_bytes, "planned": wire_bytes}
-    methods[PLAN_MSGS], n_msgs = _plan_messages_method(zr, rank)
+    methods[PLAN_MSGS], n_msgs = plan_messages_method(zr, rank)
     info[PLAN_MSGS] = {"recv": zr.recv_bytes(rank), "planned": zr.recv_bytes(rank), "msgs": n_msgs}
     if cfg["megatron"]:
         dst, swap, first = _megatron_swap(groups, SHAPE, pgc, src_model)
