@@ -134,7 +134,8 @@ def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, 
         asm = Assembler(plan, rank, engine_format(shape, plan.gen, rank),
                         sink=engine.update_weights, dtype=dtype, device=device,
                         sink_every_flush=start is not None)
-    recorded: list = [] if in_place and coalescing is not None else None
+    replayable = in_place and coalescing is not None and hasattr(engine, "tensor_addresses")
+    recorded: list = [] if replayable else None
     stats = run_plan(plan, rank, sources, asm, verify=verify, merges=merges, recorder=recorded)
     asm.result()
     if recorded:
