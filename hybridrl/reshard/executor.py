@@ -155,10 +155,12 @@ def _with_gaps(pieces, gaps):
 
 
 def plan_fingerprint(plan: Plan) -> tuple:
-    """Small summary every rank of one reshard must share (layouts, strategy, buckets, bytes)."""
+    """Small summary every rank of one reshard must share (layouts, model depth and tensor
+    count, strategy, buckets, bytes)."""
     g, t = plan.gen, plan.train
     return (plan.strategy, t.world, t.tp, t.pp, g.tp, g.pp, g.grouping, g.vocab_chunk,
-            plan.itemsize, len(plan.buckets), sum(x.nbytes for b in plan.buckets for x in b))
+            t.num_layers, len(plan.specs), plan.itemsize, len(plan.buckets),
+            sum(x.nbytes for b in plan.buckets for x in b))
 
 
 def check_same_plan(plan: Plan, group=None, local_error: str | None = None,
