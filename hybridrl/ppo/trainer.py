@@ -8,7 +8,8 @@ Contract:
   the same run id: ``hybridrl.ppo.run_identity``), runs
   ``trainer.total_steps`` steps and returns the list of per-step metric dicts (every rank).
 - One step (``train_step``), every rank:
-  1. ``timing_s/reshard``: actor train shards -> engine shards (``RolloutWorker.sync_weights``);
+  1. ``timing_s/reshard``: actor train shards -> engine shards (``RolloutWorker.sync_weights``;
+     this rank's bytes and messages as ``reshard/*``);
   2. ``timing_s/gen``: each gen replica samples its share of the prompts (``rollout.n`` per
      prompt); each DP replica then receives only the rows it trains on
      (``hybridrl.rollout.partition``: token-balanced per mini-batch chunk, prompt groups kept
@@ -83,7 +84,7 @@ from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_tok
 from hybridrl.rewards.scoring import build_reward_scorer
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
 from hybridrl.rollout.partition import plan_rollout_partition
-from hybridrl.rollout.worker import RolloutWorker
+from hybridrl.rollout.worker import RolloutWorker, reshard_metrics
 
 SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
 
@@ -290,7 +291,7 @@ class PPOTrainer:
         snapshot = self._snapshot() if self.guard.needs_snapshot else None
         prompts = self.loader.next_batch()
         with self.memory.timed(timing, "reshard"):
-            self.worker.sync_weights(self.actor)
+            sync = self.worker.sync_weights(self.actor)
         with self.memory.timed(timing, "gen"):
             rb = self._rollout(prompts)
             self.worker.release()  # SGLang gives its GPU memory back before training
@@ -353,7 +354,7 @@ class PPOTrainer:
         batch = batch_metrics(rb, tensors, self.cfg.rollout.response_length, timing["timing_s/step"],
                               self.world, self._gloo_dp())
         batch = {k: v for k, v in batch.items() if not (self.on_policy and k in GAP_METRICS)}
-        return {**metrics, **batch, **timing}
+        return {**metrics, **batch, **timing, **reshard_metrics(sync)}
 
     # ------------------------------------------------------------------ KL guard
     def _models(self):

@@ -64,6 +64,13 @@ from hybridrl.rollout.partition import (
 )
 
 
+def reshard_metrics(stats) -> dict:
+    """This rank's weight sync as step metrics (``RunStats``: MB received / sent incl. merged
+    messages' holes, messages posted)."""
+    return {"reshard/recv_MB": stats.bytes_received / 1e6, "reshard/sent_MB": stats.bytes_sent / 1e6,
+            "reshard/messages": float(stats.messages)}
+
+
 def _gen_tp_groups(gen, rank: int, groups, grouping: str):
     """(this rank's gen TP group or None, its member ranks in gen TP order).
 

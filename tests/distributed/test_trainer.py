@@ -283,6 +283,15 @@ def test_two_ranks_match_one(world1, world2):
             assert all(m["training/rollout_logprob_diff_max"] < 1e-5 for m in got["metrics"])
             for step in range(2):
                 _close(got["metrics"][step], want[step])
+    # reshard metrics: tp 2 -> gen tp 1 moves the partner's shard, merged into fewer messages
+    # than transfers, the same at every step (the second replays the first); dp 2 moves nothing
+    for rank in (0, 1):
+        moved, none = world2[rank]["tp2_gen1"], world2[rank]["dp2"]
+        assert moved["reshard"][0] == moved["reshard"][1], moved["reshard"]
+        assert moved["reshard"][0]["reshard/recv_MB"] > 0
+        assert 0 < moved["reshard"][0]["reshard/messages"] < moved["transfers"] / 2, moved
+        assert none["reshard"][0] == {"reshard/recv_MB": 0.0, "reshard/sent_MB": 0.0,
+                                      "reshard/messages": 0.0}
     assert world2[0]["grpo_dp2"]["finite"]
     assert world2[0]["grpo_dp2"]["metrics"] == world2[1]["grpo_dp2"]["metrics"]
     assert world2[0]["tp2"]["lines"][0].startswith("hybridrl: world 2, train tp 2")

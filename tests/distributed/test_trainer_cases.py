@@ -40,7 +40,7 @@ def base_overrides(root: str) -> list[str]:
 
 
 def _clean(history: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))}
+    return [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/", "reshard/"))}
             for m in history]
 
 
@@ -115,7 +115,10 @@ def _fit(rank, world, overrides):
     before = _params(trainer)
     history = trainer.fit()
     return {"metrics": _clean(history), "changed": not _same(before, _params(trainer)),
-            "lines": lines, "finite": all(math.isfinite(v) for m in history for v in m.values())}
+            "lines": lines, "finite": all(math.isfinite(v) for m in history for v in m.values()),
+            "reshard": [{k: v for k, v in m.items() if k.startswith("reshard/")} for m in history],
+            "transfers": sum(len(s) + len(r) for s, r in
+                             trainer.worker.plan.rank_buckets(trainer.worker.rank))}
 
 
 def _reward_model(rank, world, overrides):
