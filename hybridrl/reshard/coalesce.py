@@ -77,8 +77,9 @@ def message_view(tensors, gaps, spare: Callable | None = None) -> torch.Tensor |
     key, end = first.untyped_storage().data_ptr(), first.storage_offset()
     prev = None
     for x, gap in zip(tensors, (0, *gaps)):
-        if (not x.is_contiguous() or x.dtype != first.dtype or x.untyped_storage().data_ptr() != key
-                or x.storage_offset() != end + gap or (gap and spare is not None and spare(prev) < gap)):
+        if (not x.is_contiguous() or x.dtype != first.dtype
+                or x.untyped_storage().data_ptr() != key or x.storage_offset() != end + gap
+                or (gap and spare is not None and spare(prev) < gap)):
             return None
         end, prev = x.storage_offset() + x.numel(), x
     return first.as_strided((end - first.storage_offset(),), (1,), first.storage_offset())
@@ -86,6 +87,11 @@ def message_view(tensors, gaps, spare: Callable | None = None) -> torch.Tensor |
 
 def message_numel(transfers, gaps, itemsize: int) -> int:
     return sum(t.nbytes for t in transfers) // itemsize + sum(gaps)
+
+
+def singles(transfers) -> list[Message]:
+    """One message per transfer, in their order (no merging)."""
+    return [((t,), ()) for t in transfers]
 
 
 @dataclasses.dataclass
@@ -100,7 +106,7 @@ class Merges:
     def groups(self, k: int, transfers: list[Transfer]) -> list[Message]:
         merged = self.by_bucket.get(k)
         if merged is None:
-            return [((t,), ()) for t in transfers]
+            return singles(transfers)
         member = {t for msg, _ in merged.values() for t in msg}
         out = []
         for t in transfers:  # plan order of each message's first transfer

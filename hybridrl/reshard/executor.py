@@ -25,10 +25,10 @@ Contract:
   ``hybridrl.reshard.coalesce.agree``), several transfers between the same two ranks that lie in
   memory as agreed on both sides (one flat view over them). A contiguous piece is sent as a
   view, a contiguous destination slot is received into directly; other pieces (and a merged
-  message whose memory no longer lies as agreed) go through a temporary buffer. Every strategy runs this
-  way: zero_redundancy's micro-DP "all-gather" is p2p exchanges inside the micro-DP group and the
-  allgather baseline is a p2p emulation of an all_gather; no collective moves weights (the only
-  collective is the ``verify`` check below).
+  message whose memory no longer lies as agreed) go through a temporary buffer. Every strategy
+  runs this way: zero_redundancy's micro-DP "all-gather" is p2p exchanges inside the micro-DP
+  group and the allgather baseline is a p2p emulation of an all_gather; no collective moves
+  weights (the only collective is the ``verify`` check below).
 - ``verify=True`` (default) first checks with one small all_gather_object that every rank runs
   the same plan (``plan_fingerprint``) and that no rank's inputs are wrong (dtype vs itemsize,
   every ``into=`` target's name/shape/dtype), so a mismatch raises ValueError on all ranks
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.reshard.assemble import Assembler
-from hybridrl.reshard.coalesce import Merges, message_numel, message_view
+from hybridrl.reshard.coalesce import Merges, message_numel, message_view, singles
 from hybridrl.reshard.coalesce import source_piece as _piece
 from hybridrl.reshard.planner import Plan, Transfer
 from hybridrl.reshard.schedule import local_phases, phase_schedule
@@ -96,7 +96,7 @@ class _Bucket:
 
     def __init__(self, plan, sources, sends, recvs, tag, group, assembler, merges=None):
         self.plan, self.tag, self.group, self.assembler = plan, tag, group, assembler
-        split = merges.groups if merges is not None else (lambda k, ts: [((t,), ()) for t in ts])
+        split = merges.groups if merges is not None else (lambda k, ts: singles(ts))
         spare = assembler.spare or (lambda view: 0)
         self.sends = []
         for ts, gaps in split(tag, sends):
@@ -266,7 +266,8 @@ def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=N
         comm = sum(b.temp_bytes for b in posted.values())
         cur = posted.pop(i)
         replayable = replayable and cur.temp_bytes == 0
-        ops += [(send, x, peer, cur.tag) for send, x, peer in cur.posted]
+        if replayable:  # (recording only)
+            ops += [(send, x, peer, cur.tag) for send, x, peer in cur.posted]
         cur.wait_and_deliver(plan, assembler)  # ... while this one is consumed
         _accept_local(plan, rank, sources, assembler, sched.at_bucket.get(mine[i][2], ()))
         peak_comm = max(peak_comm, comm)

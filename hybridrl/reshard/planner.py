@@ -13,14 +13,15 @@ Contract:
   * ``zero_redundancy``: HybridFlow grouping only (tg | t, pg | p). A rank keeps what it holds and
     receives the rest of its gen shard from its micro-DP group (same DP replica, same gen
     coordinates): (dg-1)/(tp)*M. A piece several peers hold (a norm) is split evenly over them,
-    unless it has at most 64K elements: then the first of them sends it whole. Rows
-    no micro-DP peer holds (vocab chunks that a different padding does not nest) come from the
-    nearest holder, as in p2p.
+    unless it has at most 64K elements: then the first of them sends it whole. Rows no micro-DP
+    peer holds (vocab chunks that a different padding does not nest) come from the nearest
+    holder, as in p2p.
   * ``p2p``: any (tg, pg); a rank keeps what it holds and receives exactly the missing rows, each
     from a holder in its own DP replica when one exists: the minimum volume.
 - Every strategy is a list of point-to-point transfers (the executor posts one isend/irecv pair
-  each, or one per run of them with merged messages: hybridrl.reshard.coalesce): zero_redundancy's micro-DP all-gather becomes p2p exchanges inside the micro-DP group,
-  and ``allgather`` is a p2p emulation of an all_gather.
+  each, or one per run of them with merged messages: hybridrl.reshard.coalesce):
+  zero_redundancy's micro-DP all-gather becomes p2p exchanges inside the micro-DP group, and
+  ``allgather`` is a p2p emulation of an all_gather.
 - Transfers are cut into chunks of at most ``bucket_mb`` MiB and grouped greedily, in parameter
   order, into buckets in which no rank sends more than ``bucket_mb`` MiB, nor receives more
   counting, with its last receive of a parameter, the rows of it the rank holds (its local copies

@@ -42,7 +42,8 @@ from hybridrl.reshard.executor import (
 from hybridrl.reshard.formats import engine_format, hf_name
 from hybridrl.reshard.specs import LlamaShape
 
-HOLE_MAX_BYTES = 256 << 10  # a sender's hole up to this travels in the message (cheaper than a new one)
+# a sender's hole up to this travels in the message (cheaper than a message of its own)
+HOLE_MAX_BYTES = 256 << 10
 
 
 @dataclasses.dataclass
@@ -74,12 +75,12 @@ def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
         iv = gen.interval(spec, rank)
         if iv is None:
             continue
-        gname, ename = spec.local_name(gen.pp, gen.num_layers), hf_name(spec)
-        parts = 1 if spec.kind == "norm" else engine.blocks
+        gname = spec.local_name(gen.pp, gen.num_layers)
+        ename, parts, part_rows = _engine_parts(plan, spec, iv, engine)
         own = named.get(spec.local_name(train.pp, train.num_layers))
         shape = engine.block_shape(ename)
         targets = []
-        for k, rows in enumerate(spec.part_intervals(*iv, parts, gen.vocab_chunk)):
+        for k, rows in enumerate(part_rows):
             block = k if parts > 1 else None
             same = (alias and own is not None and rows[1] > rows[0]
                     and train.interval(spec, rank) == rows and tuple(own.shape) == shape
@@ -171,13 +172,19 @@ def _agree(plan, rank, sources, engine, build, coalescing, device, verify):
     return made["asm"], False
 
 
+def _engine_parts(plan, spec, interval, engine):
+    """(engine name, number of parts, canonical rows of each part) of ``spec``'s gen piece
+    ``interval`` on a rank: norms are one part, every sharded tensor ``engine.blocks``."""
+    parts = 1 if spec.kind == "norm" else engine.blocks
+    return hf_name(spec), parts, spec.part_intervals(*interval, parts, plan.gen.vocab_chunk)
+
+
 def _part_of(plan, rank: int, engine, t):
     """((engine name, part), whether rows [t.lo, t.hi) of ``t.key`` start that part)."""
     spec = plan.spec(t.key)
-    parts = 1 if spec.kind == "norm" else engine.blocks
-    rows = spec.part_intervals(*plan.gen.interval(spec, rank), parts, plan.gen.vocab_chunk)
+    name, parts, rows = _engine_parts(plan, spec, plan.gen.interval(spec, rank), engine)
     k = next((k for k, (lo, hi) in enumerate(rows) if lo <= t.lo < hi), 0)
-    return (hf_name(spec), k if parts > 1 else None), rows[k][0] == t.lo
+    return (name, k if parts > 1 else None), rows[k][0] == t.lo
 
 
 def _arrangement(plan, rank: int, engine, peer_layouts):
