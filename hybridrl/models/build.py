@@ -120,16 +120,31 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def layer_spec(use_te: bool):
+def layer_spec(use_te: bool, qk_norm: bool = False):
     """megatron-core layer spec for a llama layer: TE's fused modules, else megatron's local
-    modules with hybridrl's lean forwards (``hybridrl.models.local_spec``)."""
+    modules with hybridrl's lean forwards (``hybridrl.models.local_spec``); ``qk_norm``: Qwen3's
+    per-head q/k RMSNorm (megatron's ``q_layernorm`` / ``k_layernorm``)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     from hybridrl.models.local_spec import local_layer_spec
 
-    return local_layer_spec()
+    return local_layer_spec(qk_layernorm=qk_norm)
+
+
+def install_rope(module, spec: LlamaSpec) -> None:
+    """Give a GPTModel's RoPE transformers' inverse frequencies for a scaled RoPE (llama3 with
+    any keys, yarn; megatron's own llama3 scaling hard-codes low/high_freq_factor 1/4 and an
+    8192 context, and megatron has no yarn for GPTModel). Plain RoPE keeps megatron's own."""
+    if spec.rope_scaling is None:
+        return
+    from hybridrl.models.rope import inv_freq
+
+    freq, _ = inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling,
+                       spec.max_position_embeddings)
+    rotary = module.rotary_pos_emb
+    rotary.inv_freq = freq.to(rotary.inv_freq.device)
 
 
 def ensure_megatron_state(groups):
@@ -178,7 +193,7 @@ def build_model(
     _seed(seed, groups.tp_rank)
     with cpu_compat.cpu_model_construction():
         module = GPTModel(
-            config, layer_spec(use_te), vocab_size=vocab,
+            config, layer_spec(use_te, spec.qk_norm), vocab_size=vocab,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
             share_embeddings_and_output_weights=(spec.tie_word_embeddings
@@ -187,6 +202,7 @@ def build_model(
             if float(spec.rope_theta).is_integer() else spec.rope_theta,
             pg_collection=pgc,
         )
+    install_rope(module, spec)
     if role in VALUE_ROLES and groups.is_last_stage:
         module.output_layer = ValueHead(spec.hidden_size, config.params_dtype,
                                         config.init_method_std, seed)

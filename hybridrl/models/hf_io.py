@@ -1,4 +1,4 @@
-"""HF checkpoint IO: local Llama/Qwen2 folders <-> sharded megatron-core models.
+"""HF checkpoint IO: local Llama/Qwen2/Qwen3 folders <-> sharded megatron-core models.
 
 Contract:
 - ``build_from_hf(folder, groups, role)`` reads and validates ``folder/config.json`` and the layout
@@ -40,7 +40,11 @@ _LAYER_MAP = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3, [head_dim]
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
+_REPLICATED = ("input_layernorm.weight", "pre_mlp_layernorm.weight",
+               "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
 
 
 class HFReader:
@@ -107,7 +111,7 @@ def _layer_local(reader, layer: int, rest: str, model: ShardedModel) -> torch.Te
     prefix = f"model.layers.{layer}"
     tp_size, tp_rank = model.groups.tp_size, model.groups.tp_rank
     spec = model.spec
-    if rest in ("input_layernorm.weight", "pre_mlp_layernorm.weight"):
+    if rest in _REPLICATED:
         return reader.full(f"{prefix}.{_LAYER_MAP[rest]}")
     if rest.startswith("self_attention.linear_qkv."):
         return _qkv_local(reader, f"{prefix}.self_attn", rest.rsplit(".", 1)[1], model)
@@ -212,7 +216,7 @@ def hf_tensors_from_full(name: str, pieces: list[torch.Tensor], spec, role: str 
                 "lm_head.weight": torch.cat(pieces)[: spec.vocab_size]}
         raise ValueError(f"no HF mapping for megatron parameter {name}")
     prefix, rest = f"model.layers.{match.group(1)}", match.group(2)
-    if rest in ("input_layernorm.weight", "pre_mlp_layernorm.weight"):
+    if rest in _REPLICATED:
         return {f"{prefix}.{_LAYER_MAP[rest]}": pieces[0]}
     if rest in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
         return {f"{prefix}.{_LAYER_MAP[rest]}": torch.cat(pieces, dim=1)}

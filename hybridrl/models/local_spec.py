@@ -278,9 +278,11 @@ def make_output_layer_lean(gpt_model) -> bool:
     return True
 
 
-def local_layer_spec():
-    """megatron's local GPT layer spec (RMSNorm) with this module's lean subclasses."""
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+def local_layer_spec(qk_layernorm: bool = False):
+    """megatron's local GPT layer spec (RMSNorm; ``qk_layernorm``: per-head q/k RMSNorm, as
+    Qwen3 has) with this module's lean subclasses."""
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm",
+                                                    qk_layernorm=qk_layernorm)
     spec.module = LeanTransformerLayer
     attention = spec.submodules.self_attention
     attention.module = LeanSelfAttention

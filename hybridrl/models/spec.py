@@ -2,11 +2,15 @@
 
 Contract:
 - ``LlamaSpec`` is the frozen, device-free description of a llama-family decoder (RMSNorm, RoPE,
-  SwiGLU, GQA, tied or untied embeddings, optional q/k/v bias as in Qwen2).
+  SwiGLU, GQA, tied or untied embeddings, optional q/k/v bias as in Qwen2, optional per-head
+  q/k RMSNorm as in Qwen3, ``head_dim`` independent of hidden/heads, RoPE scaling ``llama3`` or
+  ``yarn``: ``hybridrl.models.rope``).
 - ``LlamaSpec.from_hf_config(dict)`` / ``read_hf_spec(folder)`` read an HF config.json
-  (``LlamaForCausalLM``, ``Qwen2ForCausalLM``) and reject anything else with one ``ValueError``
-  naming the field; ``to_hf_config()`` writes it back. ``from_model_config`` takes hybridrl's
-  builtin ``ModelConfig`` sizes.
+  (``LlamaForCausalLM`` incl. Llama 3.x, ``Qwen2ForCausalLM`` incl. Qwen2.5, ``Qwen3ForCausalLM``)
+  and reject anything else with one ``ValueError`` naming the key (other architectures incl. MoE,
+  sliding-window attention in use, other RoPE types, attention biases on Llama/Qwen3, MLP biases,
+  activations other than SiLU); ``to_hf_config()`` writes it back. ``from_model_config`` takes
+  hybridrl's builtin ``ModelConfig`` sizes.
 - ``check_layout(spec, train)`` raises before any weight is read when heads, query groups, FFN
   size or layers do not divide as the layout needs.
 - ``padded_vocab_size`` is megatron's rule: round up to ``make_vocab_size_divisible_by * tp``.
@@ -23,7 +27,15 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+from hybridrl.config.hf_model import (
+    MODEL_TYPES,
+    SUPPORTED_ARCHITECTURES,
+    RopeScaling,
+    check_hf_features,
+    hf_architecture,
+    parse_rope_scaling,
+)
+
 VOCAB_DIVISIBLE_BY = 128  # megatron's make_vocab_size_divisible_by default
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,6 +57,8 @@ class LlamaSpec:
     head_dim: int | None = None  # None = hidden_size // num_attention_heads
     qkv_bias: bool = False  # Qwen2
     architecture: str = "LlamaForCausalLM"
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of every query and key head
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
@@ -73,25 +87,9 @@ class LlamaSpec:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> LlamaSpec:
         """Validate an HF config.json dict and describe it; raises ValueError on anything else."""
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM",
-                                       "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type"))
-        if isinstance(arch, str) and arch.endswith("ForTokenClassification"):  # a critic
-            arch = arch.replace("ForTokenClassification", "ForCausalLM")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"config.json architectures={archs!r} (model_type="
-                             f"{cfg.get('model_type')!r}) is not supported; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        _reject(cfg, "hidden_act", lambda v: v not in (None, "silu"), "only 'silu' (SwiGLU)")
-        _reject(cfg, "mlp_bias", bool, "MLP biases are not supported")
-        _reject(cfg, "use_sliding_window", bool, "sliding-window attention is not supported")
-        if arch == "LlamaForCausalLM":
-            _reject(cfg, "attention_bias", bool, "attention biases are not supported for Llama")
+        arch = hf_architecture(cfg)
+        check_hf_features(cfg, arch)
         rope = cfg.get("rope_parameters") or {}
-        _reject(cfg, "rope_scaling", bool, "only default RoPE (no scaling) is supported")
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"config.json rope_parameters.rope_type={rope['rope_type']!r} is "
-                             "not supported; only 'default' RoPE")
         heads = cfg["num_attention_heads"]
         return cls(
             hidden_size=cfg["hidden_size"],
@@ -107,6 +105,8 @@ class LlamaSpec:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             qkv_bias=arch == "Qwen2ForCausalLM",
             architecture=arch,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope_scaling=parse_rope_scaling(cfg),
         )
 
     @classmethod
@@ -121,7 +121,7 @@ class LlamaSpec:
 
     def to_hf_config(self, dtype: str = "fp32") -> dict:
         """An HF config.json dict that transformers loads into the same model."""
-        model_type = "qwen2" if self.architecture == "Qwen2ForCausalLM" else "llama"
+        model_type = MODEL_TYPES[self.architecture]
         cfg = {
             "architectures": [self.architecture], "model_type": model_type,
             "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
@@ -132,19 +132,19 @@ class LlamaSpec:
             "rms_norm_eps": self.norm_eps, "hidden_act": "silu",
             "tie_word_embeddings": self.tie_word_embeddings,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
         }
-        if model_type == "llama":
-            cfg.update(attention_bias=False, mlp_bias=False)
-        else:
+        if self.rope_scaling is None:
+            cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        else:  # transformers 4.x reads rope_scaling, 5.x converts it to rope_parameters
+            cfg["rope_scaling"] = self.rope_scaling.to_hf()
+        if model_type == "qwen2":
             cfg.update(use_sliding_window=False)
+        else:
+            cfg.update(attention_bias=False, mlp_bias=False)
+            if model_type == "qwen3":
+                cfg.update(use_sliding_window=False)
         return cfg
-
-
-def _reject(cfg: dict, key: str, bad, why: str) -> None:
-    if key in cfg and bad(cfg[key]):
-        raise ValueError(f"config.json {key}={cfg[key]!r} is not supported: {why}")
 
 
 def read_hf_spec(folder: str | Path) -> LlamaSpec:
@@ -202,7 +202,14 @@ def to_transformer_config(spec: LlamaSpec, train, dtype: str = "fp32", **overrid
         attention_softmax_in_fp32=True, apply_rope_fusion=False,
         bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False,
-        deallocate_pipeline_outputs=False,
+        deallocate_pipeline_outputs=False, qk_layernorm=spec.qk_norm,
     )
+    if spec.rope_scaling is not None:  # yarn: transformers scales cos and sin by the factor
+        from hybridrl.models.rope import inv_freq
+
+        _, factor = inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling,
+                             spec.max_position_embeddings)
+        if factor != 1.0:  # q and k both rotated: the logits scale by factor**2
+            kwargs["softmax_scale"] = factor * factor / math.sqrt(spec.head_dim)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

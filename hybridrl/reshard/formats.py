@@ -9,7 +9,9 @@ rank's gen shard, see hybridrl.reshard.specs):
 - ``engine_format(shape, gen, rank)``: the per-TP-rank format shared by SGLang and the builtin
   engine: HF-style names with global layer indices, ``self_attn.qkv_proj.weight`` = [q; k; v] of
   the rank's heads (and ``qkv_proj.bias`` likewise for Qwen2), ``mlp.gate_up_proj.weight`` =
-  [gate; up] of the rank's slice, ``o_proj``, ``down_proj``, vocab-parallel ``embed_tokens`` / ``lm_head`` padded to ``gen.vocab_chunk`` (build
+  [gate; up] of the rank's slice, ``o_proj``, ``down_proj``, Qwen3's per-head
+  ``self_attn.q_norm.weight`` / ``self_attn.k_norm.weight`` [hd] (replicated, as SGLang's
+  ``Qwen3Attention.q_norm`` / ``k_norm``), vocab-parallel ``embed_tokens`` / ``lm_head`` padded to ``gen.vocab_chunk`` (build
   ``gen`` with the engine's ``vocab_pad``, SGLang: 64). Tied models send ``lm_head`` only as the
   last stage's copy (pp > 1). ValueError when gen TP cannot split the KV heads.
 - ``hf_format(shape)``: full HF tensors for export (q_proj, k_proj, v_proj, gate_proj, up_proj,
@@ -43,6 +45,8 @@ _LAYER_NAMES = {  # megatron suffix -> HF suffix (engine packing for qkv / fc1)
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3 [hd], replicated
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
 
 

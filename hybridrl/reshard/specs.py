@@ -2,9 +2,13 @@
 
 Contract:
 - ``LlamaShape`` is the frozen model description (hidden, ffn, heads, query groups, head_dim, vocab,
-  layers, tied, megatron's ``make_vocab_size_divisible_by``); ``from_hf_config`` reads an HF
-  config.json dict of the Llama/Qwen2 family (anything else, or a missing size, is a ValueError
-  naming the file), ``PRESETS`` holds llama-7b/13b/34b/70b.
+  layers, tied, megatron's ``make_vocab_size_divisible_by``, Qwen2's q/k/v bias, Qwen3's per-head
+  q/k norms); ``from_hf_config`` reads an HF config.json dict of a supported family (Llama incl.
+  3.x, Qwen2/2.5, Qwen3: ``hybridrl.config.hf_model``; anything else, an unsupported feature or
+  a missing size is one ValueError naming the key and the file). ``PRESETS`` holds the real
+  config.json sizes of llama-3.1-8b/70b, qwen2.5-7b/72b, qwen3-8b/32b and the Llama 2 family
+  as llama2-7b/13b/34b/70b; ``preset(name)`` refuses the old ``llama-7b``... names with a line
+  naming the new ones.
 - ``build_specs(shape, naming)`` returns one ``ParamSpec`` per logical megatron parameter, named as
   megatron-core's GPTModel names it with GLOBAL layer indices (``naming="local"``: the local layer
   spec's ``input_layernorm``/``pre_mlp_layernorm``; ``"te"``: the TE-fused ``layer_norm_weight``).
@@ -21,7 +25,7 @@ Contract:
          fc2 X=F)
   vocab  [V, H] (V unpadded)          0        [chunk, H], chunk = Vpad/n; real rows
                                                [b*chunk, min((b+1)*chunk, V)), padding after
-  norm   [H]                          0        replicated, the whole vector
+  norm   [H] ([hd]: Qwen3's q/k norm) 0        replicated, the whole vector
   ====== ============================ ======= =============================================
 
   G = num_query_groups, hpg = heads/G, hd = head_dim, F = ffn, H = hidden.
@@ -35,6 +39,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from hybridrl.config.hf_model import check_hf_features, hf_architecture
+
 KINDS = ("qkv", "fc1", "row", "vocab", "norm")
 NAMINGS = ("local", "te")
 EMBED = "embedding.word_embeddings.weight"
@@ -42,12 +48,10 @@ OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 
 
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}  # -> model_type
-
-
 @dataclasses.dataclass(frozen=True)
 class LlamaShape:
-    """Sizes of a llama-family decoder (RMSNorm, SwiGLU, GQA, RoPE, no biases)."""
+    """Sizes of a llama-family decoder (RMSNorm, SwiGLU, GQA, RoPE; Qwen2 q/k/v biases and Qwen3
+    per-head q/k norms optional)."""
 
     hidden: int
     ffn: int
@@ -59,6 +63,7 @@ class LlamaShape:
     tied: bool = False
     make_vocab_size_divisible_by: int = 128
     qkv_bias: bool = False  # Qwen2: linear_qkv.bias, interleaved per query group like the weight
+    qk_norm: bool = False  # Qwen3: q_layernorm / k_layernorm weights [head_dim], replicated
 
     def __post_init__(self) -> None:
         for f in ("hidden", "ffn", "heads", "num_query_groups", "layers", "vocab",
@@ -89,21 +94,20 @@ class LlamaShape:
 
     @staticmethod
     def from_hf_config(cfg: dict, source: str = "config.json") -> LlamaShape:
-        """From an HF llama/qwen2 config.json dict (``source``: its path, for messages).
+        """From an HF config.json dict (``source``: its path, for messages).
 
-        ``architectures`` (or, without it, ``model_type``) must name the Llama/Qwen2 family
-        (``HF_ARCHITECTURES``); other models (e.g. Mixtral's experts) have other parameters. A
-        missing or non-integer size raises ValueError naming the key and ``source``.
+        The architecture and its features are checked as the model builder checks them
+        (``hybridrl.config.hf_model``: e.g. Mixtral's experts, a sliding window in use or
+        another RoPE type are refused); a missing or non-integer size raises ValueError naming
+        the key and ``source``.
         """
         if not isinstance(cfg, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
-        archs, model_type = cfg.get("architectures") or [], cfg.get("model_type")
-        known = [a for a in archs if a in HF_ARCHITECTURES]
-        if (archs and not known) or (not archs and model_type not in HF_ARCHITECTURES.values()):
-            raise ValueError(
-                f"{source}: architectures={archs!r} (model_type={model_type!r}) is not supported; "
-                f"supported: {', '.join(HF_ARCHITECTURES)} (model_type "
-                f"{' or '.join(HF_ARCHITECTURES.values())})")
+        try:
+            arch = hf_architecture(cfg)
+            check_hf_features(cfg, arch)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
 
         def size(key: str, default=None) -> int:
             value = cfg.get(key, default)
@@ -123,8 +127,8 @@ class LlamaShape:
             vocab=size("vocab_size"),
             head_dim=None if cfg.get("head_dim") is None else size("head_dim"),
             tied=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or "Qwen2ForCausalLM" in known
-            or bool(cfg.get("attention_bias", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
         )
 
     @staticmethod
@@ -135,15 +139,43 @@ class LlamaShape:
             num_query_groups=m.num_query_groups, layers=m.num_layers, vocab=m.vocab_size,
             head_dim=getattr(m, "head_dim", None), tied=bool(m.tie_word_embeddings),
             qkv_bias=bool(getattr(m, "qkv_bias", False)),
+            qk_norm=bool(getattr(m, "qk_norm", False)),
         )
 
 
-PRESETS = {
-    "llama-7b": LlamaShape(4096, 11008, 32, 32, 32, 32000),
-    "llama-13b": LlamaShape(5120, 13824, 40, 40, 40, 32000),
-    "llama-34b": LlamaShape(8192, 22016, 64, 8, 48, 32000),  # CodeLlama-34B
-    "llama-70b": LlamaShape(8192, 28672, 64, 8, 80, 32000),
-}
+def _presets() -> dict[str, LlamaShape]:
+    """The published config.json sizes (hidden, ffn, heads, kv heads, layers, vocab; head_dim,
+    tie, biases, q/k norms where they differ from the defaults)."""
+    S = LlamaShape
+    return {
+        "llama-3.1-8b": S(4096, 14336, 32, 8, 32, 128256),
+        "llama-3.1-70b": S(8192, 28672, 64, 8, 80, 128256),
+        "qwen2.5-7b": S(3584, 18944, 28, 4, 28, 152064, qkv_bias=True),
+        "qwen2.5-72b": S(8192, 29568, 64, 8, 80, 152064, qkv_bias=True),
+        "qwen3-8b": S(4096, 12288, 32, 8, 36, 151936, head_dim=128, qk_norm=True),
+        "qwen3-32b": S(5120, 25600, 64, 8, 64, 151936, head_dim=128, qk_norm=True),
+        "llama2-7b": S(4096, 11008, 32, 32, 32, 32000),
+        "llama2-13b": S(5120, 13824, 40, 40, 40, 32000),
+        "llama2-34b": S(8192, 22016, 64, 8, 48, 32000),  # CodeLlama-34B
+        "llama2-70b": S(8192, 28672, 64, 8, 80, 32000),
+    }
+
+
+PRESETS = _presets()
+RENAMED_PRESETS = {f"llama-{size}": f"llama2-{size}" for size in ("7b", "13b", "34b", "70b")}
+
+
+def preset(name: str) -> LlamaShape:
+    """The preset called ``name``; an old Llama-2 name is refused with a line naming the new
+    one (e.g. llama-70b is llama2-70b, Llama-3.1-70B is llama-3.1-70b)."""
+    if name in RENAMED_PRESETS:
+        size = name.split("-", 1)[1]
+        llama3 = f" (Llama 3.1: llama-3.1-{size})" if f"llama-3.1-{size}" in PRESETS else ""
+        raise ValueError(f"preset {name!r} was renamed {RENAMED_PRESETS[name]!r} (Llama 2, vocab "
+                         f"32000){llama3}; presets: {', '.join(PRESETS)}")
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +273,8 @@ def _layer_specs(s: LlamaShape, layer: int, naming: str) -> list[ParamSpec]:
 
     bias = [spec("self_attention.linear_qkv.bias", "qkv", (s.num_query_groups * group_rows,), 0,
                  unit=group_rows)] if s.qkv_bias else []
+    bias += [spec(f"self_attention.{n}_layernorm.weight", "norm", (s.head_dim,), 0)
+             for n in ("q", "k")] if s.qk_norm else []
     return [
         spec(ln1, "norm", (H,), 0),
         spec("self_attention.linear_qkv.weight", "qkv",

@@ -5,12 +5,16 @@ Contract:
   blocks=1)``
   holds gen TP rank ``tp_rank`` of ``tp_size`` of a llama decoder described by ``EngineSpec``
   (RMSNorm, RoPE as HF llama / megatron non-interleaved, SwiGLU, GQA; q/k/v biases when
-  ``qkv_bias``, as Qwen2 has them, and no other biases). Weights arrive
+  ``qkv_bias``, as Qwen2 has them, and no other biases; per-head q/k RMSNorm before RoPE when
+  ``qk_norm``, as Qwen3 has them; RoPE scaling ``rope_scaling`` (llama3, yarn) with inverse
+  frequencies and the attention factor of ``hybridrl.models.rope``, the factor multiplying cos
+  and sin as transformers does). Weights arrive
   by ``update_weights`` in the engine format (``hybridrl.reshard.formats.engine_format``):
   ``model.layers.L.self_attn.qkv_proj.weight`` [(hq + 2 hk)·hd, H] = [q; k; v] of the rank's
   hq = heads/tp query and hk = kv_heads/tp KV heads (``qkv_proj.bias`` [(hq + 2 hk)·hd] likewise),
   ``o_proj`` [H, hq·hd],
-  ``mlp.gate_up_proj.weight`` [2F/tp, H] = [gate; up], ``down_proj`` [H, F/tp], norms [H], and
+  ``mlp.gate_up_proj.weight`` [2F/tp, H] = [gate; up], ``down_proj`` [H, F/tp], norms [H]
+  (``self_attn.q_norm.weight`` / ``k_norm.weight`` [hd], replicated, with ``qk_norm``), and
   vocab-parallel ``model.embed_tokens.weight`` / ``lm_head.weight`` [vocab_chunk, H] holding ids
   [tp_rank·chunk, (tp_rank+1)·chunk) (rows past the vocabulary are padding). A tied model may
   omit ``lm_head`` (the embedding is used).
@@ -54,6 +58,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hybridrl.config.hf_model import RopeScaling
+from hybridrl.models.rope import inv_freq
 from hybridrl.rollout.base import GenerationOutput, SamplingParams, as_prompt_lists
 from hybridrl.rollout.engine_weights import EngineWeights
 from hybridrl.rollout.sampling import sample_next
@@ -76,6 +82,9 @@ class EngineSpec:
     tie_word_embeddings: bool = False
     max_seq_len: int = 2048
     qkv_bias: bool = False  # Qwen2: biases on the q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
+    rope_scaling: RopeScaling | None = None  # llama3 / yarn (hybridrl.models.rope)
+    max_position_embeddings: int | None = None  # the config's (yarn's default context)
 
     @classmethod
     def from_llama(cls, spec, vocab_chunk: int, max_seq_len: int | None = None) -> EngineSpec:
@@ -84,7 +93,8 @@ class EngineSpec:
                    spec.num_query_groups, spec.head_dim, spec.num_layers, spec.vocab_size,
                    vocab_chunk, spec.rope_theta, spec.norm_eps, spec.tie_word_embeddings,
                    max_seq_len or spec.max_position_embeddings,
-                   bool(getattr(spec, "qkv_bias", False)))
+                   bool(getattr(spec, "qkv_bias", False)), bool(getattr(spec, "qk_norm", False)),
+                   getattr(spec, "rope_scaling", None), spec.max_position_embeddings)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -120,7 +130,14 @@ class BuiltinEngine:
         self.hk = spec.num_kv_heads // tp_size  # local KV heads
         self.native_gqa = self.device.type == "cpu"  # attention form, see ``_mask``
         hd = spec.head_dim
-        self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        self.rope_factor = 1.0  # multiplies cos and sin (yarn's attention factor)
+        if spec.rope_scaling is None:
+            self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2,
+                                                                    dtype=torch.float64) / hd))
+        else:  # transformers' fp32 frequencies, then the same float64 tables as above
+            freq, self.rope_factor = inv_freq(hd, spec.rope_theta, spec.rope_scaling,
+                                              spec.max_position_embeddings or spec.max_seq_len)
+            self.inv_freq = freq.double()
 
     # ----------------------------------------------------------------------------- weights
     @property
@@ -209,6 +226,9 @@ class BuiltinEngine:
         """(cos, sin) [B, 1, S, D] of the positions, once per forward (shared by every layer)."""
         freqs_BSd = pos_BS.double().unsqueeze(-1) * self.inv_freq.to(pos_BS.device)
         emb_BSD = torch.cat((freqs_BSd, freqs_BSd), dim=-1).unsqueeze(1)  # [B, 1, S, D]
+        if self.rope_factor != 1.0:
+            return ((emb_BSD.cos() * self.rope_factor).to(dtype),
+                    (emb_BSD.sin() * self.rope_factor).to(dtype))
         return emb_BSD.cos().to(dtype), emb_BSD.sin().to(dtype)
 
     @staticmethod
@@ -226,7 +246,13 @@ class BuiltinEngine:
             bias = self._parts(p + "self_attn.qkv_proj.bias")
             qkv = qkv + (bias[0] if len(bias) == 1 else torch.cat(bias))
         g = qkv.view(B, S, self.hk, rep + 2, hd).permute(0, 2, 3, 1, 4)  # [B, hk, rep+2, S, hd]
-        qk = self._rope(g[:, :, :rep + 1].reshape(B, self.hk * (rep + 1), S, hd), rope)
+        qk = g[:, :, :rep + 1]
+        if self.spec.qk_norm:  # per-head RMSNorm of the queries and the key, before RoPE
+            eps = self.spec.norm_eps
+            qk = torch.cat([_rms_norm(qk[:, :, :rep], self._w(p + "self_attn.q_norm.weight"), eps),
+                            _rms_norm(qk[:, :, rep:], self._w(p + "self_attn.k_norm.weight"), eps)],
+                           dim=2)
+        qk = self._rope(qk.reshape(B, self.hk * (rep + 1), S, hd), rope)
         qk = qk.view(B, self.hk, rep + 1, S, hd)  # each KV head's query heads, then its key
         q, k_BNSD = qk[:, :, :rep], qk[:, :, rep]
         keys, values = cache[L]

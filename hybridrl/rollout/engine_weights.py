@@ -5,7 +5,8 @@ Contract:
   llama decoder (``hybridrl.rollout.builtin.EngineSpec``) by HF-style engine name. ``expected``
   maps each name to the shape of the rank's whole gen shard in the STORED layout: megatron's
   gen-layout layout (``qkv_proj`` grouped per KV head, [q heads of the group; k; v], as
-  megatron's ``linear_qkv``; every other tensor as the engine format has it).
+  megatron's ``linear_qkv``; every other tensor as the engine format has it). Qwen3's per-head
+  ``self_attn.q_norm.weight`` / ``k_norm.weight`` [hd] are replicated, like the other norms.
 - ``blocks`` = K >= 1: every TP-sharded tensor is kept as K separate, contiguous sub-shards,
   each laid out exactly as megatron stores that tensor on one rank of TP size ``tp_size * K``
   (the gen rank's shard is the concatenation of K such shards: consecutive KV groups of qkv,
@@ -79,6 +80,9 @@ class EngineWeights:
             if s.qkv_bias:
                 shapes[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
                 dims[p + "self_attn.qkv_proj.bias"] = 0
+            if getattr(s, "qk_norm", False):  # Qwen3: per-head norms, replicated
+                for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                    shapes[p + name], dims[p + name] = (hd,), None
         return shapes, dims
 
     # ------------------------------------------------------------------------ shapes, labels

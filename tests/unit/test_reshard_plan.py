@@ -195,7 +195,7 @@ def test_p2p_consecutive_placement_balances_senders():
     """Non-nested gen layouts: no rank sends much more than it receives (llama-70b shapes)."""
     from hybridrl.reshard.specs import PRESETS
 
-    shape = PRESETS["llama-70b"]
+    shape = PRESETS["llama2-70b"]
     specs = build_specs(shape)
     for w, t, p, tg, pg in [(1024, 2, 8, 8, 1), (256, 4, 4, 8, 2)]:
         tl = TrainLayout(w, tp=t, pp=p)
