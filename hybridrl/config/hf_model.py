@@ -73,6 +73,10 @@ def _number(params: dict, key: str, where: str, rope_type: str) -> float:
 def parse_rope_scaling(cfg: dict) -> RopeScaling | None:
     """The validated RoPE scaling of an HF config.json dict (None: plain RoPE). Both
     ``rope_scaling`` and ``rope_parameters`` are read; two that disagree are refused."""
+    partial = cfg.get("partial_rotary_factor")
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"config.json partial_rotary_factor={partial!r} is not supported: "
+                         "only RoPE over the whole head (1.0)")
     found = {}
     for where in ("rope_scaling", "rope_parameters"):
         if cfg.get(where):
@@ -87,10 +91,10 @@ def _parse_one(cfg: dict, where: str) -> RopeScaling | None:
     params = cfg[where]
     if not isinstance(params, dict):
         raise ValueError(f"config.json {where}={params!r} is not supported: expected an object")
-    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    partial = params.get("partial_rotary_factor")
     if partial not in (None, 1, 1.0):
-        raise ValueError(f"config.json partial_rotary_factor={partial!r} is not supported: "
-                         "only RoPE over the whole head (1.0)")
+        raise ValueError(f"config.json {where}.partial_rotary_factor={partial!r} is not "
+                         "supported: only RoPE over the whole head (1.0)")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"config.json {where}.rope_type={rope_type!r} is not supported; "
@@ -105,7 +109,8 @@ def _parse_one(cfg: dict, where: str) -> RopeScaling | None:
             raise ValueError(f"config.json {where}.high_freq_factor={high} must exceed "
                              f"low_freq_factor={low}")
         return RopeScaling("llama3", factor, low, high, int(original))
-    original = params.get("original_max_position_embeddings")
+    # transformers fills a missing original context with max_position_embeddings
+    original = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
     if params.get("factor") is None and original and cfg.get("max_position_embeddings"):
         factor = cfg["max_position_embeddings"] / original  # transformers 5's rule
     else:

@@ -1,7 +1,8 @@
 """Per-GPU memory of one PPO job, phase by phase, from the model shape and the layouts (pure).
 
 Contract:
-- ``MemoryJob`` holds the inputs: ``shape`` (a ``LlamaShape``), ``world``, training ``tp``/``pp``,
+- ``MemoryJob`` holds the inputs: ``shape`` (a ``LlamaShape``: Llama 2/3.x, Qwen2/2.5, Qwen3
+  with its q/k norms and its own head_dim), ``world``, training ``tp``/``pp``,
   generation ``gen_tp``/``gen_pp``, parameter ``dtype``, the micro-batch (``max_tokens_per_gpu``
   padded tokens of sequences ``seq_len`` long), ``recompute`` (none | selective | full),
   ``sequence_parallel``, the trained roles (``critic``), the reference (``ref``), the distributed
@@ -158,17 +159,19 @@ def _layer_elements_per_token(job: MemoryJob) -> tuple[float, float]:
     s, t = job.shape, job.tp
     h, f, ad, gd = s.hidden, s.ffn, s.heads * s.head_dim, s.num_query_groups * s.head_dim
     rep = h / t if job.sequence_parallel else h  # replicated along TP unless SP splits it
+    # Qwen3's per-head q/k RMSNorm keeps its input (local spec: also its fp32 output; TE: rstd)
+    qk_norm = (ad + gd) / t if s.qk_norm else 0.0
     if job.spec == "local":  # hybridrl.models.local_spec, as the layers' saved tensors show
         # norms (input, rstd, normalized, output) x 2; roped q+k heads, the qkv output (v is a
         # view of it), attention output; SwiGLU (fc1 output, gate + offset, silu, product)
-        act = 6 * rep + 2 + (3 * ad + 3 * gd + 5 * f) / t
+        act = 6 * rep + 2 + (3 * ad + 3 * gd + 5 * f) / t + 2 * qk_norm
         if job.recompute == "selective":  # core attention recomputed from q, k, v: no lse
             return act, 0.0
         if s.num_query_groups > t and s.heads > s.num_query_groups:
             act += ad / t  # q heads of several groups per rank: SDPA gets a contiguous copy
         return act, s.heads / t  # the attention's log-sum-exp (fp32) per token and head
     # TE: fused norm+linear keep (input, normalized), flash attention keeps q/k/v, output, lse
-    act = 4 * rep + (2 * ad + 2 * gd) / t + 3 * f / t
+    act = 4 * rep + (2 * ad + 2 * gd) / t + 3 * f / t + qk_norm
     return act, 2 * s.heads / t  # softmax statistics (fp32) per token and head
 
 

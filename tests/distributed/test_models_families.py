@@ -10,7 +10,8 @@ Each family is a scaled-down copy of a real config.json that keeps its distingui
   model card's yarn ``rope_scaling`` (factor 4, original 16).
 All cases run in ONE launch of 4 gloo ranks. Checked in the parent, per family:
 - actor and frozen reference log-probs and entropy equal transformers' (fp32, 1e-4; ~1e-6 seen);
-  the scaled RoPE matters: transformers without the scaling differs by far more;
+  the scaled RoPE matters: transformers without the scaling differs by > 20x that (8e-3 for
+  llama3 at these 12 positions);
 - critic values = transformers' final hidden state @ the critic's head;
 - the builtin engine fed by the reshard (gen tp 2): its prefill log-probs equal the actor's,
   and the log-probs of its sampled responses equal transformers' recompute;
@@ -99,10 +100,14 @@ def save_family(folder: str, config: dict, seed: int) -> str:
     return folder
 
 
-def hf_model(folder, **overrides):
+def hf_model(folder, plain_rope: bool = False):
+    """transformers' model of ``folder`` (``plain_rope``: with its RoPE scaling removed)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(folder, **overrides)
+    cfg = AutoConfig.from_pretrained(folder)
+    if plain_rope:
+        cfg.rope_parameters = {"rope_type": "default",
+                               "rope_theta": cfg.rope_parameters["rope_theta"]}
     return AutoModelForCausalLM.from_pretrained(folder, config=cfg, attn_implementation="eager",
                                                 dtype=torch.float32).eval()
 
@@ -154,8 +159,8 @@ def test_family_matches_transformers(suite, name):
         np.testing.assert_allclose(got["entropy"], ref_ent, atol=TOL, rtol=0)
     # the scaling is really exercised: without it transformers gives other numbers
     if FAMILIES[name].get("rope_scaling"):
-        plain, _ = hf_logprobs(hf_model(folder, rope_scaling=None), ids)
-        assert np.abs(plain - ref_logp).max() > 100 * TOL
+        plain, _ = hf_logprobs(hf_model(folder, plain_rope=True), ids)
+        assert np.abs(plain - ref_logp).max() > 20 * TOL
     # critic: values = final hidden state (after the final norm) @ head
     crit = _last_stage(suite, name, "critic_values")
     with torch.no_grad():
@@ -172,6 +177,7 @@ def test_builtin_engine_after_reshard(suite, name):
     eng = _last_stage(suite, name, "engine")
     actor = _last_stage(suite, name, "logprobs")
     diff = np.abs(eng["engine_logprobs"] - actor["logprobs"][:, :-1]).max()
+    print(f"{name}: builtin engine (gen tp 2) vs actor (2,2,1): max |dlogprob| {diff:.1e}")
     assert diff <= TOL, diff
     model = hf_model(suite["folders"][name])
     for b, prompt in enumerate(eng["prompts"]):

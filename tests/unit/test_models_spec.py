@@ -46,13 +46,43 @@ def test_from_hf_config_llama_and_qwen2():
     assert LlamaSpec.from_hf_config(qwen.to_hf_config("bf16")) == qwen
 
 
+def test_from_hf_config_llama3_and_qwen3():
+    from hybridrl.config.hf_model import RopeScaling
+
+    llama3 = LlamaSpec.from_hf_config({**LLAMA, "rope_parameters": None, "rope_theta": 5e5,
+                                       "rope_scaling": {
+                                           "factor": 32.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "rope_type": "llama3",
+                                           "original_max_position_embeddings": 8192},
+                                       "tie_word_embeddings": True})
+    assert llama3.rope_scaling == RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
+    assert llama3.tie_word_embeddings and not llama3.qk_norm and not llama3.qkv_bias
+    qwen3 = LlamaSpec.from_hf_config({**LLAMA, "architectures": ["Qwen3ForCausalLM"],
+                                      "model_type": "qwen3", "head_dim": 32,
+                                      "attention_bias": False, "use_sliding_window": False,
+                                      "sliding_window": None, "max_window_layers": 4,
+                                      "layer_types": ["full_attention"] * 4})
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 32
+    assert qwen3.rope_scaling is None
+    for spec in (llama3, qwen3):
+        assert LlamaSpec.from_hf_config(spec.to_hf_config()) == spec
+    cfg = to_transformer_config(qwen3, TrainLayout(world=2, tp=2))
+    assert cfg.qk_layernorm and cfg.kv_channels == 32 and cfg.softmax_scale is None
+
+
 @pytest.mark.parametrize("overrides,needle", [
     ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "architectures"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"attention_bias": True}, "attention_bias"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "rope_type 'llama3'"),
     ({"num_key_value_heads": 3}, "num_query_groups"),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "architectures"),
+    ({"architectures": ["Qwen3ForCausalLM"], "num_experts": 8}, "num_experts"),
+    ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
+    ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types"),
+    ({"mlp_bias": True}, "mlp_bias"),
 ])
 def test_unsupported_hf_configs_name_the_field(overrides, needle):
     with pytest.raises(ValueError, match=needle):
