@@ -11,38 +11,15 @@ same log-probs. Run: ``pytest -s tests/gpu/test_models_families_gpu.py``.
 
 from __future__ import annotations
 
-import datetime
-
 import numpy as np
 import pytest
 import torch
 
+from tests.gpu.test_models_gpu import groups  # noqa: F401  (the NCCL (1,1,1) fixture)
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 GPU_TOL = 2e-4
-
-
-@pytest.fixture(scope="module")
-def groups():
-    import torch.distributed as dist
-
-    from hybridrl.parallel.groups import build_groups
-    from hybridrl.parallel.layout import TrainLayout
-    from hybridrl.testing.dist import free_port
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    created = not dist.is_initialized()
-    if created:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1, timeout=datetime.timedelta(seconds=300))
-    yield build_groups(TrainLayout(world=1))
-    from hybridrl.parallel.megatron import clear_megatron_groups
-
-    clear_megatron_groups()
-    if created:
-        dist.destroy_process_group()
 
 
 def _families():
