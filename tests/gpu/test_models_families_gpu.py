@@ -29,7 +29,7 @@ def _families():
 
 
 @pytest.mark.parametrize("name", _families())
-def test_family_on_gpu_spec_matches_transformers(groups, tmp_path, name):
+def test_family_on_gpu_spec_matches_transformers(groups, tmp_path, name):  # noqa: F811
     from hybridrl.models.forward import run_microbatches
     from hybridrl.models.hf_io import build_from_hf, export_hf
     from hybridrl.models.naming import named_local_parameters
