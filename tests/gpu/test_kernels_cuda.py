@@ -8,8 +8,9 @@ stalling the run. What is checked:
   of the kernel bit for bit (fp32, fp64, and fp16/bf16 as one rounding of the fp32 math) on every
   launch shape, T at segment boundaries, rows past B; the 4096 x 8192 benchmark size against the
   fp64 loop; bool/int/fractional masks and non-contiguous inputs through the public op.
-- KL: every kind and dtype, tensors several grid passes long, odd tails, misaligned storage,
-  the "+" kinds' NaN where verl's has it, double backward, 4096 x 8192.
+- KL: every kind and dtype through the op itself (k1 too: ``kl_penalty`` computes it eagerly),
+  tensors several grid passes long, odd tails, misaligned storage, the "+" kinds' NaN where
+  verl's has it, double backward, 4096 x 8192; ``kl_penalty`` equals the op for every kind.
 - Whitening: values and errors, the 4096 x 8192 size.
 - Streams and graphs: all ops on a non-default stream and captured into a CUDA graph (a launch
   on the wrong stream or a host sync fails the capture); replays with new inputs match eager.
@@ -150,6 +151,12 @@ def _kl_inputs(shape, seed, dtype=torch.float32):
     return lp.to("cuda", dtype), rl.to("cuda", dtype)
 
 
+def _op_kl(lp, rl, kind):
+    """The CUDA op itself for every kind: ``kl_penalty`` computes k1 eagerly (one subtraction),
+    so calling it would compare eager torch with eager torch."""
+    return torch.ops.hybridrl.kl_forward(lp, rl, *ref.parse_kl_kind(kind))
+
+
 def _run(fn, lp, rl, kind, grad_out):
     a, b = lp.clone().requires_grad_(), rl.clone().requires_grad_()
     out = fn(a, b, kind)
@@ -164,7 +171,7 @@ def test_kl_cuda_fp32(kind, shape):
     _require_ops()
     lp, rl = _kl_inputs(shape, seed=shape[1])
     grad_out = torch.randn(shape, device="cuda")
-    got = _run(K.kl_penalty, lp, rl, kind, grad_out)
+    got = _run(_op_kl, lp, rl, kind, grad_out)
     want = _run(ref.kl_penalty_ref, lp, rl, kind, grad_out)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
@@ -177,7 +184,7 @@ def test_kl_cuda_other_dtypes(kind, dtype):
     lp, rl = _kl_inputs((33, 1001), seed=3, dtype=dtype)  # 33033: a tail for every vector width
     grad_out = torch.randn(33, 1001, device="cuda").to(dtype)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    got = _run(K.kl_penalty, lp, rl, kind, grad_out)
+    got = _run(_op_kl, lp, rl, kind, grad_out)
     want = _run(ref.kl_penalty_ref, lp.to(acc), rl.to(acc), kind, grad_out.to(acc))
     # one rounding of an fp32 result that may differ from torch's in the last fp32 bit: <= 1 ulp
     rtol = {torch.float64: 1e-12, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
@@ -199,6 +206,14 @@ def test_kl_misaligned_storage_and_direct_ops():
         ref.kl_penalty_ref(a, rl, kind).backward(grad)
         got = torch.ops.hybridrl.kl_backward(grad, lp, rl, code)
         torch.testing.assert_close(got, a.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kl_public_api_equals_the_op(kind):
+    # kl_penalty: the op for every kind but k1, which it computes as one eager subtraction
+    _require_ops()
+    lp, rl = _kl_inputs((5, 999), seed=4)
+    torch.testing.assert_close(K.kl_penalty(lp, rl, kind), _op_kl(lp, rl, kind), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,7 +1,8 @@
 """GPU checks of hybridrl.models (skipped without CUDA): NCCL at (1,1,1) and a ~1B llama step.
 
 Run on a GPU machine with ``pytest -s tests/gpu/test_models_gpu.py`` (``-s`` shows the printed
-throughput and memory). One NCCL rank in this process; the layer spec is transformer-engine's when
+throughput and memory; scripts/gpu_check.py stage ``models`` copies the ``SUMMARY: `` lines).
+One NCCL rank in this process; the layer spec is transformer-engine's when
 it imports, else megatron's local spec (both are reported).
 - log-probs/entropy of a tiny GQA llama equal transformers' (fp32, TF32 off) within 2e-4;
 - one optimizer step of the same model: the gradient norm equals transformers' (rel 1e-4) and the
@@ -59,7 +60,8 @@ def test_logprobs_and_step_match_transformers_nccl(groups, tmp_path):
     folder = ref._save_tiny(str(tmp_path / "tiny"), tie=False)
     batch = cases.make_batch(0, ref.N_SEQS, ref.SEQ, ref.VOCAB)
     model = build_from_hf(folder, groups, "actor")
-    print(f"\nlayer spec: {'transformer-engine' if model.uses_te else 'local'}")
+    print(f"\nSUMMARY: models: NCCL (1,1,1) vs transformers with the "
+          f"{'transformer-engine' if model.uses_te else 'local'} layer spec")
     out = run_microbatches(model, cases.split_microbatches(batch, 1, 0, ref.N_MICRO))
     logp = torch.cat([o["logprobs"] for o in out]).cpu()
     ent = torch.cat([o["entropy"] for o in out]).cpu()
@@ -107,7 +109,7 @@ def test_1b_llama_forward_backward_throughput(groups):
     elapsed = time.perf_counter() - start
     tokens_per_s = steps * b * t * n_micro / elapsed
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
-    print(f"\n~1B llama ({n_params / 1e9:.2f}B params, bf16, "
+    print(f"\nSUMMARY: models: ~1B llama ({n_params / 1e9:.2f}B params, bf16, "
           f"{'TE' if model.uses_te else 'local'} spec): {tokens_per_s:,.0f} tokens/s "
           f"(fwd+bwd+AdamW), peak memory {peak_gib:.1f} GiB, loss {metrics['loss']:.4f}")
     assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0
@@ -153,7 +155,7 @@ def test_1b_llama_memory_matches_the_plan(groups):
     n_params = sum(p.numel() for p in model.module.parameters())
     tokens_per_s = steps * b * t * n_micro / elapsed
     mfu = 6 * n_params * tokens_per_s / 989e12  # recompute's extra forward not counted
-    print(f"\n~1B llama, distributed optimizer + full recompute ({'TE' if model.uses_te else 'local'}"
+    print(f"\nSUMMARY: models: ~1B llama, distributed optimizer + full recompute ({'TE' if model.uses_te else 'local'}"
           f" spec): peak {measured / 2**30:.2f} GiB vs plan {planned / 2**30:.2f} GiB "
           f"(ratio {measured / planned:.2f}), {tokens_per_s:,.0f} tokens/s, MFU {mfu:.1%}")
     assert 0.75 * planned <= measured <= 1.35 * planned

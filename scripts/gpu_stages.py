@@ -1,0 +1,274 @@
+"""What each stage of ``scripts/gpu_check.py`` runs on the GPU machine, and how its output reads.
+
+Contract:
+- ``RUNNERS[name](ctx) -> Result`` for ``env`` and every stage of ``gpu_check.STAGES``; each body
+  runs its commands through ``ctx.sh`` (output into the stage's log, bounded by the stage's cap)
+  and returns the verdict with the result lines it read from that output.
+- ``base_env()``: the environment of every command: ``PYTHONPATH`` = ``/tmp/site`` (where ``env``
+  installs the carried wheels, ``.whl/``) + the repository; ``TORCH_CUDA_ARCH_LIST=9.0`` and
+  ``MAX_JOBS`` = the CPU count unless set; unbuffered Python.
+- Readers (pure, tested without a GPU): ``bandwidth_lines`` (benchmarks.kernels rows against the
+  50% goal), ``pytest_line``, ``probe_verdict`` (can compute-sanitizer run a trivial torch
+  program here: tells "unavailable on this runtime" from a kernel fault) and ``tool_verdict``
+  (one sanitizer tool's run over scripts/kernel_sanitizer_cases.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from gpu_check import FAILED, OK, TIMEOUT, UNAVAILABLE, Context, Result, summary_lines_of
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = "/tmp/site"
+# tool -> the case groups it runs (racecheck and synccheck look at shared memory and barriers:
+# the KL kernel has neither); memcheck first, the likeliest to find a fault
+SANITIZER_TOOLS = {"memcheck": "gae,kl,whiten", "racecheck": "gae,whiten",
+                   "synccheck": "gae,whiten", "initcheck": "gae,kl,whiten"}
+PROBE_S = 40  # the sanitized probe: torch import + CUDA init under memcheck
+GOAL_PCT = 50
+PEAK_GBS = 4800
+# A trivial torch program: under compute-sanitizer it fails only when the tool cannot use the
+# device (no hybridrl kernel is loaded).
+PROBE = ("import torch; x = torch.arange(4096, device='cuda', dtype=torch.float32); "
+         "y = float((x * 2).sum()); torch.cuda.synchronize(); print('probe ok', y)")
+# Known lines of a sanitizer that cannot use the device (seen on gVisor: "Device not supported",
+# then error 999 at the first allocation).
+UNAVAILABLE_MARKERS = ("device not supported", "error 999", "cuda_error_unknown",
+                       "unable to", "no attachable process", "not supported on this",
+                       "failed to initialize")
+ENV_PY = """
+import importlib, importlib.util, torch
+found = []
+for m in ("megatron.core", "omegaconf", "transformers"):
+    try:
+        importlib.import_module(m)
+        found.append(m + " ok")
+    except Exception as err:
+        found.append(f"{m} MISSING ({type(err).__name__})")
+te = importlib.util.find_spec("transformer_engine") is not None
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA DEVICE"
+sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
+print(f"SUMMARY: env: {gpu} ({sms} SMs), torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"{', '.join(found)}, transformer_engine {'present' if te else 'absent'}")
+raise SystemExit(0 if torch.cuda.is_available() else 1)
+"""
+BUILD_CHECK = """
+from hybridrl.kernels import ops
+have = {op: ops.compiled_available(op, "cuda") for op in ops.OP_NAMES}
+print("SUMMARY: build: CUDA kernels " + ", ".join(f"{k} {'ok' if v else 'MISSING'}"
+                                                 for k, v in have.items()))
+raise SystemExit(0 if all(have.values()) else 1)
+"""
+
+
+def base_env() -> dict:
+    env = dict(os.environ)
+    paths = [SITE, str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    env.setdefault("MAX_JOBS", str(os.cpu_count() or 8))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _status(rc: int) -> str:
+    return OK if rc == 0 else TIMEOUT if rc in (124, 137) else FAILED
+
+
+# ---- readers ------------------------------------------------------------------------------------
+
+_ROW = re.compile(r"^(?P<name>\S+)\s+(?P<B>\d+)x(?P<T>\d+)\s.*?(?P<gbs>[\d.]+) GB/s"
+                  r"\s*=\s*(?P<pct>\d+)% of")
+
+
+def bandwidth_lines(text: str, label: str = "") -> list[str]:
+    """One line per benchmarks.kernels row with a peak fraction: GB/s, % of peak, the goal."""
+    out = []
+    for line in text.splitlines():
+        m = _ROW.match(line.strip())
+        if not m:
+            continue
+        name, pct = m["name"], int(m["pct"])
+        if name.startswith("whiten"):
+            goal = "no goal"
+        else:
+            goal = f"{'meets' if pct >= GOAL_PCT else 'BELOW'} the {GOAL_PCT}% goal"
+        out.append(f"bandwidth {label}{name} {m['B']}x{m['T']}: {float(m['gbs']):.0f} GB/s = "
+                   f"{pct}% of {PEAK_GBS} GB/s ({goal})")
+    return out
+
+
+def pytest_line(text: str) -> str | None:
+    """pytest's last result line ("12 passed, 1 skipped in 3.2s"), without the === frame."""
+    found = None
+    for line in text.splitlines():
+        if re.search(r"\b\d+ (passed|failed|error|errors|skipped)\b", line) and " in " in line:
+            found = line.strip().strip("=").strip()
+    return found
+
+
+def probe_verdict(rc: int, text: str) -> tuple[bool, str]:
+    """(sanitizer usable, why not) from the sanitized probe's exit status and output."""
+    if rc == 0 and "probe ok" in text:
+        return True, ""
+    if rc in (124, 137):
+        return False, f"the sanitized probe did not finish in {PROBE_S} s"
+    lines = [ln.strip().lstrip("=").strip() for ln in text.splitlines() if ln.strip()]
+    for line in lines:
+        if any(marker in line.lower() for marker in UNAVAILABLE_MARKERS):
+            return False, line[:160]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return False, (errors[0][:160] if errors else f"probe exit status {rc}")
+
+
+def tool_verdict(tool: str, rc: int, text: str, limit_s: float = 0) -> tuple[str, str]:
+    """(status, detail) of one sanitizer tool over scripts/kernel_sanitizer_cases.py."""
+    summary = [ln.strip().lstrip("=").strip() for ln in text.splitlines()
+               if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln]
+    said = "; ".join(summary) or "no sanitizer summary line"
+    if rc in (124, 137):
+        return TIMEOUT, (f"{tool}: did not finish in its {limit_s:.0f} s share of the stage: "
+                         "no verdict from this tool")
+    if rc == 0:
+        return OK, f"{tool}: {said}"
+    if rc == 9:
+        return FAILED, f"{tool}: KERNEL FAULT reported: {said}"
+    if rc == 1:
+        mismatch = [ln for ln in text.splitlines() if ln.startswith(("MISMATCH", "COVERAGE"))]
+        return FAILED, f"{tool}: {(mismatch or ['cases failed (exit 1)'])[0]}"
+    if rc == 2:
+        return FAILED, f"{tool}: the CUDA ops are missing (build first)"
+    return FAILED, f"{tool}: exit status {rc}; {said}"
+
+
+# ---- stage bodies -------------------------------------------------------------------------------
+
+
+def stage_env(ctx: Context) -> Result:
+    py = ctx.python
+    wheels = sorted(str(p) for p in (ROOT / ".whl").glob("*.whl"))
+    lines = []
+    if wheels:
+        rc = ctx.sh([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                     "--no-cache-dir", "--upgrade", "--target", SITE, *wheels])
+        if rc:
+            return Result(ctx.name, _status(rc), detail=f"installing {len(wheels)} wheels failed")
+        lines.append(f"env: installed {', '.join(Path(w).name for w in wheels)} into {SITE}")
+    ctx.sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+            "--format=csv,noheader"], limit=10)
+    ctx.sh(["nvcc", "--version"], limit=5)
+    rc = ctx.sh([py, "-c", ENV_PY])
+    lines += summary_lines_of(ctx.text())
+    return Result(ctx.name, _status(rc), lines=lines,
+                  detail="" if rc == 0 else "torch sees no CUDA device" if rc == 1 else "")
+
+
+def stage_build(ctx: Context) -> Result:
+    rc = ctx.sh([ctx.python, "setup.py", "build_ext", "--inplace"])
+    if rc in (124, 137):
+        return Result(ctx.name, TIMEOUT, detail="the compile did not finish")
+    check = ctx.sh([ctx.python, "-c", BUILD_CHECK], limit=30)
+    text = ctx.text()
+    failed = [ln.strip() for ln in text.splitlines() if "hybridrl: building" in ln][:1]
+    return Result(ctx.name, _status(rc or check), lines=summary_lines_of(text),
+                  detail=failed[0][:200] if failed else "")
+
+
+def _pytest(ctx: Context, path: str, show: bool) -> Result:
+    cmd = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", path]
+    rc = ctx.sh(cmd + (["-s"] if show else []))
+    text = ctx.text()
+    line = pytest_line(text)
+    lines = summary_lines_of(text) + ([f"{ctx.name}: {line}"] if line else [])
+    return Result(ctx.name, _status(rc), lines=lines)
+
+
+def stage_tests(ctx: Context) -> Result:
+    return _pytest(ctx, "tests/gpu/test_kernels_cuda.py", show=False)
+
+
+def stage_models(ctx: Context) -> Result:
+    return _pytest(ctx, "tests/gpu/test_models_gpu.py", show=True)
+
+
+def find_sanitizer() -> str | None:
+    cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    path = Path(cuda) / "bin" / "compute-sanitizer"
+    return str(path) if path.is_file() else None
+
+
+def stage_sanitize(ctx: Context, tools=SANITIZER_TOOLS) -> Result:
+    exe, py = find_sanitizer(), ctx.python
+    if exe is None:
+        return Result(ctx.name, UNAVAILABLE, detail="compute-sanitizer not found (PATH, "
+                      "$CUDA_HOME/bin): no kernel verdict")
+    probe_log = ctx.log.with_name("sanitize_probe.log")
+    rc = ctx.sh([exe, "--tool", "memcheck", "--error-exitcode", "9", py, "-c", PROBE],
+                limit=PROBE_S, log=probe_log)
+    usable, why = probe_verdict(rc, probe_log.read_text(errors="replace"))
+    if not usable:
+        plain = ctx.sh([py, "-c", PROBE], limit=30, log=probe_log)
+        if plain != 0:
+            return Result(ctx.name, FAILED, detail="a trivial torch program fails without the "
+                          "sanitizer too: the GPU or torch is broken, not the sanitizer")
+        return Result(ctx.name, UNAVAILABLE, detail="sanitizer unavailable on this runtime: a "
+                      f"trivial torch program fails under it ({why}); no kernel verdict")
+    lines, worst = [], OK
+    cases = str(ROOT / "scripts" / "kernel_sanitizer_cases.py")
+    for i, tool in enumerate(tools):
+        log = ctx.log.with_name(f"sanitize_{tool}.log")
+        share = ctx.left() / (len(tools) - i)
+        rc = ctx.sh([exe, "--tool", tool, "--error-exitcode", "9", "--print-limit", "20", py,
+                     cases, "--only", tools[tool]], limit=share,
+                    env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, log=log)
+        status, detail = tool_verdict(tool, rc, log.read_text(errors="replace"), share)
+        lines.append(f"sanitize {detail}")
+        if status != OK and worst != FAILED:
+            worst = status
+    bad = [ln for ln in lines if "KERNEL FAULT" in ln or "did not finish" in ln]
+    return Result(ctx.name, worst, lines=lines, detail=bad[0] if bad else "")
+
+
+def stage_bench(ctx: Context) -> Result:
+    base = [ctx.python, "-m", "benchmarks.kernels", "--device", "cuda", "--sizes", "4096x8192",
+            "--repeat", "10", "--peak-gbs", str(PEAK_GBS)]
+    lines, worst = [], 0
+    for label, extra in (("", ["--kinds", "low_var_kl,k3+"]),
+                         ("bf16 ", ["--dtype", "bfloat16", "--only", "kl", "--kinds",
+                                    "low_var_kl"])):
+        before = len(ctx.text())
+        rc = ctx.sh(base + extra)
+        worst = worst or rc
+        lines += bandwidth_lines(ctx.text()[before:], label)
+    return Result(ctx.name, _status(worst), lines=lines)
+
+
+def stage_engine(ctx: Context) -> Result:
+    # the ~30M "small" llama: transformers initializes its model on the CPU with a serial random
+    # generator (a 1.1B model: about a minute whatever the thread count), which no cap here fits
+    rc = ctx.sh([ctx.python, "benchmarks/rollout_engine.py", "--device", "cuda", "--dtype",
+                 "bf16", "--size", "small", "--batch", "32", "--prompt", "128", "--new", "128",
+                 "--rounds", "3"])
+    keep = ("builtin engine", "transformers generate", "ratio ")
+    lines = [f"engine: {ln.strip()}" for ln in ctx.text().splitlines() if ln.startswith(keep)]
+    return Result(ctx.name, _status(rc), lines=lines)
+
+
+def stage_ppo(ctx: Context) -> Result:
+    rc = ctx.sh([ctx.python, "scripts/gpu_ppo_step.py", "--device", "cuda", "--size", "0.5b",
+                 "--arch", "llama,qwen3", "--steps", "3"])
+    lines = summary_lines_of(ctx.text())
+    unsupported = [ln for ln in lines if "NOT SUPPORTED" in ln]
+    return Result(ctx.name, _status(rc), lines=lines, detail=unsupported[0] if unsupported else "")
+
+
+RUNNERS = {"env": stage_env, "build": stage_build, "tests": stage_tests,
+           "sanitize": stage_sanitize, "bench": stage_bench, "models": stage_models,
+           "engine": stage_engine, "ppo": stage_ppo}
