@@ -8,7 +8,7 @@ Each family is a scaled-down copy of a real config.json that keeps its distingui
 - qwen3_tied: Qwen3-0.6B's keys (tied);
 - qwen25_yarn: Qwen2.5-7B-Instruct's keys (q/k/v bias, sliding_window set but unused) plus the
   model card's yarn ``rope_scaling`` (factor 4, original 16).
-All cases run in ONE launch of 4 gloo ranks. Checked in the parent, per family:
+All cases run in ONE launch of 4 gloo ranks; three families also at dp = 2 ((1,2,2), (2,1,2)). Checked in the parent, per family:
 - actor and frozen reference log-probs and entropy equal transformers' (fp32, 1e-4; ~1e-6 seen);
   the scaled RoPE matters: transformers without the scaling differs by > 20x that (8e-3 for
   llama3 at these 12 positions);
@@ -81,6 +81,9 @@ FAMILIES = {
 }
 
 
+OTHER_LAYOUTS = {"llama3_tied": (1, 2), "qwen3": (2, 1), "qwen25_yarn": (1, 2)}  # (tp, pp), dp 2
+
+
 def save_family(folder: str, config: dict, seed: int) -> str:
     """Random weights for ``config`` saved with save_pretrained; config.json is then the
     scaled-down real one exactly as given (transformers 4.x style keys)."""
@@ -136,8 +139,30 @@ def suite(tmp_path_factory):
                             ("roundtrip", {"out": str(root / f"{name}_export")})):
             index[(name, kind, extra.get("role", ""))] = len(cases)
             cases.append(dict(kind=kind, folder=folder, **common, **extra))
+    for name, (tp, pp) in OTHER_LAYOUTS.items():  # dp = 2
+        index[(name, "logprobs", f"{tp}{pp}2")] = len(cases)
+        cases.append(dict(kind="logprobs", folder=folders[name], tp=tp, pp=pp, batch=batch,
+                          n_micro=1))
     res = run_on_ranks(fam_cases.run_cases, 4, cases, timeout=900, preload=("megatron.core",))
     return dict(root=root, folders=folders, batch=batch, res=res, index=index)
+
+
+def _assemble(suite, name, key):
+    """Log-probs of a dp = 2 case: the last-stage, tp_rank 0 result of each DP rank in order."""
+    i = suite["index"][(name, "logprobs", key)]
+    parts = sorted((r[i]["dp_rank"], r[i]["logprobs"]) for r in suite["res"] if r[i])
+    return np.concatenate([p for _, p in parts])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(OTHER_LAYOUTS))
+def test_family_other_layouts(suite, name):
+    ref_logp, _ = hf_logprobs(hf_model(suite["folders"][name]), suite["batch"]["input_ids"])
+    tp, pp = OTHER_LAYOUTS[name]
+    got = _assemble(suite, name, f"{tp}{pp}2")
+    print(f"{name}: max |dlogprob| vs transformers at ({tp},{pp},2): "
+          f"{np.abs(got - ref_logp).max():.1e}")
+    np.testing.assert_allclose(got, ref_logp, atol=TOL, rtol=0)
 
 
 def _last_stage(suite, name, kind, role=""):
