@@ -47,7 +47,7 @@ def first_fit(model: str, world: int, gpu_gb: float):
 def table() -> str:
     lines = ["| model | GPUs | GB | train t x p x d | gen tp | knobs | largest phase | "
              "concurrent seqs / replica |", "|---|---|---|---|---|---|---|---|"]
-    for model in ("llama-7b", "llama-13b", "llama-70b"):
+    for model in ("llama2-7b", "llama2-13b", "llama2-70b"):
         for world in (64, 128, 256):
             for gpu in (80, 141):
                 fit = first_fit(model, world, gpu)
