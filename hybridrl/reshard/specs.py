@@ -8,7 +8,8 @@ Contract:
   a missing size is one ValueError naming the key and the file). ``PRESETS`` holds the real
   config.json sizes of llama-3.1-8b/70b, qwen2.5-7b/72b, qwen3-8b/32b and the Llama 2 family
   as llama2-7b/13b/34b/70b; ``preset(name)`` refuses the old ``llama-7b``... names with a line
-  naming the new ones.
+  naming the new ones; ``preset_of_folder(path)`` is the preset a folder name such as
+  ``Llama-3.1-70B-Instruct`` stands for.
 - ``build_specs(shape, naming)`` returns one ``ParamSpec`` per logical megatron parameter, named as
   megatron-core's GPTModel names it with GLOBAL layer indices (``naming="local"``: the local layer
   spec's ``input_layernorm``/``pre_mlp_layernorm``; ``"te"``: the TE-fused ``layer_norm_weight``).
@@ -163,6 +164,17 @@ def _presets() -> dict[str, LlamaShape]:
 
 PRESETS = _presets()
 RENAMED_PRESETS = {f"llama-{size}": f"llama2-{size}" for size in ("7b", "13b", "34b", "70b")}
+
+
+def preset_of_folder(path: str) -> str | None:
+    """The preset a model folder's name stands for (``.../Llama-3.1-70B-Instruct`` ->
+    ``llama-3.1-70b``, ``Qwen/Qwen3-8B`` -> ``qwen3-8b``), or None."""
+    name = path.rstrip("/").rsplit("/", 1)[-1].lower()
+    for prefix in ("meta-",):
+        name = name.removeprefix(prefix)
+    for suffix in ("-instruct", "-chat", "-base"):
+        name = name.removesuffix(suffix)
+    return name if name in PRESETS else None
 
 
 def preset(name: str) -> LlamaShape:
