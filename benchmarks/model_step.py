@@ -33,10 +33,11 @@ sys.path.insert(0, str(ROOT))
 N_MICRO, MICRO = 24, 4
 
 
-def _megatron_spec(use_te):
+def _megatron_spec(use_te, qk_norm=False):
     from megatron.core.models.gpt import gpt_layer_specs
 
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm",
+                                                    qk_layernorm=qk_norm)
 
 
 def _build_megatron(folder, groups, lean: bool):

@@ -32,8 +32,9 @@ def _build(groups, lean: bool, role="actor", dtype="fp32", **overrides):
     from hybridrl.models.local_spec import local_layer_spec
     from hybridrl.models.spec import LlamaSpec
 
-    build.layer_spec = (lambda use_te: local_layer_spec()) if lean else (
-        lambda use_te: gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"))
+    build.layer_spec = (lambda use_te, qk_norm=False: local_layer_spec(qk_norm)) if lean else (
+        lambda use_te, qk_norm=False: gpt_layer_specs.get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=qk_norm))
     model = build.build_model(LlamaSpec(**SPEC), groups, role, dtype=dtype, seed=3, **overrides)
     if not lean:  # megatron's own output layer too
         model.module.output_layer.__class__ = ColumnParallelLinear
