@@ -18,15 +18,18 @@ Contract:
     instead of megatron's Python autograd functions, with megatron's TP mappings around it
     (column: backward all-reduce of the input gradient, optional output gather; row: forward
     all-reduce, then the bias). Same products, same reductions.
-  * ``LeanSelfAttention``: QKV projection, RoPE applied once to the query and key heads together
-    (cos/sin cached per rotary tensor, which megatron's RotaryEmbedding itself caches per length),
-    core attention, output projection: megatron's arithmetic, fewer Python calls.
+  * ``LeanSelfAttention``: QKV projection, Qwen3's per-head q/k RMSNorm when the spec has it
+    (megatron's ``q_layernorm`` / ``k_layernorm`` modules, applied to the query and key heads),
+    RoPE applied once to the query and key heads together (cos/sin cached per rotary tensor,
+    which megatron's RotaryEmbedding itself caches per length), core attention, output
+    projection: megatron's arithmetic, fewer Python calls.
   * ``LeanTransformerLayer``: norm -> attention -> residual add -> norm -> MLP -> residual add,
     with megatron's bias/dropout/residual semantics (dropout skipped when its probability is 0).
   ``make_output_layer_lean(gpt_model)`` gives the output layer (built by GPTModel, not by the
   spec) the lean linear forward. Each lean forward runs only when nothing needs megatron's own (no sequence parallelism,
   recompute, offloading, fp8/fp4, CUDA graphs, gradient-accumulation fusion, inference context,
-  packed sequences, cross attention, MoE, partial or interleaved RoPE, qk norms, output gates);
+  packed sequences, cross attention, MoE, partial or interleaved RoPE, q/k norms other than
+  torch's RMSNorm, output gates);
   otherwise the module calls megatron's forward unchanged.
 - Numerics: tests/unit/test_models_local_spec.py checks each module against megatron's original
   (outputs and gradients, fp32 and bf16, GQA, masks, TP head slices); tests/distributed/
@@ -173,6 +176,9 @@ class LeanSelfAttention(SelfAttention):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         cfg = self.config
+        # Qwen3's per-head q/k RMSNorm (megatron's local spec: torch RMSNorm over hn)
+        self.qk_norm = all(isinstance(m, torch.nn.RMSNorm)
+                           for m in (self.q_layernorm, self.k_layernorm))
         self.lean = not (
             _needs_megatron(cfg) or cfg.attention_output_gate or cfg.no_rope_freq
             or cfg.rotary_interleaved or cfg.apply_rope_fusion or cfg.fused_single_qkv_rope
@@ -180,8 +186,8 @@ class LeanSelfAttention(SelfAttention):
             or hasattr(cfg, "yarn_rotary_scaling_factor") or self.checkpoint_core_attention
             or self.offload_qkv_linear or self.offload_core_attention or self.offload_attn_proj
             or not isinstance(self.core_attention, SDPACoreAttention)
-            or not all(m is None or isinstance(m, IdentityOp)
-                       for m in (self.q_layernorm, self.k_layernorm))
+            or not (self.qk_norm or all(m is None or isinstance(m, IdentityOp)
+                                        for m in (self.q_layernorm, self.k_layernorm)))
             or self.num_query_groups_per_partition * self.world_size != cfg.num_query_groups)
         self._rope = None  # (rotary tensor, dtype, cos, sin)
 
@@ -216,6 +222,9 @@ class LeanSelfAttention(SelfAttention):
         s, b = mixed.shape[:2]
         mixed_SBGKD = mixed.view(s, b, groups, per_group + 2, hn)  # per group: q.., k, v
         qk_SBGKD = mixed_SBGKD[:, :, :, :per_group + 1]
+        if self.qk_norm:  # each query and key head normalized over hn, before RoPE
+            qk_SBGKD = torch.cat([self.q_layernorm(qk_SBGKD[:, :, :, :per_group]),
+                                  self.k_layernorm(qk_SBGKD[:, :, :, per_group:])], dim=3)
         if rotary_pos_emb is not None:
             cos, sin = self._cos_sin(rotary_pos_emb, qk_SBGKD.dtype)
             qk_SBGKD = qk_SBGKD * cos + _rotate_half(qk_SBGKD) * sin

@@ -6,6 +6,7 @@ On 1 and 2 gloo ranks (tp = world), the same seed builds the same weights with b
   RoPE): float rounding, not semantics;
 - in bf16 the lean model is no further from the fp32 model than megatron's bf16 model is;
 - a frozen reference model (``linear_with_frozen_weight`` in megatron) gives the same logits;
+- Qwen3's q/k norms (head_dim 32 != hidden/heads) run in the lean forward with the same numbers;
 - a config the lean forwards do not cover (interleaved RoPE) falls back to megatron's forward;
 - ``SDPACoreAttention`` equals megatron's ``DotProductAttention`` with an explicit padding mask
   and at sq = 1, and refuses sliding windows.
@@ -24,7 +25,7 @@ SPEC = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_group
 B, T = 3, 11
 
 
-def _build(groups, lean: bool, role="actor", dtype="fp32", **overrides):
+def _build(groups, lean: bool, role="actor", dtype="fp32", qk_norm=False, **overrides):
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
@@ -35,7 +36,9 @@ def _build(groups, lean: bool, role="actor", dtype="fp32", **overrides):
     build.layer_spec = (lambda use_te, qk_norm=False: local_layer_spec(qk_norm)) if lean else (
         lambda use_te, qk_norm=False: gpt_layer_specs.get_gpt_layer_local_spec(
             normalization="RMSNorm", qk_layernorm=qk_norm))
-    model = build.build_model(LlamaSpec(**SPEC), groups, role, dtype=dtype, seed=3, **overrides)
+    spec = LlamaSpec(**SPEC, **({"qk_norm": True, "architecture": "Qwen3ForCausalLM",
+                                  "head_dim": 32} if qk_norm else {}))
+    model = build.build_model(spec, groups, role, dtype=dtype, seed=3, **overrides)
     if not lean:  # megatron's own output layer too
         model.module.output_layer.__class__ = ColumnParallelLinear
     return model
@@ -137,6 +140,11 @@ def _rank(rank, world):
                             if type(m).__name__ == "LeanSelfAttention"]
     (li, gi), (ll2, gl2) = (_run(inter[lean], ids, weight) for lean in (False, True))
     res["fallback_logits"], res["fallback_grads"] = float((li - ll2).abs().max()), _max_diff(gi, gl2)
+    qk = {lean: _build(groups, lean, qk_norm=True) for lean in (False, True)}
+    res["qk_norm_lean"] = [m.lean for m in qk[True].module.modules()
+                           if type(m).__name__ == "LeanSelfAttention"]
+    (lq, gq), (ll3, gl3) = (_run(qk[lean], ids, weight) for lean in (False, True))
+    res["qk_norm_logits"], res["qk_norm_grads"] = float((lq - ll3).abs().max()), _max_diff(gq, gl3)
     res.update(_attention_cases())
     return res
 
@@ -159,6 +167,15 @@ def test_lean_spec_equals_megatron_local_spec(results, world):
         assert r["frozen_logits"] < 2e-6, r
         # bf16: no further from the fp32 model than megatron's own bf16 model (plus slack)
         assert r["bf16_err_True"] <= 1.5 * r["bf16_err_False"] + 1e-2, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_qk_norm_lean_equals_megatron(results, world):
+    """Qwen3's per-head q/k RMSNorm (head_dim 32 != hidden/heads) runs in the lean forward."""
+    for r in results[world]:
+        assert r["qk_norm_lean"] and all(r["qk_norm_lean"])
+        assert r["qk_norm_logits"] < 2e-6 and r["qk_norm_grads"] < 2e-6, r
 
 
 @pytest.mark.slow
