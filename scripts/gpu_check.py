@@ -66,11 +66,12 @@ STAGES = (
           "synccheck, initcheck on scripts/kernel_sanitizer_cases.py"),
     Stage("bench", 40, True, True, "benchmarks.kernels at 4096x8192 (fp32; KL bf16 too) vs "
           "4800 GB/s, goal >= 50% for gae and kl"),
-    Stage("models", 55, False, False, "pytest -s tests/gpu/test_models_gpu.py: NCCL vs "
-          "transformers; ~1B llama step: tokens/s, MFU, peak vs plan --memory"),
-    Stage("engine", 45, False, False, "benchmarks/rollout_engine.py: builtin engine vs "
+    Stage("models", 65, False, False, "pytest -s tests/gpu/test_models_gpu.py, "
+          "test_models_families_gpu.py: NCCL vs transformers (llama, llama 3, qwen3, qwen2.5); "
+          "~1B llama step: tokens/s, MFU, peak vs plan --memory"),
+    Stage("engine", 40, False, False, "benchmarks/rollout_engine.py: builtin engine vs "
           "transformers generate, ~30M llama bf16, batch 32, 128 + 128 tokens"),
-    Stage("ppo", 80, False, False, "scripts/gpu_ppo_step.py: 3 GRPO steps each of a ~0.5B "
+    Stage("ppo", 75, False, False, "scripts/gpu_ppo_step.py: 3 GRPO steps each of a ~0.5B "
           "llama and a ~0.44B Qwen3 (builtin engine + megatron, bf16): tokens/s, MFU, memory"),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)

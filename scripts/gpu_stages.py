@@ -6,7 +6,8 @@ Contract:
   and returns the verdict with the result lines it read from that output.
 - ``base_env()``: the environment of every command: ``PYTHONPATH`` = ``/tmp/site`` (where ``env``
   installs the carried wheels, ``.whl/``) + the repository; ``TORCH_CUDA_ARCH_LIST=9.0`` and
-  ``MAX_JOBS`` = the CPU count unless set; unbuffered Python.
+  ``MAX_JOBS`` = the CPU count unless set; unbuffered Python; no ``OUT`` (no command writes
+  beside summary.txt and the archive).
 - Readers (pure, tested without a GPU): ``bandwidth_lines`` (benchmarks.kernels rows against the
   50% goal), ``pytest_line``, ``probe_verdict`` (can compute-sanitizer run a trivial torch
   program here: tells "unavailable on this runtime" from a kernel fault) and ``tool_verdict``
@@ -67,6 +68,7 @@ raise SystemExit(0 if all(have.values()) else 1)
 
 def base_env() -> dict:
     env = dict(os.environ)
+    env.pop("OUT", None)  # only gpu_check.py writes there (at most 3 files come back)
     paths = [SITE, str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
@@ -178,8 +180,8 @@ def stage_build(ctx: Context) -> Result:
                   detail=failed[0][:200] if failed else "")
 
 
-def _pytest(ctx: Context, path: str, show: bool) -> Result:
-    cmd = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", path]
+def _pytest(ctx: Context, paths: list[str], show: bool) -> Result:
+    cmd = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
     rc = ctx.sh(cmd + (["-s"] if show else []))
     text = ctx.text()
     line = pytest_line(text)
@@ -188,11 +190,12 @@ def _pytest(ctx: Context, path: str, show: bool) -> Result:
 
 
 def stage_tests(ctx: Context) -> Result:
-    return _pytest(ctx, "tests/gpu/test_kernels_cuda.py", show=False)
+    return _pytest(ctx, ["tests/gpu/test_kernels_cuda.py"], show=False)
 
 
 def stage_models(ctx: Context) -> Result:
-    return _pytest(ctx, "tests/gpu/test_models_gpu.py", show=True)
+    return _pytest(ctx, ["tests/gpu/test_models_gpu.py", "tests/gpu/test_models_families_gpu.py"],
+                   show=True)
 
 
 def find_sanitizer() -> str | None:

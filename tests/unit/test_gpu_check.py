@@ -256,3 +256,10 @@ esac
     logs = sorted(p.name for p in tmp_path.glob("sanitize_*.log"))
     assert logs == ["sanitize_initcheck.log", "sanitize_memcheck.log", "sanitize_probe.log",
                     "sanitize_racecheck.log", "sanitize_synccheck.log"]
+
+
+def test_stage_commands_do_not_see_out(monkeypatch):
+    monkeypatch.setenv("OUT", "/tmp/somewhere")
+    env = gs.base_env()
+    assert "OUT" not in env
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [gs.SITE, str(ROOT)]
