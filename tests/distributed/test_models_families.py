@@ -15,7 +15,9 @@ All cases run in ONE launch of 4 gloo ranks; three families also at dp = 2 ((1,2
 - critic values = transformers' final hidden state @ the critic's head;
 - the builtin engine fed by the reshard (gen tp 2): its prefill log-probs equal the actor's,
   and the log-probs of its sampled responses equal transformers' recompute;
-- export -> reload is exact, and transformers loads the export with the same log-probs.
+- export -> reload is exact, and transformers loads the export with the same log-probs;
+- a trainer checkpoint (``Checkpointer``) of three families through ``hybridrl export``:
+  transformers gives the source's log-probs.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ FAMILIES = {
 }
 
 
+CHECKPOINTED = ("llama3", "qwen3_tied", "qwen25_yarn")  # through `hybridrl export` too
 OTHER_LAYOUTS = {"llama3_tied": (1, 2), "qwen3": (2, 1), "qwen25_yarn": (1, 2)}  # (tp, pp), dp 2
 
 
@@ -139,6 +142,10 @@ def suite(tmp_path_factory):
                             ("roundtrip", {"out": str(root / f"{name}_export")})):
             index[(name, kind, extra.get("role", ""))] = len(cases)
             cases.append(dict(kind=kind, folder=folder, **common, **extra))
+    for name in CHECKPOINTED:
+        index[(name, "checkpoint", "")] = len(cases)
+        cases.append(dict(kind="checkpoint", folder=folders[name], out=str(root / f"{name}_ck"),
+                          **common))
     for name, (tp, pp) in OTHER_LAYOUTS.items():  # dp = 2
         index[(name, "logprobs", f"{tp}{pp}2")] = len(cases)
         cases.append(dict(kind="logprobs", folder=folders[name], tp=tp, pp=pp, batch=batch,
@@ -227,3 +234,19 @@ def test_export_reloads_and_transformers_agrees(suite, name):
     exported = json.load(open(os.path.join(out, "config.json")))
     assert exported["architectures"] == FAMILIES[name]["architectures"]
     assert exported.get("head_dim") == FAMILIES[name].get("head_dim", 16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CHECKPOINTED)
+def test_hybridrl_export_of_a_checkpoint(suite, tmp_path, name):
+    """A trainer checkpoint at (2,2,1) -> ``hybridrl export`` -> transformers: same log-probs."""
+    from hybridrl.cli import main
+
+    ckpt = _last_stage(suite, name, "checkpoint")["folder"]
+    assert main(["export", ckpt, "--role", "actor", "--out", str(tmp_path / "hf")]) == 0
+    ids = suite["batch"]["input_ids"]
+    want, _ = hf_logprobs(hf_model(suite["folders"][name]), ids)
+    got, _ = hf_logprobs(hf_model(str(tmp_path / "hf")), ids)
+    print(f"{name}: hybridrl export vs source, transformers max |dlogprob| "
+          f"{np.abs(got - want).max():.1e}")
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)

@@ -3,7 +3,9 @@
 Adds to test_models_cases' kinds:
 - ``engine``: the actor resharded into the builtin engine (RolloutWorker, gen tp 2): the
   engine's prefill log-probs of the batch, and sampled responses with their log-probs;
-- ``critic_hidden``: critic values and its head (values = final hidden state @ head).
+- ``checkpoint``: the actor (and its optimizer) saved by the trainer's ``Checkpointer`` into
+  ``case["out"]`` (what ``hybridrl export`` reads), with a stand-in trainer of the fields it
+  reads.
 """
 
 from __future__ import annotations
@@ -50,7 +52,29 @@ def _engine_case(groups, case: dict) -> dict:
             "response_logprobs": out.logprobs.numpy()}
 
 
-CASE_KINDS = {**base.CASE_KINDS, "engine": _engine_case}
+def _checkpoint_case(groups, case: dict) -> dict:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hybridrl.checkpoint.checkpointer import Checkpointer
+    from hybridrl.models.hf_io import build_from_hf
+    from hybridrl.models.train_step import ModelOptimizer, OptimConfig
+
+    actor = build_from_hf(case["folder"], groups, "actor")
+    state = SimpleNamespace(state_dict=dict)
+    trainer = SimpleNamespace(
+        cfg=SimpleNamespace(trainer=SimpleNamespace(resolved_checkpoint_dir=case["out"],
+                                                    async_save=False, max_ckpt_to_keep=0),
+                            model=SimpleNamespace(tokenizer_path="", path=case["folder"])),
+        actor=actor, actor_opt=ModelOptimizer(actor, OptimConfig()), critic=None,
+        critic_opt=None, groups=groups, world=dist.get_world_size(), rank=dist.get_rank(),
+        memory=SimpleNamespace(enter=lambda phase: None), step=1, guard=state, kl_ctrl=state,
+        loader=state, run_id="families", log=SimpleNamespace(line=print))
+    return {"folder": str(Checkpointer(trainer).save())}
+
+
+CASE_KINDS = {**base.CASE_KINDS, "engine": _engine_case, "checkpoint": _checkpoint_case}
 
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
