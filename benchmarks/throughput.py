@@ -40,8 +40,8 @@ def _run(rank: int, world: int, strategies: list[str], steps: int, overrides: li
 
     from hybridrl.config import load_config
     from hybridrl.parallel.groups import build_groups
-    from hybridrl.ppo.trainer import PPOTrainer
     from hybridrl.train import build_layout
+    from hybridrl.trainer.ppo import PPOTrainer
 
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's apex/TE/CUDA notices
     out = {}

@@ -109,8 +109,8 @@ def _hybridrl_rank(rank, world, folder, data, steps, tmp, extra=()):
 
     from hybridrl.config import load_config
     from hybridrl.parallel.groups import build_groups
-    from hybridrl.ppo.trainer import PPOTrainer
     from hybridrl.train import build_layout
+    from hybridrl.trainer.ppo import PPOTrainer
 
     warnings.filterwarnings("ignore")
     cfg = load_config([DEMO], [

@@ -42,17 +42,17 @@ _HOME = MappingProxyType({
     "hybridrl.models.hf_io": ("build_from_hf",),
     "hybridrl.models.naming": ("named_local_parameters",),
     "hybridrl.kernels": ("kl_penalty", "gae", "masked_whiten"),
-    "hybridrl.ppo.losses": ("compute_policy_loss", "value_loss", "kl_loss", "entropy_loss",
+    "hybridrl.algos.losses": ("compute_policy_loss", "value_loss", "kl_loss", "entropy_loss",
                             "actor_loss", "register_policy_loss"),
-    "hybridrl.ppo.agg": ("agg_loss",),
-    "hybridrl.ppo.advantages": ("compute_advantage", "register_advantage_estimator"),
-    "hybridrl.ppo.kl_control": ("FixedKLController", "AdaptiveKLController",
+    "hybridrl.algos.agg": ("agg_loss",),
+    "hybridrl.algos.advantages": ("compute_advantage", "register_advantage_estimator"),
+    "hybridrl.algos.kl_control": ("FixedKLController", "AdaptiveKLController",
                                 "build_kl_controller", "apply_kl_in_reward"),
     "hybridrl.rewards.scoring": ("REWARD_FNS", "RewardScorer"),
     "hybridrl.rollout.base": ("RolloutEngine", "SamplingParams", "GenerationOutput"),
     "hybridrl.rollout.builtin": ("BuiltinEngine",),
     "hybridrl.config": ("load_config", "HybridRLConfig"),
-    "hybridrl.ppo.trainer": ("PPOTrainer",),
+    "hybridrl.trainer.ppo": ("PPOTrainer",),
 })
 
 __all__ = sorted(name for names in _HOME.values() for name in names)

@@ -6,8 +6,8 @@ subcommand handler (hybridrl's type for bad user input), print ONE line ``hybrid
 Subcommands:
 - ``layout``: the training layout p x t x d in megatron order and the generation layout
   pg x tg x dg x d (HybridFlow or vanilla grouping): groups and per-rank shards, or ``--json``.
-- ``plan``: the reshard dry run (registered by ``hybridrl.reshard.cli``).
-- ``export``: a checkpoint's actor or critic as an HF folder (``hybridrl.ppo.export``).
+- ``plan``: the reshard dry run (registered by ``hybridrl.planning.cli``).
+- ``export``: a checkpoint's actor or critic as an HF folder (``hybridrl.checkpoint.export``).
 - ``plot``: a PNG of a run's curves from its metrics.jsonl (``hybridrl.plot``, matplotlib).
 """
 
@@ -123,10 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--grouping", choices=["hybridflow", "vanilla"], default="hybridflow")
     lay.add_argument("--json", action="store_true", help="print one JSON object")
     lay.set_defaults(func=_cmd_layout)
-    from hybridrl.reshard.cli import add_parser as add_plan_parser
+    from hybridrl.planning.cli import add_parser as add_plan_parser
 
     add_plan_parser(sub)
-    from hybridrl.ppo.export import add_parser as add_export_parser
+    from hybridrl.checkpoint.export import add_parser as add_export_parser
 
     add_export_parser(sub)
     from hybridrl.plot import add_parser as add_plot_parser

@@ -29,8 +29,8 @@ from hybridrl.exits import die_with_parent, one_line
 
 def run_demo(load, groups, print_fn=print) -> tuple[float, float, str, str]:
     """``load(extra_overrides)`` -> config. Returns (SFT score, RL score, metrics, plot)."""
-    from hybridrl.ppo.trainer import PPOTrainer
     from hybridrl.sft import run_sft
+    from hybridrl.trainer.ppo import PPOTrainer
 
     cfg = load([])
     history, folder = run_sft(cfg, groups, print_fn=print_fn)

@@ -50,7 +50,7 @@ def one_line(err: BaseException) -> str:
 
 
 def status_of(err: BaseException, started: bool) -> int:
-    from hybridrl.ppo.run_identity import StartupError
+    from hybridrl.checkpoint.run_identity import StartupError
 
     if isinstance(err, KeyboardInterrupt):
         return INTERRUPTED

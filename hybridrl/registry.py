@@ -10,7 +10,7 @@ Contract:
   declares just the inputs it needs.
 
 Registries are instances owned by the module that defines the plugged-in kind
-(``hybridrl.ppo.advantages.ADVANTAGE_ESTIMATORS``, ``hybridrl.ppo.losses.POLICY_LOSSES``,
+(``hybridrl.algos.advantages.ADVANTAGE_ESTIMATORS``, ``hybridrl.algos.losses.POLICY_LOSSES``,
 ``hybridrl.rewards.scoring.REWARD_FNS``), never bare module-level dicts.
 """
 

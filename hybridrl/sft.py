@@ -4,9 +4,9 @@ Contract: ``--config`` files and ``key=value`` overrides as ``hybridrl.train`` t
 ``--config-name``; one ``HybridRLConfig``:
 ``model``, ``parallel`` and ``data`` shared with the RL run, the ``sft`` section for the rest).
 Every rank loads and checks the config, the layout and the start-up checks
-(``hybridrl.ppo.startup``, plus ``sft.output_dir`` writable) BEFORE any collective; a problem
+(``hybridrl.trainer.startup``, plus ``sft.output_dir`` writable) BEFORE any collective; a problem
 exits every rank with status 2 and one line. Then it builds the groups and the ``SFTTrainer``
-(``hybridrl.ppo.sft_loop``), trains ``sft.total_steps`` steps and writes
+(``hybridrl.trainer.sft``), trains ``sft.total_steps`` steps and writes
 ``<sft.output_dir>/hf`` (the folder an RL run loads with ``model.path``), ``config.yaml`` (the
 resolved config), ``metrics.jsonl`` and ``generations.jsonl``. A failure after the start is one
 line and status 1. ``run_sft(cfg, groups)`` is the same minus the process set-up, for callers
@@ -25,7 +25,7 @@ from hybridrl.exits import die_with_parent, one_line
 def run_sft(cfg, groups, print_fn=print):
     """Train, validate and export (collective); ``(history, hf folder)``."""
     from hybridrl.config.loader import dump_config
-    from hybridrl.ppo.sft_loop import SFTTrainer
+    from hybridrl.trainer.sft import SFTTrainer
 
     trainer = SFTTrainer(cfg, groups, print_fn=print_fn)
     trainer.progress.phase(f"sft: {len(trainer.data)} pairs, model built, engine ready")
@@ -43,8 +43,8 @@ def sft_startup(cfg, world: int, rank: int):
     """(train layout, gen layout, problems) of an SFT run on ``world`` ranks, before any
     collective: the layouts (ValueError when they do not fit), the DP split of the SFT batch,
     the trainer's start-up checks and a writable ``sft.output_dir`` (one line each)."""
-    from hybridrl.ppo.startup import _writable, check_startup
     from hybridrl.train import build_layout
+    from hybridrl.trainer.startup import _writable, check_startup
 
     train, gen = build_layout(cfg, world)
     cfg.sft.check_dp(train.dp)

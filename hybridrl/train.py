@@ -9,7 +9,7 @@ override one per line; no traceback, no hang; another rank prints its own error,
 only if it is still running 3 s later: one that rank 0 did not hit). Then it initializes
 torch.distributed (gloo on CPU, NCCL on CUDA), builds the training and generation groups, builds
 the ``PPOTrainer`` and runs it.
-Start-up checks (``hybridrl.ppo.startup``: folders writable, model/tokenizer files, data
+Start-up checks (``hybridrl.trainer.startup``: folders writable, model/tokenizer files, data
 sources known) also run on every rank before any collective. Process groups time out after
 ``trainer.collective_timeout_s``; the line then names the ranks that did not arrive and their
 phase (``hybridrl.parallel.phases``). Any exception is reported as one line
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
             sys.stderr.write(f"hybridrl.train: {notices[0]}\n")
         cfg.check_world(world)
         train, gen = build_layout(cfg, world)
-        from hybridrl.ppo.startup import check_startup
+        from hybridrl.trainer.startup import check_startup
 
         problems = check_startup(cfg, rank)  # every rank, before any collective
     except Exception as err:  # config files, overrides, layout: bad input, one line
@@ -145,7 +145,7 @@ def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
     board = PhaseBoard.from_default_group()
     reporter, started = FailureReporter(rank, board.store), False
     try:
-        from hybridrl.ppo.trainer import PPOTrainer
+        from hybridrl.trainer.ppo import PPOTrainer
 
         trainer = PPOTrainer(cfg, build_groups(train, gen, timeout_s=timeout_s))
         trainer.phases, started = board, True

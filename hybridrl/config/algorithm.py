@@ -19,7 +19,7 @@ from hybridrl.config._fields import (
 )
 from hybridrl.config.roles import KL_KINDS
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")  # hybridrl.ppo's registered ones
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")  # hybridrl.algos's registered ones
 KL_CTRL_TYPES = ("fixed", "adaptive")
 GSM8K_METHODS = ("strict", "flexible")
 
@@ -48,7 +48,7 @@ class AlgorithmConfig:
     adv_estimator: str = knob("gae", "Advantage estimator: gae (critic + GAE) | grpo "
                               "(group-relative, no critic) | rloo (leave-one-out, no critic) | "
                               "reinforce_plus_plus (discounted return, whitened, no critic) | "
-                              "a name registered with hybridrl.ppo.register_advantage_estimator "
+                              "a name registered with hybridrl.algos.register_advantage_estimator "
                               "(no critic; looked up when advantages are computed).")
     gamma: float = knob(1.0, "GAE discount factor.")
     lam: float = knob(1.0, "GAE lambda.")

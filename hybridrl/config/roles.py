@@ -68,7 +68,7 @@ class TrainedRoleConfig:
 
     @property
     def offload_parts(self) -> set[str]:
-        """The parts this role may keep in host memory (hybridrl.ppo.memory)."""
+        """The parts this role may keep in host memory (hybridrl.trainer.phase_memory)."""
         flags = {"params": self.param_offload, "grads": self.grad_offload,
                  "optim": self.optimizer_offload}
         return {part for part, on in flags.items() if on}

@@ -3,12 +3,12 @@
 Contract: ``TrainerConfig`` holds what the PPO loop needs that is not a model, data or algorithm
 knob. ``total_steps`` (when > 0) wins over ``total_epochs``. The KL guard (``kl_guard``) stops a
 step whose measured policy KL exceeds ``max_kl`` and, with ``rollback``, restores the weights from
-before that step instead of failing. ``nonfinite`` says what a NaN/inf step does (hybridrl.ppo.guards);
+before that step instead of failing. ``nonfinite`` says what a NaN/inf step does (hybridrl.trainer.guards);
 ``collective_timeout_s`` bounds every collective. A run writes into its run folder
 ``run_dir`` = ``<output_dir>/<experiment_name>`` (``experiment_name`` is one folder name: no
 ``/``, not ``.`` or ``..``); its checkpoints go to ``resolved_checkpoint_dir``: ``checkpoint_dir``
 when set, else ``<run_dir>/checkpoints``. ``overwrite`` and the run identity
-(hybridrl.ppo.run_dir, hybridrl.ppo.run_identity) decide what an existing run folder means.
+(hybridrl.checkpoint.run_folder, hybridrl.checkpoint.run_identity) decide what an existing run folder means.
 """
 
 import os
@@ -26,7 +26,7 @@ from hybridrl.config._fields import (
 RESUME_MODES = ("auto", "disable", "path")
 KL_GUARD_MODES = ("step", "checkpoint")
 NONFINITE_MODES = ("rollback", "skip", "fail")
-LOGGERS = ("console", "jsonl", "wandb", "mlflow", "tensorboard")  # hybridrl.ppo.tracking
+LOGGERS = ("console", "jsonl", "wandb", "mlflow", "tensorboard")  # hybridrl.trainer.tracking
 DEVICES = ("auto", "cpu", "cuda")
 
 

@@ -1,80 +1,25 @@
-"""PPO/GRPO algorithm math as pure functions (verl's numbers), plus plug-in registries.
+"""Deprecated alias of ``hybridrl.algos`` (kept for one release; removed in 0.3).
 
-- ``masked``: masked sum/mean/var/whiten, entropy from logits.
-- ``agg``: ``agg_loss`` (token-mean, seq-mean-token-sum, seq-mean-token-mean,
-  seq-mean-token-sum-norm) with optional global DP normalizers (``compute_agg_normalizers``).
-- ``advantages``: ``compute_advantage`` over ``ADVANTAGE_ESTIMATORS`` (gae, grpo, rloo,
-  reinforce_plus_plus, yours).
-- ``losses``: policy loss (``POLICY_LOSSES``: vanilla, yours), value, entropy, KL loss, actor loss.
-- ``kl_control``: fixed/adaptive KL controllers and the in-reward KL penalty.
-
-No process group is needed except by ``compute_agg_normalizers`` when given a DP group.
-The training loop lives elsewhere (``hybridrl.ppo.trainer``).
+Contract: ``hybridrl.ppo.<name>`` for every name ``hybridrl.algos`` exports returns that object
+and emits one ``DeprecationWarning`` naming the new home. The former submodules moved:
+the algorithm math to ``hybridrl.algos.*``, the loops and their run machinery to
+``hybridrl.trainer.*`` (``trainer`` -> ``trainer.ppo``, ``sft_loop`` -> ``trainer.sft``,
+``memory`` -> ``trainer.phase_memory``), checkpoints to ``hybridrl.checkpoint.*``
+(``checkpoint`` -> ``checkpoint.folder``, ``checkpointing`` -> ``checkpoint.checkpointer``,
+``ckpt_shards`` -> ``checkpoint.shards``, ``run_dir`` -> ``checkpoint.run_folder``).
 """
 
-from hybridrl.ppo.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    compute_advantage,
-    gae_advantages,
-    grpo_advantages,
-    register_advantage_estimator,
-    reinforce_plus_plus_advantages,
-    rloo_advantages,
-)
-from hybridrl.ppo.agg import AGG_MODES, AggNormalizers, agg_loss, compute_agg_normalizers
-from hybridrl.ppo.kl_control import (
-    AdaptiveKLController,
-    FixedKLController,
-    apply_kl_in_reward,
-    build_kl_controller,
-)
-from hybridrl.ppo.losses import (
-    POLICY_LOSSES,
-    actor_loss,
-    compute_policy_loss,
-    entropy_loss,
-    kl_loss,
-    register_policy_loss,
-    value_loss,
-    vanilla_policy_loss,
-)
-from hybridrl.ppo.masked import (
-    entropy_from_logits,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-)
-from hybridrl.registry import Registry
+from __future__ import annotations
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "AGG_MODES",
-    "POLICY_LOSSES",
-    "AdaptiveKLController",
-    "AggNormalizers",
-    "FixedKLController",
-    "Registry",
-    "actor_loss",
-    "agg_loss",
-    "apply_kl_in_reward",
-    "build_kl_controller",
-    "compute_advantage",
-    "compute_agg_normalizers",
-    "compute_policy_loss",
-    "entropy_from_logits",
-    "entropy_loss",
-    "gae_advantages",
-    "grpo_advantages",
-    "kl_loss",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "masked_whiten",
-    "register_advantage_estimator",
-    "register_policy_loss",
-    "reinforce_plus_plus_advantages",
-    "rloo_advantages",
-    "value_loss",
-    "vanilla_policy_loss",
-]
+import importlib
+import warnings
+
+
+def __getattr__(name: str):
+    algos = importlib.import_module("hybridrl.algos")
+    if name not in algos.__all__:
+        raise AttributeError(f"module 'hybridrl.ppo' has no attribute {name!r} (hybridrl.ppo is "
+                             "a deprecated alias of hybridrl.algos)")
+    warnings.warn(f"hybridrl.ppo.{name} moved to hybridrl.algos.{name}; hybridrl.ppo will be "
+                  "removed in 0.3", DeprecationWarning, stacklevel=2)
+    return getattr(algos, name)

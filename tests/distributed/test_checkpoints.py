@@ -1,4 +1,4 @@
-"""Sharded checkpoints (hybridrl.ppo.checkpointing) on gloo ranks, checked against runs that
+"""Sharded checkpoints (hybridrl.checkpoint.checkpointer) on gloo ranks, checked against runs that
 never stopped.
 
 - 8 ranks, from an HF checkpoint, greedy rollouts (layout-invariant): a 3-step run at

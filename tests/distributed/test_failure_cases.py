@@ -20,7 +20,7 @@ from tests.distributed.test_trainer_cases import _params, _same, _trainer, base_
 
 
 def _finite_checkpoints(folder: str) -> list[bool]:
-    from hybridrl.ppo.checkpoint import nonfinite_paths
+    from hybridrl.checkpoint.folder import nonfinite_paths
 
     out = []
     for path in sorted(glob.glob(f"{folder}/global_step_*/*.pt")):

@@ -133,7 +133,7 @@ def test_resume_auto_refuses_another_run(world1, root):
 
 
 def test_checkpoint_refuses_nonfinite_state_and_names_bad_files(tmp_path):
-    from hybridrl.ppo.checkpoint import (
+    from hybridrl.checkpoint.folder import (
         begin_folder,
         finish_folder,
         read_file,
@@ -162,7 +162,7 @@ def test_checkpoint_refuses_nonfinite_state_and_names_bad_files(tmp_path):
 
 
 def test_run_dir_plan_and_leftover_tmp(tmp_path):
-    from hybridrl.ppo.run_dir import apply_run_dir, plan_run_dir
+    from hybridrl.checkpoint.run_folder import apply_run_dir, plan_run_dir
 
     ckpt = tmp_path / "checkpoints"
     (ckpt / ".tmp_global_step_4").mkdir(parents=True)
@@ -177,8 +177,8 @@ def test_run_dir_plan_and_leftover_tmp(tmp_path):
 
 
 def test_run_id_ignores_run_length_not_seed():
+    from hybridrl.checkpoint.run_identity import run_id
     from hybridrl.config import load_config
-    from hybridrl.ppo.run_identity import run_id
 
     base = run_id(load_config([], []))
     assert run_id(load_config([], ["trainer.total_steps=9", "trainer.resume=disable"])) == base
@@ -190,9 +190,9 @@ def test_run_id_survives_a_new_knob_with_its_default():
     """A newer hybridrl adds a config field: runs of the older one keep their id (and resume)."""
     import dataclasses
 
+    from hybridrl.checkpoint.run_identity import run_id
     from hybridrl.config import HybridRLConfig, load_config
     from hybridrl.config.model import ModelConfig
-    from hybridrl.ppo.run_identity import run_id
 
     @dataclasses.dataclass(frozen=True)
     class NewerModel(ModelConfig):
@@ -221,7 +221,7 @@ def _parquet(path, sources, prompts):
 
 def test_startup_checks_name_the_path_or_key(tmp_path):
     from hybridrl.config import load_config
-    from hybridrl.ppo.startup import check_startup
+    from hybridrl.trainer.startup import check_startup
 
     (tmp_path / "file").write_text("x")
     data = _parquet(tmp_path / "d.parquet", ["openai/gsm8k", "mystery/src", "gsm8k"],
@@ -274,9 +274,9 @@ def test_timeout_names_the_late_rank_and_its_phase_and_errors_show_once():
 
 
 def test_launcher_argv_and_status_mapping():
+    from hybridrl.checkpoint.run_identity import StartupError
     from hybridrl.exits import one_line, status_of
     from hybridrl.launch import split_argv, status_of_exitcode
-    from hybridrl.ppo.run_identity import StartupError
 
     assert split_argv(["--standalone", "--nproc-per-node", "2", "--config", "a.yaml", "x=1"]) == (
         ["--standalone", "--nproc-per-node", "2"], ["--config", "a.yaml", "x=1"])

@@ -1,4 +1,4 @@
-"""On-policy steps skip the old-log-prob forward (hybridrl/ppo/on_policy.py), same training.
+"""On-policy steps skip the old-log-prob forward (hybridrl/trainer/on_policy.py), same training.
 
 2 gloo ranks (DP 2), the CPU demo's GRPO loop with one mini-batch per step and the KL guard off,
 run twice in one process group: as configured (``skip_old_forward`` is True: old = the current
@@ -27,8 +27,8 @@ def _rank(rank, world, tmp):
 
     from hybridrl.config import load_config
     from hybridrl.parallel.groups import build_groups
-    from hybridrl.ppo import trainer as trainer_mod
     from hybridrl.train import build_layout
+    from hybridrl.trainer import ppo as trainer_mod
 
     warnings.filterwarnings("ignore")
     out = {}

@@ -7,8 +7,8 @@ process holding the whole batch. One run_on_ranks call checks all of it."""
 import pytest
 import torch
 
-from hybridrl.ppo.agg import AGG_MODES, agg_loss, compute_agg_normalizers
-from hybridrl.ppo.kl_control import AdaptiveKLController, apply_kl_in_reward
+from hybridrl.algos.agg import AGG_MODES, agg_loss, compute_agg_normalizers
+from hybridrl.algos.kl_control import AdaptiveKLController, apply_kl_in_reward
 from hybridrl.testing.dist import run_on_ranks
 
 B, T, D = 10, 7, 3

@@ -1,4 +1,4 @@
-"""SFT (hybridrl.ppo.sft_loop) on gloo ranks against a single-process run.
+"""SFT (hybridrl.trainer.sft) on gloo ranks against a single-process run.
 
 - the per-step loss and gradient norm of 3 SFT steps at (tp, pp, dp) = (2, 2, 1), generating on
   gen tp 1 (two micro-DP replicas: the reshard moves bytes), equal the (1, 1, 1) run's;

@@ -24,8 +24,8 @@ def base_overrides(root: str) -> list[str]:
 def _trainer(world: int, overrides: list[str]):
     from hybridrl.config import load_config
     from hybridrl.parallel.groups import build_groups
-    from hybridrl.ppo.sft_loop import SFTTrainer
     from hybridrl.train import build_layout
+    from hybridrl.trainer.sft import SFTTrainer
 
     cfg = load_config([], overrides)
     train, gen = build_layout(cfg, world)
@@ -44,8 +44,8 @@ def accuracy(rank: int, world: int, overrides: list[str]) -> dict:
     accuracy when an RL trainer loads it (``model.path``)."""
     from hybridrl.config import load_config
     from hybridrl.parallel.groups import build_groups
-    from hybridrl.ppo.trainer import PPOTrainer
     from hybridrl.train import build_layout
+    from hybridrl.trainer.ppo import PPOTrainer
 
     trainer = _trainer(world, overrides)
     before = trainer.validate()[0]["val/score/mean"]

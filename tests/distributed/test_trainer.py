@@ -374,7 +374,7 @@ def test_entrypoint_runs_and_rejects_bad_config(root):
 
 
 def test_checkpoint_folder_is_atomic_and_checked(tmp_path):
-    from hybridrl.ppo.checkpoint import (
+    from hybridrl.checkpoint.folder import (
         begin_folder,
         complete_checkpoints,
         finish_folder,

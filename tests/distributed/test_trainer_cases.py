@@ -47,8 +47,8 @@ def _clean(history: list[dict]) -> list[dict]:
 def _trainer(rank: int, world: int, overrides: list[str]):
     from hybridrl.config import load_config
     from hybridrl.parallel.groups import build_groups
-    from hybridrl.ppo.trainer import PPOTrainer
     from hybridrl.train import build_layout
+    from hybridrl.trainer.ppo import PPOTrainer
 
     cfg = load_config([], overrides)
     cfg.check_world(world)
@@ -83,7 +83,7 @@ def _equal_state(a, b) -> bool:
 def _guard(rank, world, overrides):
     """One guarded step: actor and critic parameters, both optimizers' state and the KL
     controller after it equal those before."""
-    from hybridrl.ppo.checkpoint import capture_state
+    from hybridrl.checkpoint.folder import capture_state
 
     trainer, lines = _trainer(rank, world, overrides)
     before = _params(trainer)

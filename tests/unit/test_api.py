@@ -42,3 +42,18 @@ def test_docs_api_lists_every_name():
         text = f.read()
     missing = [name for name in hybridrl.__all__ if not re.search(rf"`{name}[`(]", text)]
     assert missing == [], f"docs/api.md lacks {missing}"
+
+
+def test_deprecated_ppo_alias_warns_and_resolves():
+    import warnings
+
+    import hybridrl.algos as algos
+    import hybridrl.ppo as ppo
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ppo.compute_advantage is algos.compute_advantage
+        assert ppo.POLICY_LOSSES is algos.POLICY_LOSSES
+    assert [w.category for w in caught] == [DeprecationWarning] * 2
+    assert "hybridrl.algos.compute_advantage" in str(caught[0].message)
+    with pytest.raises(AttributeError, match="deprecated alias"):
+        ppo.PPOTrainer  # noqa: B018  (moved to hybridrl.trainer.ppo, not an algos name)

@@ -82,15 +82,15 @@ def test_allowed_values_match_their_consumers():
 
     kernels = pytest.importorskip("hybridrl.kernels")
     assert set(roles.KL_KINDS) == set(kernels.KL_KINDS)
-    agg = pytest.importorskip("hybridrl.ppo.agg")
+    agg = pytest.importorskip("hybridrl.algos.agg")
     assert tuple(roles.LOSS_AGG_MODES) == tuple(agg.AGG_MODES)
-    kl_control = pytest.importorskip("hybridrl.ppo.kl_control")
+    kl_control = pytest.importorskip("hybridrl.algos.kl_control")
     assert tuple(algorithm.KL_CTRL_TYPES) == tuple(kl_control.KL_CTRL_TYPES)
     dataset = pytest.importorskip("hybridrl.data.dataset")
     assert tuple(data.TRUNCATIONS) == tuple(dataset.TRUNCATION_MODES)
     gsm8k = pytest.importorskip("hybridrl.rewards.gsm8k")
     assert tuple(algorithm.GSM8K_METHODS) == tuple(gsm8k.METHODS)
-    ppo = pytest.importorskip("hybridrl.ppo")
+    ppo = pytest.importorskip("hybridrl.algos")
     for name in algorithm.ADV_ESTIMATORS:
         ppo.ADVANTAGE_ESTIMATORS.get(name)  # raises ValueError when not registered
     ppo.POLICY_LOSSES.get(HybridRLConfig().actor.policy_loss)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridrl.planning.cli import main as plan_main
 from hybridrl.planning.memory import MemoryJob, model_state_bytes, plan_memory
-from hybridrl.reshard.cli import main as plan_main
 from hybridrl.reshard.specs import PRESETS
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,11 +1,11 @@
-"""hybridrl.ppo.on_policy: when the old-log-prob forward may be skipped (pure)."""
+"""hybridrl.trainer.on_policy: when the old-log-prob forward may be skipped (pure)."""
 
 from types import SimpleNamespace as NS
 
 import pytest
 import torch
 
-from hybridrl.ppo.on_policy import old_or_current, skip_old_forward
+from hybridrl.trainer.on_policy import old_or_current, skip_old_forward
 
 
 def _cfg(epochs=1, mini=12, batch=12, kl_in_reward=False, max_kl=0.0):

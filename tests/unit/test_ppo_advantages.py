@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrl.ppo.advantages import ADVANTAGE_ESTIMATORS, compute_advantage
+from hybridrl.algos.advantages import ADVANTAGE_ESTIMATORS, compute_advantage
 from hybridrl.registry import Registry
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from hybridrl.ppo.agg import AGG_MODES, AggNormalizers, agg_loss, compute_agg_normalizers
+from hybridrl.algos.agg import AGG_MODES, AggNormalizers, agg_loss, compute_agg_normalizers
 
 
 def reference_agg(loss, mask, mode):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrl.ppo.kl_control import (
+from hybridrl.algos.kl_control import (
     AdaptiveKLController,
     FixedKLController,
     apply_kl_in_reward,

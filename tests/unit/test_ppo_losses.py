@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from hybridrl.ppo.agg import AGG_MODES, agg_loss
-from hybridrl.ppo.losses import (
+from hybridrl.algos.agg import AGG_MODES, agg_loss
+from hybridrl.algos.losses import (
     POLICY_LOSSES,
     actor_loss,
     compute_policy_loss,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrl.ppo.masked import entropy_from_logits, masked_mean, masked_sum, masked_var
+from hybridrl.algos.masked import entropy_from_logits, masked_mean, masked_sum, masked_var
 
 
 def test_masked_stats_hand_case():

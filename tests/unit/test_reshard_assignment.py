@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hybridrl.parallel.layout import TrainLayout
+from hybridrl.planning.cli import main as plan_main
 from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.assignment import min_cost_assignment
-from hybridrl.reshard.cli import main as plan_main
 from hybridrl.reshard.executor import run_plan_local, train_sources
 from hybridrl.reshard.formats import build_format
 from hybridrl.reshard.placement import (

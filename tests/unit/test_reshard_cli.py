@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from hybridrl.reshard.cli import load_shape, main
+from hybridrl.planning.cli import load_shape, main
 from hybridrl.reshard.specs import PRESETS, LlamaShape, build_specs
 
 

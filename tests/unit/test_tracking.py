@@ -1,4 +1,4 @@
-"""Tracking sinks (hybridrl.ppo.tracking) offline on CPU: wandb in offline mode, mlflow with a
+"""Tracking sinks (hybridrl.trainer.tracking) offline on CPU: wandb in offline mode, mlflow with a
 local file store, tensorboard event files read back; the resolved config reaches each backend
 and the run directory; a chosen sink whose package is missing is one line naming the pip install.
 """
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from hybridrl.config import dump_config, load_config
-from hybridrl.ppo.tracking import Tracker, missing_loggers
+from hybridrl.trainer.tracking import Tracker, missing_loggers
 
 STEPS = [{"critic/score/mean": 0.25, "val-core/hybridrl/arithmetic/reward/mean@1": 0.5},
          {"critic/score/mean": 0.5}, {"critic/score/mean": 0.75, "actor/kl_loss": 0.125}]

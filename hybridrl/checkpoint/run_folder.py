@@ -47,7 +47,7 @@ import shutil
 import time
 from pathlib import Path
 
-from hybridrl.ppo.checkpoint import latest_checkpoint
+from hybridrl.checkpoint.folder import latest_checkpoint
 
 RUN_FILE = "run.json"
 CONFIG = "config.yaml"

@@ -4,7 +4,7 @@ Contract:
 - ``export_checkpoint(ckpt, role, out, dtype=None)`` reads ``meta.json`` / ``index.json`` of a
   complete ``global_step_<N>`` folder (files checked against their size and CRC-32), puts each
   parameter of ``role`` (``actor`` | ``critic``) together from every rank's fp32 main-parameter
-  ranges (``hybridrl.ppo.ckpt_shards``; any layout), converts them to HF tensors
+  ranges (``hybridrl.checkpoint.shards``; any layout), converts them to HF tensors
   (``hybridrl.models.hf_io.hf_tensors_from_full``: vocab padding dropped, q/k/v and gate/up
   split) and writes ``out/config.json`` (the critic as ``*ForTokenClassification`` with one
   label), ``out/model.safetensors`` in ``dtype`` (``fp32`` | ``bf16`` | ``fp16``; default: the
@@ -19,10 +19,10 @@ import json
 import shutil
 from pathlib import Path
 
+from hybridrl.checkpoint import folder as ck
+from hybridrl.checkpoint.shards import PARAM, _PieceReader
 from hybridrl.models.hf_io import hf_tensors_from_full
 from hybridrl.models.spec import DTYPES, LlamaSpec
-from hybridrl.ppo import checkpoint as ck
-from hybridrl.ppo.ckpt_shards import PARAM, _PieceReader
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",

@@ -2,25 +2,25 @@
 
 Contract:
 - ``MetricsLog(rank, folder, loggers, print_fn)``: every method is a no-op on ranks other than 0;
-  ``folder`` is the run folder (``hybridrl.ppo.run_dir``). ``build_metrics_log(cfg, rank,
+  ``folder`` is the run folder (``hybridrl.checkpoint.run_folder``). ``build_metrics_log(cfg, rank,
   print_fn)`` is the trainer's: the run folder of ``cfg.trainer`` and its tracker
-  (``hybridrl.ppo.tracking.build_tracker``) as ``open_tracker``.
+  (``hybridrl.trainer.tracking.build_tracker``) as ``open_tracker``.
 - ``line(text)`` prints ``text`` (flushed).
 - ``step(step, total, metrics)`` prints ``step <step>/<total> | score .. | pg_loss .. | ... |
   eta <m>m<ss>s`` (the keys of ``SUMMARY`` that ``metrics`` has; the ETA is the mean time per
   step since ``resume_at`` times the steps left; then ``| rolled back: not kept`` when the
   step guard undid it, ``training/rolled_back``) and, when ``"jsonl"`` is in ``loggers``, appends
   ``{"step": step, "kept": bool, **metrics}`` as one line to ``<folder>/metrics.jsonl``; the
-  ``tracker`` (``hybridrl.ppo.tracking``, when set) receives the metrics too.
+  ``tracker`` (``hybridrl.trainer.tracking``, when set) receives the metrics too.
 - ``resume_at(step)`` moves the lines of steps > ``step`` of ``metrics.jsonl`` and
   ``generations.jsonl`` (steps after the resumed checkpoint, which run again) to
-  ``*.redone.jsonl`` with one line saying so (``hybridrl.ppo.run_dir.keep_steps_upto``), so a
+  ``*.redone.jsonl`` with one line saying so (``hybridrl.checkpoint.run_folder.keep_steps_upto``), so a
   resumed run appends to a file of steps 1..N without duplicates and nothing is lost; it also
   calls ``open_tracker`` when set (so ``config.yaml`` and the sinks start only once the run
   folder was accepted).
 - ``samples(step, samples)`` prints a few validation generations and appends all of them to
   ``<folder>/generations.jsonl``; ``phase(name)`` prints a start-up phase with its time
-  (``hybridrl.ppo.progress``); ``startup(text)`` queues a start-up line (models built,
+  (``hybridrl.trainer.progress``); ``startup(text)`` queues a start-up line (models built,
   engine ready) that is printed, with the first weight sync's time, just before the first step
   line; ``close()`` closes the tracker.
 """
@@ -30,8 +30,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hybridrl.ppo.progress import Progress
-from hybridrl.ppo.run_dir import keep_steps_upto
+from hybridrl.checkpoint.run_folder import keep_steps_upto
+from hybridrl.trainer.progress import Progress
 
 # (short name on the console, metric key)
 SUMMARY = (("score", "critic/score/mean"), ("pg_loss", "actor/pg_loss"),
@@ -50,7 +50,7 @@ class MetricsLog:
         self.path = Path(folder) / "metrics.jsonl"
         self.jsonl = "jsonl" in loggers
         self.progress = Progress(rank, folder, print_fn)
-        self.tracker = None  # a hybridrl.ppo.tracking.Tracker on rank 0, when one is chosen
+        self.tracker = None  # a hybridrl.trainer.tracking.Tracker on rank 0, when one is chosen
         self.open_tracker = None  # () -> Tracker | None, called by resume_at (folder accepted)
         self.pending: list[str] = []  # start-up lines, printed before the first step line
 
@@ -112,7 +112,7 @@ def build_metrics_log(cfg, rank: int, print_fn=print) -> MetricsLog:
     """The trainer's log: ``cfg.trainer.run_dir``, its loggers, the tracker once resumed."""
     import functools
 
-    from hybridrl.ppo.tracking import build_tracker
+    from hybridrl.trainer.tracking import build_tracker
 
     t = cfg.trainer
     log = MetricsLog(rank, t.run_dir, t.logger, print_fn)

@@ -19,7 +19,7 @@ Built in (verl's numbers):
 - ``reinforce_plus_plus``: return-to-go ``G_t = r_t + gamma·G_{t+1}`` with ``G`` reset to 0 after
   a masked step; advantages = masked_whiten(G)·m; returns = G.
 ``gae`` and ``reinforce_plus_plus`` take ``whiten`` (default ``masked_whiten``): a batch shard
-passes one with the whole batch's moments (``hybridrl.ppo.dist_advantages``).
+passes one with the whole batch's moments (``hybridrl.algos.dist_advantages``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The run folder (hybridrl.ppo.run_dir, hybridrl.ppo.metrics_log, trainer config): what an
+"""The run folder (hybridrl.checkpoint.run_folder, hybridrl.trainer.metrics_log, trainer config): what an
 existing folder means (resume, move aside, refuse), nothing hybridrl does not write is touched,
 metrics and generations are appended across resumes with redone steps kept aside, a previous
 config.yaml is kept. The trainer-level checks (a real run's folder, resume, overwrite, a
@@ -12,15 +12,15 @@ import os
 
 import pytest
 
-from hybridrl.config import load_config
-from hybridrl.ppo.metrics_log import MetricsLog
-from hybridrl.ppo.run_dir import (
+from hybridrl.checkpoint.run_folder import (
     apply_run_dir,
     keep_steps_upto,
     plan_run_dir,
     run_entries,
     write_config,
 )
+from hybridrl.config import load_config
+from hybridrl.trainer.metrics_log import MetricsLog
 
 
 def _checkpoint(folder, step, run):

@@ -17,11 +17,11 @@ Contract:
   ``sft/lr``, ``timing_s/step``, and at validation steps ``val/score/mean`` with the verl
   names), the same on every rank.
 - ``validate()`` syncs the actor into the engine and returns ``(metrics, samples)`` of greedy
-  (``rollout.val_temperature``) generation (``hybridrl.ppo.validation``).
+  (``rollout.val_temperature``) generation (``hybridrl.trainer.validation``).
 - ``export(folder)`` writes the actor as an HF folder (``hybridrl.models.hf_io.export_hf``)
   that an RL run loads with ``model.path=<folder>``; an HF tokenizer is saved beside it.
 - Rank 0 prints one line per step (loss, ETA) and appends it to ``<sft.output_dir>/metrics.jsonl``
-  (``hybridrl.ppo.progress``).
+  (``hybridrl.trainer.progress``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from hybridrl.data.loader import PromptLoader
 from hybridrl.data.sft import SFTDataset, sft_microbatch
 from hybridrl.models.hf_io import build_from_config, export_hf
 from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
-from hybridrl.ppo.validation import validate_actor
+from hybridrl.trainer.validation import validate_actor
 
 
 def sft_files(cfg) -> list[str]:
@@ -71,8 +71,8 @@ class SFTTrainer:
     """The SFT loop (see the module docstring)."""
 
     def __init__(self, cfg, groups, *, print_fn=print):
-        from hybridrl.ppo.progress import Progress
-        from hybridrl.ppo.trainer import ddp_options
+        from hybridrl.trainer.ppo import ddp_options
+        from hybridrl.trainer.progress import Progress
 
         s = cfg.sft
         s.check_dp(groups.dp_size)

@@ -5,7 +5,7 @@ Contract:
   loaders, the megatron actor / reference (/ critic for GAE) on the training layout, their
   optimizers, the KL controller, the reward scorer and the ``RolloutWorker`` (engine on the
   generation layout + the reshard plan). ``fit()`` resumes when configured (only a checkpoint of
-  the same run id: ``hybridrl.ppo.run_identity``), runs
+  the same run id: ``hybridrl.checkpoint.run_identity``), runs
   ``trainer.total_steps`` steps and returns the list of per-step metric dicts (every rank).
 - One step (``train_step``), every rank:
   1. ``timing_s/reshard``: actor train shards -> engine shards (``RolloutWorker.sync_weights``;
@@ -20,24 +20,24 @@ Contract:
      only per-sequence scalars exchanged; or the frozen reward model's output at the last
      response token when ``reward.reward_model_path`` is set), placed on each sequence's last
      token; the in-reward KL (``algorithm.use_kl_in_reward``) updates the KL controller with
-     the whole batch's KL; advantages (``hybridrl.ppo.dist_advantages``) on the rank's rows with
+     the whole batch's KL; advantages (``hybridrl.algos.dist_advantages``) on the rank's rows with
      global whitening moments: the whole-batch numbers;
   5. ``actor.ppo_epochs`` (``critic.ppo_epochs``) passes over mini-batches of
      ``ppo_mini_batch_size * rollout.n`` sequences; each DP rank takes its share as fixed-size or
      token-budget micro-batches; the loss uses global normalizers (``compute_agg_normalizers``);
-  6. step guard (``hybridrl.ppo.guards``): non-finite rewards/advantages skip the updates (the
+  6. step guard (``hybridrl.trainer.guards``): non-finite rewards/advantages skip the updates (the
      rows are named); non-finite losses, grad norms, KL or parameters on any rank, or a KL over
      ``trainer.kl_guard.max_kl``, restore actor, critic, optimizers and KL controller to their
      state before the step (``training/rolled_back`` = 1), or stop with ``RuntimeError``
      (``trainer.nonfinite=fail``, ``kl_guard.rollback: false``, too many in a row);
   7. metrics (DESIGN.md key names; reductions over every sequence of the step) on rank 0
-     (``hybridrl.ppo.metrics_log``): one line per step to stdout, one JSON line to
+     (``hybridrl.trainer.metrics_log``): one line per step to stdout, one JSON line to
      ``<run folder>/metrics.jsonl`` when ``jsonl`` is a logger (the run folder
-     ``<trainer.output_dir>/<trainer.experiment_name>``: ``hybridrl.ppo.run_dir``); checkpoints
+     ``<trainer.output_dir>/<trainer.experiment_name>``: ``hybridrl.checkpoint.run_folder``); checkpoints
      every ``trainer.save_freq`` steps and after the last, sharded, resumable at another layout
-     (``hybridrl.ppo.checkpointing``; also the KL guard's checkpoint-mode rollback).
+     (``hybridrl.checkpoint.checkpointer``; also the KL guard's checkpoint-mode rollback).
 - Each phase of a step runs with exactly its models' parts on the device and is timed
-  (``PhaseMemory.timed``); validation is ``hybridrl.ppo.validation.validate_actor``, its samples
+  (``PhaseMemory.timed``); validation is ``hybridrl.trainer.validation.validate_actor``, its samples
   go to ``<run folder>/generations.jsonl``.
 - Log-probs are those of ``log_softmax(logits / T)`` with T = ``rollout.temperature`` (1 when
   greedy), as the engine reports them.
@@ -55,6 +55,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridrl.algos.agg import compute_agg_normalizers
+from hybridrl.algos.dist_advantages import compute_advantage_dp, needs_groups
+from hybridrl.algos.kl_control import apply_kl_in_reward, build_kl_controller
+from hybridrl.algos.losses import actor_loss, value_loss
+from hybridrl.checkpoint.checkpointer import Checkpointer
+from hybridrl.checkpoint.folder import capture_state, restore_state
+from hybridrl.checkpoint.run_identity import run_id
 from hybridrl.data.batching import (
     inverse_order,
     plan_dp_micro_batches,
@@ -67,24 +74,17 @@ from hybridrl.models.build import DDPOptions
 from hybridrl.models.forward import broadcast_from_last_stage, run_microbatches
 from hybridrl.models.hf_io import build_from_config
 from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
-from hybridrl.ppo.agg import compute_agg_normalizers
-from hybridrl.ppo.checkpoint import capture_state, restore_state
-from hybridrl.ppo.checkpointing import Checkpointer
-from hybridrl.ppo.dist_advantages import compute_advantage_dp, needs_groups
-from hybridrl.ppo.guards import StepGuard
-from hybridrl.ppo.kl_control import apply_kl_in_reward, build_kl_controller
-from hybridrl.ppo.losses import actor_loss, value_loss
-from hybridrl.ppo.memory import PhaseMemory
-from hybridrl.ppo.metrics_log import build_metrics_log
-from hybridrl.ppo.on_policy import GAP_METRICS, old_or_current, skip_old_forward
-from hybridrl.ppo.run_identity import run_id
-from hybridrl.ppo.validation import validate_actor
 from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
 from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
 from hybridrl.rewards.scoring import build_reward_scorer
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
 from hybridrl.rollout.partition import plan_rollout_partition
 from hybridrl.rollout.worker import RolloutWorker, reshard_metrics
+from hybridrl.trainer.guards import StepGuard
+from hybridrl.trainer.metrics_log import build_metrics_log
+from hybridrl.trainer.on_policy import GAP_METRICS, old_or_current, skip_old_forward
+from hybridrl.trainer.phase_memory import PhaseMemory
+from hybridrl.trainer.validation import validate_actor
 
 SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
 
@@ -115,7 +115,7 @@ class PPOTrainer:
                        if cfg.use_critic else None)
         self.total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * len(self.loader)
         self.actor_opt = self._optimizer(self.actor, a)
-        self.on_policy = skip_old_forward(cfg)  # no old-log-prob forward (hybridrl/ppo/on_policy.py)
+        self.on_policy = skip_old_forward(cfg)  # no old-log-prob forward (hybridrl/trainer/on_policy.py)
         self.critic_opt = self._optimizer(self.critic, cfg.critic) if self.critic else None
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
@@ -383,7 +383,7 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        """Checkpoint ``global_step_<step>`` (``hybridrl.ppo.checkpointing``)."""
+        """Checkpoint ``global_step_<step>`` (``hybridrl.checkpoint.checkpointer``)."""
         return self.ckpt.save()
 
     # ------------------------------------------------------------------ driver

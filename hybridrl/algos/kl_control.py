@@ -21,8 +21,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from hybridrl.algos.masked import masked_mean
 from hybridrl.kernels import kl_penalty as kernel_kl_penalty
-from hybridrl.ppo.masked import masked_mean
 
 KL_CTRL_TYPES = ("fixed", "adaptive")
 

@@ -24,7 +24,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from hybridrl.ppo.advantages import compute_advantage
+from hybridrl.algos.advantages import compute_advantage
 
 ROW_LOCAL = ("gae", "reinforce_plus_plus")
 GROUP_LOCAL = ("grpo", "rloo")

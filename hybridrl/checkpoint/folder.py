@@ -1,6 +1,6 @@
 """Checkpoint folders on disk: ``<checkpoint_dir>/global_step_<N>/``, atomic and checked.
 
-Contract (the files; what goes in them is ``hybridrl.ppo.checkpointing``):
+Contract (the files; what goes in them is ``hybridrl.checkpoint.checkpointer``):
 - A checkpoint is written into ``.tmp_global_step_<N>/`` (``begin_folder``, collective: rank 0
   creates it, then a barrier). Every rank writes its own ``rank_<r>.pt`` in parallel
   (``write_file``: ``torch.save`` to a temporary name, ``fsync``, ``os.replace``; returns its

@@ -8,7 +8,7 @@ Contract:
   model, seed, ...) makes another run. Only values that differ from the defaults are hashed: a
   knob added by a newer hybridrl (with its default) does not change the id of an older run.
 - What an existing run folder or checkpoint folder means for a run id (resume, refuse, move
-  aside) is ``hybridrl.ppo.run_dir``.
+  aside) is ``hybridrl.checkpoint.run_folder``.
 - ``StartupError`` (a ``ValueError``) marks problems found before the first step: the entrypoint
   reports them with exit status 2.
 """

@@ -9,7 +9,7 @@ Contract:
   run it on every rank before any collective.
 - ``Tracker(names, project=, experiment=, run_dir=, config=, config_text=)`` on rank 0: writes
   ``config_text`` (the resolved config as YAML) to ``<run_dir>/config.yaml`` (a different
-  previous one is kept: ``hybridrl.ppo.run_dir.write_config``) and opens each
+  previous one is kept: ``hybridrl.checkpoint.run_folder.write_config``) and opens each
   chosen sink with the config logged to it:
   wandb: ``wandb.init(project, name=experiment, dir=run_dir, config=config)`` (the mode follows
   ``WANDB_MODE``, e.g. ``offline``); mlflow: experiment ``project``, run ``experiment``, tracking
@@ -30,8 +30,8 @@ import math
 import re
 from pathlib import Path
 
+from hybridrl.checkpoint.run_folder import write_config
 from hybridrl.config.trainer import LOGGERS  # noqa: F401  (re-exported: the accepted names)
-from hybridrl.ppo.run_dir import write_config
 
 OPTIONAL = {"wandb": ("wandb", "pip install wandb"),
             "mlflow": ("mlflow", "pip install mlflow-skinny"),

@@ -1,6 +1,6 @@
 """PPO loss terms as pure functions of [B, T] tensors, and the policy-loss registry.
 
-Each term is aggregated by ``agg_loss(loss_agg_mode, norm)`` (see ``hybridrl.ppo.agg``) and
+Each term is aggregated by ``agg_loss(loss_agg_mode, norm)`` (see ``hybridrl.algos.agg``) and
 returns ``(loss, metrics)``; metric values are detached 0-dim tensors keyed as in DESIGN.md.
 
 - ``vanilla`` policy loss (registered in ``POLICY_LOSSES``), with ``r = exp(clamp(logp - old,
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from hybridrl.algos.agg import AggNormalizers, agg_loss, check_agg_mode
+from hybridrl.algos.masked import masked_mean
 from hybridrl.kernels import kl_penalty as kernel_kl_penalty
-from hybridrl.ppo.agg import AggNormalizers, agg_loss, check_agg_mode
-from hybridrl.ppo.masked import masked_mean
 from hybridrl.registry import Registry, call_with_accepted_kwargs
 
 Metrics = dict[str, torch.Tensor]

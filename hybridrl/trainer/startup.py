@@ -10,7 +10,7 @@ the synthetic data folder) and removing its own probe file. Checked:
 - every ``model.path``-like folder that is set exists and its ``config.json`` parses;
 - the tokenizer folder (``model.tokenizer_path``, else ``model.path``) holds tokenizer files;
 - every optional ``trainer.logger`` sink (wandb, mlflow, tensorboard) has its package installed
-  (``hybridrl.ppo.tracking.missing_loggers``: one line naming the pip install);
+  (``hybridrl.trainer.tracking.missing_loggers``: one line naming the pip install);
 - with neither ``reward.reward_fn`` nor ``reward.reward_model_path``, every ``data_source`` of
   the training/validation parquet files has a registered reward function (``REWARD_FNS``), and
   no prompt has empty content.
@@ -110,7 +110,7 @@ def check_startup(cfg, rank: int) -> list[str]:
     if not cfg.data.train_files and cfg.data.synthetic.task != "none":
         problem = _writable("data.synthetic.dir", cfg.data.synthetic.dir, rank)
         problems += [problem] if problem else []
-    from hybridrl.ppo.tracking import missing_loggers
+    from hybridrl.trainer.tracking import missing_loggers
 
     problems += missing_loggers(cfg.trainer.logger)  # no import of the sinks themselves
     return problems + _model_problems(cfg) + _data_problems(cfg)

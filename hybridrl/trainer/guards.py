@@ -26,7 +26,7 @@ Contract:
   updates were not kept) and, with the KL guard on, ``training/kl_guard_rollback``.
   With ``kl_guard.mode=checkpoint`` a KL over ``max_kl`` takes no per-step snapshot: ``judge``
   sets ``restore_checkpoint`` (the problem line) and the trainer's checkpointer restores the
-  latest checkpoint with a lower lr (``hybridrl.ppo.checkpointing``); the
+  latest checkpoint with a lower lr (``hybridrl.checkpoint.checkpointer``); the
   ``kl_guard.max_rollbacks``-th + 1 such rollback of the run raises ``RuntimeError`` naming
   the step, the KL and the limit.
 - ``state_dict()`` / ``load_state_dict()``: the counters, saved with checkpoints.
@@ -74,7 +74,7 @@ def describe_rows(rows: list[int], rb, limit: int = 5) -> str:
 
 def params_finite(models) -> bool:
     """True when every device-resident parameter of this rank's trainable models is finite
-    (parameters offloaded to host memory by hybridrl.ppo.memory are skipped: their storage is
+    (parameters offloaded to host memory by hybridrl.trainer.phase_memory are skipped: their storage is
     empty until their next phase)."""
     return all(bool(torch.isfinite(p).all()) for m, _ in models for p in m.module.parameters()
                if p.untyped_storage().nbytes())

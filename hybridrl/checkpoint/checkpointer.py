@@ -1,9 +1,9 @@
 """The trainer's checkpoints: sharded parallel save (async on GPU), resume at any layout, rollback.
 
 Contract (``Checkpointer(trainer)``; every method is collective: every rank calls it):
-- ``save()`` writes ``global_step_<trainer.step>`` (``hybridrl.ppo.checkpoint``: temporary
+- ``save()`` writes ``global_step_<trainer.step>`` (``hybridrl.checkpoint.folder``: temporary
   folder, fsync, ``COMPLETE``, rename). Every rank writes ONE file, ``rank_<r>.pt``, in
-  parallel: its part of each trained model's optimizer (``hybridrl.ppo.ckpt_shards``: fp32 main
+  parallel: its part of each trained model's optimizer (``hybridrl.checkpoint.shards``: fp32 main
   parameters and Adam moments as flat ranges of canonically named parameters, the distributed
   optimizer's 1/dp shard, nothing written twice) and its RNG states (torch, numpy, python, CUDA,
   megatron's RNG tracker). Rank 0 adds ``trainer_state.pt`` (step, KL controller, data
@@ -21,7 +21,7 @@ Contract (``Checkpointer(trainer)``; every method is collective: every rank call
   and world are unchanged (bitwise continuation); otherwise each rank keeps its fresh seeding
   (sampling is seeded per step and row, so the numbers do not depend on it) and a notice says
   so. Roles (critic or not) and model shapes must match (``ValueError`` naming them).
-- ``start()`` prepares the run folder and applies ``trainer.resume`` (``hybridrl.ppo.run_dir``:
+- ``start()`` prepares the run folder and applies ``trainer.resume`` (``hybridrl.checkpoint.run_folder``:
   only the same run id; the layout is not part of it) and returns the folder resumed from (or
   None). Checkpoints live in ``trainer.resolved_checkpoint_dir``. With
   ``resume=auto`` a checkpoint that fails to load (a truncated or corrupt file is named) is
@@ -47,10 +47,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridrl.ppo import checkpoint as ck
-from hybridrl.ppo.ckpt_shards import collect_pieces, load_pieces
-from hybridrl.ppo.run_dir import apply_run_dir, plan_run_dir
-from hybridrl.ppo.run_identity import StartupError
+from hybridrl.checkpoint import folder as ck
+from hybridrl.checkpoint.run_folder import apply_run_dir, plan_run_dir
+from hybridrl.checkpoint.run_identity import StartupError
+from hybridrl.checkpoint.shards import collect_pieces, load_pieces
 
 FORMAT = 2
 
