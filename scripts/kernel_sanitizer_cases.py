@@ -18,9 +18,10 @@ result against the pure-torch reference (so a run is also a test):
 - Whitening: the four dtypes, more partial sums than one folding block's threads, a normalize
   grid-stride loop of several passes, and the mask-sums-to-0/1 errors.
 Prints one line per group; exit status 1 on a mismatch or a coverage gap (a ``MISMATCH`` or
-``COVERAGE`` line), 2 when the ops are missing. ``--device cpu`` runs the same cases on the CPU
-kernels (hybridrl._C), so the case code itself is tested without a GPU. Sizes stay small
-(memcheck and racecheck slow kernels 10-100x):
+``COVERAGE`` line), 2 when the ops are missing. ``--only gae,whiten`` runs some groups (racecheck
+and synccheck skip kl: its kernel has no shared memory and no barrier). ``--device cpu`` runs the
+same cases on the CPU kernels (hybridrl._C), so the case code itself is tested without a GPU.
+Sizes stay small (memcheck and racecheck slow kernels 10-100x):
 
     compute-sanitizer --tool racecheck --error-exitcode 9 python scripts/kernel_sanitizer_cases.py
 """
