@@ -8,6 +8,10 @@ Contract:
   ``max_bytes_received_per_rank``, ``max_bytes_sent_per_rank``, ``max_peak_bytes_per_rank``,
   ``est_seconds`` (max bytes in or out of a rank over ``--gbps``) and ``table2_bytes_received``,
   or only a ``"reason"`` when it does not apply to the layout.
+- ``--model`` is a preset (``reshard.specs.PRESETS``: llama-3.1-8b/70b, qwen2.5-7b/72b,
+  qwen3-8b/32b, llama2-7b/13b/34b/70b; the old llama-7b... names are refused naming the new
+  ones), an HF folder or its config.json of any supported architecture; ``--memory --config``
+  without ``--model`` plans the config's own ``model.path`` (``model_of_config``).
 - ``--memory`` prints the per-GPU memory plan instead (``memory_report``: bytes by phase, the
   verdict; ``hybridrl.planning.memory``), or its JSON with ``--json``.
 - Bad input raises ValueError (the top-level CLI prints one line and exits 2). ``main(argv)``
@@ -40,20 +44,28 @@ from hybridrl.reshard.placement import (
     train_placement,
 )
 from hybridrl.reshard.planner import STRATEGIES, zero_redundancy_reason
-from hybridrl.reshard.specs import PRESETS, LlamaShape, build_specs
+from hybridrl.reshard.specs import (
+    PRESETS,
+    RENAMED_PRESETS,
+    LlamaShape,
+    build_specs,
+    preset,
+    preset_of_folder,
+)
 from hybridrl.reshard.summary import summarize, table2
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def load_shape(model: str) -> LlamaShape:
-    """A preset name or a path to an HF config.json (or its folder)."""
-    if model in PRESETS:
-        return PRESETS[model]
+    """A preset name, an HF model folder or its config.json (Llama 2/3.x, Qwen2/2.5, Qwen3;
+    anything else is refused naming the config key)."""
+    if model in PRESETS or model in RENAMED_PRESETS:
+        return preset(model)
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if not os.path.isfile(path):
-        raise ValueError(f"--model must be one of {sorted(PRESETS)} or a config.json path, "
-                         f"got {model!r}")
+        raise ValueError(f"--model must be a preset ({', '.join(PRESETS)}), a model folder or "
+                         f"a config.json path, got {model!r}")
     with open(path) as f:
         try:
             cfg = json.load(f)
@@ -141,18 +153,35 @@ def _text(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def model_of_config(cfg) -> str:
+    """What ``--model`` a run config names: its ``model.path`` when that folder has a
+    config.json here, else the preset its folder name stands for (``.../Llama-3.1-70B-Instruct``
+    -> ``llama-3.1-70b``); ValueError when neither."""
+    path = cfg.model.path
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    name = preset_of_folder(path) if path else None
+    if name is None:
+        raise ValueError(f"--config's model.path={path!r} has no config.json here and names no "
+                         f"preset ({', '.join(PRESETS)}): pass --model")
+    return name
+
+
 def memory_report(args: argparse.Namespace) -> dict:
     """``hybridrl plan --memory``: the per-GPU memory plan (``hybridrl.planning.memory``), with
     the reshard's transient (its buckets in flight beyond the engine's weights, which it fills)
     from the auto strategy (zero_redundancy when the shards nest)."""
     from hybridrl.planning.memory import MemoryJob, job_from_config, plan_memory
 
-    shape = load_shape(args.model)
-    if args.config:  # the layouts and knobs of a run config; the model size from --model
+    cfg = None
+    if args.config:  # the layouts and knobs of a run config; the model: --model or its own
         from hybridrl.config import load_config
 
-        job = job_from_config(load_config([args.config]), shape, args.world, args.gpu_gb,
-                              spec=args.spec)
+        cfg = load_config([args.config])
+        args.model = args.model or model_of_config(cfg)
+    shape = load_shape(args.model)
+    if cfg is not None:
+        job = job_from_config(cfg, shape, args.world, args.gpu_gb, spec=args.spec)
         args.tp, args.pp, args.gen_tp, args.gen_pp = job.tp, job.pp, job.gen_tp, job.gen_pp
         args.dtype, args.engine = job.dtype, job.engine
     else:
@@ -180,6 +209,9 @@ def memory_report(args: argparse.Namespace) -> dict:
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.config and not args.memory:
         raise ValueError("--config goes with --memory")
+    if args.model is None and not args.config:
+        raise ValueError("--model is required (a preset, a model folder or a config.json), "
+                         "unless --memory --config names the model (model.path)")
     if not args.memory and args.gen_tp is None:
         raise ValueError("--gen-tp is required")
     if args.memory:
@@ -200,8 +232,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _fill(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help=f"one of {sorted(PRESETS)} or PATH/config.json (HF llama/qwen2 style)")
+    p.add_argument("--model",
+                   help=f"a preset ({', '.join(PRESETS)}), an HF model folder or its "
+                        "config.json (Llama 2/3.x, Qwen2/2.5, Qwen3); with --memory --config: "
+                        "default the config's model.path (or the preset its folder name is)")
     p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
     p.add_argument("--tp", type=int, default=1, help="training tensor-parallel size t")
     p.add_argument("--pp", type=int, default=1, help="training pipeline-parallel size p")

@@ -7,7 +7,7 @@ Contract:
   executor posts, for every strategy (allgather included: a p2p emulation of an all_gather). It never enumerates elements: layers whose
   parameters sit on the same (train stage, gen stage) behave identically and are counted once
   with a multiplicity, and the baselines (allgather, vanilla) are counted from their owner
-  partition in closed form. 1024 ranks take well under a second for llama-70b.
+  partition in closed form. 1024 ranks take well under a second for llama2-70b.
 - ``peak`` per rank is destination + min(4 * bucket_bytes, received + sent): the executor keeps at
   most two buckets live, each receiving and sending at most ``bucket_bytes``.
 - ``table2(strategy, t, p, d, dg, M)`` is the closed form of DESIGN.md's Table 2 (exact for models

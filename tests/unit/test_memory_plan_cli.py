@@ -15,7 +15,7 @@ from hybridrl.planning.memory import MemoryJob, model_state_bytes, plan_memory
 from hybridrl.reshard.specs import PRESETS
 
 REPO = Path(__file__).resolve().parents[2]
-BIG = ["--model", "llama-70b", "--world", "256"]
+BIG = ["--model", "llama2-70b", "--world", "256"]
 
 
 def _json(argv, capsys) -> dict:
@@ -41,7 +41,7 @@ def test_same_layout_without_the_knobs_does_not_fit(capsys):
 
 
 def test_each_knob_moves_the_bytes_it_should():
-    shape, base = PRESETS["llama-13b"], dict(world=64, tp=4, pp=1, gen_tp=4)
+    shape, base = PRESETS["llama2-13b"], dict(world=64, tp=4, pp=1, gen_tp=4)
     plain = plan_memory(MemoryJob(shape, **base))
     sharded = model_state_bytes(MemoryJob(shape, **base), "actor", 0)["optim"]
     unsharded = model_state_bytes(MemoryJob(shape, dist_opt=False, **base), "actor", 0)["optim"]
@@ -61,7 +61,7 @@ def test_each_knob_moves_the_bytes_it_should():
 
 
 def test_text_report_and_one_line_errors(capsys):
-    assert plan_main(["--model", "llama-7b", "--world", "8", "--tp", "2", "--gen-tp", "2",
+    assert plan_main(["--model", "llama2-7b", "--world", "8", "--tp", "2", "--gen-tp", "2",
                       "--memory", "--recompute", "full", "--sp", "--offload", "params,grads,optim"]) == 0
     out = capsys.readouterr().out
     assert "train_actor" in out and "reshard" in out and "fits in 80 GB" in out
@@ -70,7 +70,7 @@ def test_text_report_and_one_line_errors(capsys):
            (["--tp", "2"], "--gen-tp is required"),
            (["--tp", "2", "--gen-tp", "2", "--seq-len", "99999"], "exceeds --max-tokens")]
     for extra, message in bad:
-        assert plan_main(["--model", "llama-7b", "--world", "8", "--memory", *extra]) == 2
+        assert plan_main(["--model", "llama2-7b", "--world", "8", "--memory", *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
 
@@ -89,7 +89,7 @@ def test_builtin_engine_weights_that_are_training_tensors_count_once():
     from hybridrl.planning.memory import aliased_bytes
     from hybridrl.reshard.specs import build_specs, storage_shape
 
-    shape = PRESETS["llama-7b"]
+    shape = PRESETS["llama2-7b"]
     base = dict(world=16, tp=4, pp=2, gen_tp=2, dtype="bf16", gpu_gb=80.0)
     sg = plan_memory(MemoryJob(shape, **base))
     bi = plan_memory(MemoryJob(shape, engine="builtin", **base))

@@ -115,7 +115,7 @@ def test_optimal_placement_moves_the_brute_force_minimum():
 
 
 def test_llama7b_world16_t2_p4_tg4_receives_three_sixteenths():
-    shape = PRESETS["llama-7b"]
+    shape = PRESETS["llama2-7b"]
     specs = build_specs(shape)
     tl = TrainLayout(16, tp=2, pp=4)
     train = train_placement(tl, shape)
@@ -153,7 +153,7 @@ def test_optimal_placement_delivers_every_shard(fmt):
 
 
 def test_plan_cli_reports_the_placement(capsys):
-    assert plan_main(["--model", "llama-7b", "--world", "16", "--tp", "2", "--pp", "4",
+    assert plan_main(["--model", "llama2-7b", "--world", "16", "--tp", "2", "--pp", "4",
                       "--gen-tp", "4", "--json"]) == 0
     import json
 
@@ -163,7 +163,7 @@ def test_plan_cli_reports_the_placement(capsys):
     assert sorted(r for rep_ranks in gen["replicas"] for r in rep_ranks) == list(range(16))
     assert (rep["strategies"]["p2p"]["max_bytes_received_per_rank"]
             < gen["consecutive_p2p_max_bytes_received_per_rank"])
-    assert plan_main(["--model", "llama-7b", "--world", "16", "--tp", "2", "--pp", "4",
+    assert plan_main(["--model", "llama2-7b", "--world", "16", "--tp", "2", "--pp", "4",
                       "--gen-tp", "4"]) == 0
     text = capsys.readouterr().out
     assert "grouping optimal" in text and "consecutive grouping would receive 3.369 GB" in text

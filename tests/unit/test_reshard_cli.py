@@ -17,12 +17,12 @@ def _run(capsys, *argv):
 
 def test_plan_json_1024_ranks_in_seconds(capsys):
     t0 = time.perf_counter()
-    rc, out, _ = _run(capsys, "--model", "llama-70b", "--world", "1024", "--tp", "8", "--pp", "8",
+    rc, out, _ = _run(capsys, "--model", "llama2-70b", "--world", "1024", "--tp", "8", "--pp", "8",
                       "--gen-tp", "4", "--gen-pp", "2", "--json")
     assert rc == 0 and time.perf_counter() - t0 < 10
     rep = json.loads(out)
     M = rep["model_bytes"]
-    assert M == PRESETS["llama-70b"].num_params() * 2
+    assert M == PRESETS["llama2-70b"].num_params() * 2
     s = rep["strategies"]
     assert set(s) == {"allgather", "vanilla", "zero_redundancy", "p2p"}
     for e in s.values():
@@ -85,12 +85,12 @@ def test_plan_prices_the_engine_vocab_padding_the_trainer_uses(capsys, tmp_path)
 
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "llama-9b", "--world", "8", "--gen-tp", "1"], "--model"),
-    (["--model", "llama-7b", "--world", "6", "--tp", "4", "--gen-tp", "1"], "world=6"),
-    (["--model", "llama-70b", "--world", "16", "--tp", "8", "--gen-tp", "16"], "num_query_groups=8"),
-    (["--model", "llama-7b", "--world", "8", "--gen-tp", "3"], "gen tp=3"),
-    (["--model", "llama-7b", "--world", "8", "--gen-tp", "x"], "invalid int"),
-    (["--model", "llama-7b", "--world", "8", "--gen-tp", "1", "--gbps", "0"], "--gbps"),
-    (["--model", "llama-7b", "--world", "8", "--gen-tp", "1", "--vocab-pad", "-1"], "--vocab-pad"),
+    (["--model", "llama2-7b", "--world", "6", "--tp", "4", "--gen-tp", "1"], "world=6"),
+    (["--model", "llama2-70b", "--world", "16", "--tp", "8", "--gen-tp", "16"], "num_query_groups=8"),
+    (["--model", "llama2-7b", "--world", "8", "--gen-tp", "3"], "gen tp=3"),
+    (["--model", "llama2-7b", "--world", "8", "--gen-tp", "x"], "invalid int"),
+    (["--model", "llama2-7b", "--world", "8", "--gen-tp", "1", "--gbps", "0"], "--gbps"),
+    (["--model", "llama2-7b", "--world", "8", "--gen-tp", "1", "--vocab-pad", "-1"], "--vocab-pad"),
 ])
 def test_plan_bad_args_exit_2_one_line(capsys, argv, needle):
     rc, out, err = _run(capsys, *argv)
@@ -117,9 +117,9 @@ def test_plan_bad_config_json_exit_2_one_line(capsys, tmp_path, change, needle):
 
 
 def test_specs_presets_and_naming():
-    assert abs(PRESETS["llama-7b"].num_params() - 6.738e9) < 0.01e9
-    assert abs(PRESETS["llama-70b"].num_params() - 68.98e9) < 0.05e9
-    te = [s.name for s in build_specs(PRESETS["llama-7b"], naming="te")]
+    assert abs(PRESETS["llama2-7b"].num_params() - 6.738e9) < 0.01e9
+    assert abs(PRESETS["llama2-70b"].num_params() - 68.98e9) < 0.05e9
+    te = [s.name for s in build_specs(PRESETS["llama2-7b"], naming="te")]
     assert "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight" in te
     assert "decoder.layers.3.mlp.linear_fc1.layer_norm_weight" in te
     assert not any("input_layernorm" in n for n in te)
@@ -140,17 +140,17 @@ def test_specs_presets_and_naming():
     assert (s.hidden, s.layers, s.num_query_groups, s.vocab) == (
         mc.hidden_size, mc.num_layers, mc.num_query_groups, mc.vocab_size)
     with pytest.raises(ValueError, match="naming"):
-        build_specs(PRESETS["llama-7b"], naming="hf")
+        build_specs(PRESETS["llama2-7b"], naming="hf")
 
 
 def test_wired_into_hybridrl_cli(capsys):
     """``hybridrl plan`` through the top-level CLI (hybridrl/cli.py registers add_parser)."""
     from hybridrl.cli import main as hybridrl_main
 
-    rc = hybridrl_main(["plan", "--model", "llama-7b", "--world", "8", "--tp", "2", "--pp", "2",
+    rc = hybridrl_main(["plan", "--model", "llama2-7b", "--world", "8", "--tp", "2", "--pp", "2",
                         "--gen-tp", "1", "--json"])
     out, _ = capsys.readouterr()
     assert rc == 0 and json.loads(out)["strategies"]["zero_redundancy"]["max_bytes_received_per_rank"] > 0
-    rc = hybridrl_main(["plan", "--model", "llama-7b", "--world", "8", "--tp", "3", "--gen-tp", "1"])
+    rc = hybridrl_main(["plan", "--model", "llama2-7b", "--world", "8", "--tp", "3", "--gen-tp", "1"])
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("hybridrl plan: error:")

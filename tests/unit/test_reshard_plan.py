@@ -192,7 +192,7 @@ def test_hf_roundtrip_and_engine_kv_error(qkv_bias):
 
 
 def test_p2p_consecutive_placement_balances_senders():
-    """Non-nested gen layouts: no rank sends much more than it receives (llama-70b shapes)."""
+    """Non-nested gen layouts: no rank sends much more than it receives (llama2-70b shapes)."""
     from hybridrl.reshard.specs import PRESETS
 
     shape = PRESETS["llama2-70b"]
