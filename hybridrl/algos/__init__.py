@@ -8,8 +8,11 @@ the registry) and never the run machinery (``hybridrl.trainer``), checkpoints
 - ``agg``: ``agg_loss`` (token-mean, seq-mean-token-sum, seq-mean-token-mean,
   seq-mean-token-sum-norm) with optional global DP normalizers (``compute_agg_normalizers``).
 - ``advantages``: ``compute_advantage`` over ``ADVANTAGE_ESTIMATORS`` (gae, grpo, rloo,
-  reinforce_plus_plus, yours).
-- ``losses``: policy loss (``POLICY_LOSSES``: vanilla, yours), value, entropy, KL loss, actor loss.
+  reinforce_plus_plus, reinforce_plus_plus_baseline, yours).
+- ``losses``: policy loss (``POLICY_LOSSES``: vanilla, gspo, yours), value, entropy, KL loss,
+  actor loss.
+- ``rollout_correction``: truncated importance weights of the trainer's vs the engine's
+  log-probs (``actor.rollout_is``).
 - ``kl_control``: fixed/adaptive KL controllers and the in-reward KL penalty.
 - ``dist_advantages``: ``compute_advantage`` over a DP-sharded batch (group statistics and
   whitening all-reduced over the given DP group).
@@ -25,6 +28,7 @@ from hybridrl.algos.advantages import (
     grpo_advantages,
     register_advantage_estimator,
     reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
 )
 from hybridrl.algos.agg import AGG_MODES, AggNormalizers, agg_loss, compute_agg_normalizers
@@ -39,6 +43,7 @@ from hybridrl.algos.losses import (
     actor_loss,
     compute_policy_loss,
     entropy_loss,
+    gspo_policy_loss,
     kl_loss,
     register_policy_loss,
     value_loss,
@@ -51,6 +56,7 @@ from hybridrl.algos.masked import (
     masked_var,
     masked_whiten,
 )
+from hybridrl.algos.rollout_correction import rollout_is_metrics, rollout_is_weights
 from hybridrl.registry import Registry
 
 __all__ = [
@@ -72,6 +78,7 @@ __all__ = [
     "entropy_loss",
     "gae_advantages",
     "grpo_advantages",
+    "gspo_policy_loss",
     "kl_loss",
     "masked_mean",
     "masked_sum",
@@ -80,7 +87,10 @@ __all__ = [
     "register_advantage_estimator",
     "register_policy_loss",
     "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
     "rloo_advantages",
+    "rollout_is_metrics",
+    "rollout_is_weights",
     "value_loss",
     "vanilla_policy_loss",
 ]

@@ -18,7 +18,10 @@ Built in (verl's numbers):
   members); a group of one keeps ``s_b``; broadcast over valid tokens; returns = advantages.
 - ``reinforce_plus_plus``: return-to-go ``G_t = r_t + gamma·G_{t+1}`` with ``G`` reset to 0 after
   a masked step; advantages = masked_whiten(G)·m; returns = G.
-``gae`` and ``reinforce_plus_plus`` take ``whiten`` (default ``masked_whiten``): a batch shard
+- ``reinforce_plus_plus_baseline`` (REINFORCE++ with a group baseline): ``s_b - mean`` of its
+  prompt group (a group of one: mean 0), broadcast over valid tokens, then masked-whitened over
+  the batch and masked again; returns = advantages.
+``gae``, ``reinforce_plus_plus`` and ``reinforce_plus_plus_baseline`` take ``whiten`` (default ``masked_whiten``): a batch shard
 passes one with the whole batch's moments (``hybridrl.algos.dist_advantages``).
 """
 
@@ -143,6 +146,25 @@ def reinforce_plus_plus_advantages(
         returns_BT[:, t] = running_B
         running_B = running_B * mask_BT[:, t]
     return whiten(returns_BT, response_mask) * mask_BT, returns_BT
+
+
+@register_advantage_estimator("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def reinforce_plus_plus_baseline_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Any] | torch.Tensor | None = None,
+    whiten: Callable = masked_whiten,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score minus its group's mean, broadcast over valid tokens, whitened over the batch."""
+    if index is None:
+        raise ValueError("advantage estimator 'reinforce_plus_plus_baseline' needs index: a group "
+                         "id (prompt uid) per row")
+    scores_B = token_level_rewards.sum(dim=-1)  # [B]
+    mean_B, _, _ = group_stats(scores_B, group_ids(index, scores_B.shape[0]))
+    mask_BT = response_mask.to(scores_B.dtype)
+    adv_BT = whiten((scores_B - mean_B).unsqueeze(-1) * mask_BT, response_mask) * mask_BT  # [B, T]
+    return adv_BT, adv_BT
 
 
 def compute_advantage(

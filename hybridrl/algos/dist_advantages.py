@@ -10,6 +10,8 @@ batch:
   scalars over ``dp_group``);
 - ``grpo``, ``rloo`` (``GROUP_LOCAL``): the rank holds whole prompt groups
   (``hybridrl.rollout.partition`` keeps them together), so group statistics are local;
+- ``reinforce_plus_plus_baseline`` (``GROUP_WHITEN``): local group means, then the whole
+  batch's whitening moments (``global_masked_whiten``);
 - any other registered estimator sees the whole batch, as its contract says: the rows' rewards,
   mask, values and ``index`` are all-gathered over ``dp_group`` (a fallback that moves [N, R]
   floats; the built-in estimators never take it) and the rank keeps its rows' outputs.
@@ -28,6 +30,7 @@ from hybridrl.algos.advantages import compute_advantage
 
 ROW_LOCAL = ("gae", "reinforce_plus_plus")
 GROUP_LOCAL = ("grpo", "rloo")
+GROUP_WHITEN = ("reinforce_plus_plus_baseline",)
 
 
 def needs_groups(name: str) -> bool:
@@ -88,7 +91,7 @@ def compute_advantage_dp(name: str, rewards: torch.Tensor, mask: torch.Tensor, *
     """This rank's (advantages [n, R], returns [n, R]) (see the module docstring)."""
     if dp_group is None or dist.get_world_size(dp_group) == 1:
         return compute_advantage(name, rewards, mask, values=values, index=index, **kwargs)
-    if name in ROW_LOCAL:
+    if name in ROW_LOCAL or name in GROUP_WHITEN:
         whiten = functools.partial(global_masked_whiten, group=dp_group, device=device)
         return compute_advantage(name, rewards, mask, values=values, index=index,
                                  whiten=whiten, **kwargs)

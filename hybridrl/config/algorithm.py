@@ -19,7 +19,8 @@ from hybridrl.config._fields import (
 )
 from hybridrl.config.roles import KL_KINDS
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")  # hybridrl.algos's registered ones
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus",
+                  "reinforce_plus_plus_baseline")  # hybridrl.algos's registered ones
 KL_CTRL_TYPES = ("fixed", "adaptive")
 GSM8K_METHODS = ("strict", "flexible")
 
@@ -42,12 +43,31 @@ class KLCtrlConfig:
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop prompt groups whose scores are all equal, generate more."""
+
+    enable: bool = knob(False, "Keep generating until the batch holds data.train_batch_size "
+                        "prompt groups whose sequence scores are not all equal (groups with "
+                        "zero score std teach nothing to grpo-like estimators); "
+                        "hybridrl.trainer.dynamic_sampling.")
+    max_num_gen_batches: int = knob(10, "Most generation rounds per step (>= 1); when they "
+                                    "end short, the step trains on the groups it has.")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_num_gen_batches, int) or self.max_num_gen_batches < 1:
+            raise ValueError("algorithm.filter_groups.max_num_gen_batches must be an integer "
+                             f">= 1 (rounds are bounded); got {self.max_num_gen_batches!r}")
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     """Advantage estimation and the in-reward KL penalty."""
 
     adv_estimator: str = knob("gae", "Advantage estimator: gae (critic + GAE) | grpo "
                               "(group-relative, no critic) | rloo (leave-one-out, no critic) | "
                               "reinforce_plus_plus (discounted return, whitened, no critic) | "
+                              "reinforce_plus_plus_baseline (score minus its group's mean, "
+                              "whitened, no critic) | "
                               "a name registered with hybridrl.algos.register_advantage_estimator "
                               "(no critic; looked up when advantages are computed).")
     gamma: float = knob(1.0, "GAE discount factor.")
@@ -58,6 +78,7 @@ class AlgorithmConfig:
     kl_penalty: str = knob("kl", "KL estimator of the in-reward penalty (same names as "
                            "actor.kl_loss_type).")
     kl_ctrl: KLCtrlConfig = section(KLCtrlConfig, "In-reward KL coefficient controller.")
+    filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO dynamic sampling.")
 
     def __post_init__(self) -> None:
         if not self.adv_estimator:  # other names: user estimators, checked by the registry
@@ -89,6 +110,11 @@ class RewardConfig:
     use_repetition_penalty: bool = knob(False, "Add repetition_penalty_weight * (fraction "
                                         "of repeated 3-grams in the response) to each score.")
     repetition_penalty_weight: float = knob(-0.05, "Weight of the repetition penalty (<= 0).")
+    overlong_buffer: int = knob(0, "DAPO overlong shaping: the last this-many tokens of "
+                                "rollout.response_length are a buffer; a response of n tokens "
+                                "gets min(-(n - (response_length - buffer)) / buffer * "
+                                "overlong_penalty_factor, 0) added to its score. 0 = off.")
+    overlong_penalty_factor: float = knob(1.0, "Penalty at the full length (>= 0).")
     timeout_s: float = knob(60.0, "Seconds one reward-function call may take; a timeout (or an "
                             "exception) stops every rank with one line naming the function, "
                             "the data_source and the row. 0 = no limit.")
@@ -113,6 +139,10 @@ class RewardConfig:
             raise ValueError(f"reward.timeout_s must be >= 0 (0 = no limit); got {self.timeout_s!r}")
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ValueError(f"reward.num_workers must be an integer >= 0; got {self.num_workers!r}")
+        if not isinstance(self.overlong_buffer, int) or self.overlong_buffer < 0:
+            raise ValueError("reward.overlong_buffer must be an integer >= 0 (0 = off); "
+                             f"got {self.overlong_buffer!r}")
+        check_non_negative("reward.overlong_penalty_factor", self.overlong_penalty_factor)
         for name in ("length_penalty_weight", "repetition_penalty_weight"):
             if getattr(self, name) > 0:
                 raise ValueError(f"reward.{name} must be <= 0 (it is a penalty); "

@@ -23,6 +23,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
 _KL_BASE = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 KL_KINDS = _KL_BASE + tuple(k + "+" for k in _KL_BASE)
+ROLLOUT_IS_CHOICES = ("", "token", "sequence")
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,10 @@ class ActorConfig(TrainedRoleConfig):
 
     SECTION: ClassVar[str] = "actor"
 
-    policy_loss: str = knob("vanilla", "Policy-loss registry name ('vanilla' = clipped PPO "
-                            "with dual clip).")
+    policy_loss: str = knob("vanilla", "Policy-loss registry name: vanilla (clipped PPO with "
+                            "dual clip) | gspo (sequence-level ratio and clip; the GSPO paper "
+                            "uses clip_ratio_low 3e-4, clip_ratio_high 4e-4, loss_agg_mode "
+                            "seq-mean-token-mean) | a registered one.")
     clip_ratio_low: float = knob(0.2, "PPO clip: ratio lower bound is 1 - clip_ratio_low.")
     clip_ratio_high: float = knob(0.2, "PPO clip: ratio upper bound is 1 + clip_ratio_high.")
     clip_ratio_c: float = knob(3.0, "Dual-clip constant: loss bounded by -A*clip_ratio_c for "
@@ -114,6 +117,11 @@ class ActorConfig(TrainedRoleConfig):
     kl_loss_type: str = knob("low_var_kl", "KL estimator of the loss term: " +
                              " | ".join(_KL_BASE) + ", each optionally with a trailing '+' "
                              "(straight-through k2 gradient).")
+    rollout_is: str = knob("", "Rollout correction: weight the policy loss by truncated "
+                           "importance weights min(exp(old - engine log-prob), rollout_is_cap) "
+                           "per token (token) or per sequence (sequence, summed log ratio); "
+                           "empty = off.")
+    rollout_is_cap: float = knob(2.0, "Truncation cap of the rollout IS weights (> 0).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -126,6 +134,8 @@ class ActorConfig(TrainedRoleConfig):
         check_choice("actor.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         check_non_negative("actor.kl_loss_coef", self.kl_loss_coef)
         check_choice("actor.kl_loss_type", self.kl_loss_type, KL_KINDS)
+        check_choice("actor.rollout_is", self.rollout_is, ROLLOUT_IS_CHOICES)
+        check_positive("actor.rollout_is_cap", self.rollout_is_cap)
 
 
 @dataclass(frozen=True)

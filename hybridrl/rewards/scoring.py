@@ -10,7 +10,8 @@ and "hybridrl/arithmetic". Register your own with ``REWARD_FNS.register(name, fn
 the row's data_source picks the registered function, called with ``fn_kwargs.get(data_source, {})``
 (e.g. ``{"openai/gsm8k": {"method": "flexible"}}``). With ``length_penalty`` /
 ``repetition_penalty`` on, ``weight * fraction`` (hybridrl.rewards.penalties; weights -0.05 by
-default) is added per sequence. ``score_batch`` returns ``(scores [B] float32, metrics)`` with
+default) is added per sequence, and with ``overlong_buffer`` > 0 DAPO's overlong penalty
+(``reward/overlong_penalty/mean``). ``score_batch`` returns ``(scores [B] float32, metrics)`` with
 metrics ``critic/score/{mean,max,min}`` (final scores), ``reward/raw_score/mean`` (before
 penalties), ``reward/{length,repetition}_penalty/mean`` when on, ``reward/<extra>/mean`` for the
 numeric extras of dict results and ``reward/source/<data_source>/mean``. ``score_tokens`` does
@@ -31,7 +32,12 @@ import torch
 from hybridrl.registry import Registry
 from hybridrl.rewards import arithmetic, gsm8k
 from hybridrl.rewards.custom import load_reward_fn, normalize_result
-from hybridrl.rewards.penalties import DEFAULT_WEIGHT, length_fraction, repetition_fraction
+from hybridrl.rewards.penalties import (
+    DEFAULT_WEIGHT,
+    length_fraction,
+    overlong_penalty,
+    repetition_fraction,
+)
 
 
 def _gsm8k_flexible(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
@@ -69,7 +75,10 @@ class RewardScorer:
         repetition_penalty_weight: float = DEFAULT_WEIGHT,
         repetition_ngram: int = 3,
         registry: Registry = REWARD_FNS,
+        overlong_buffer: int = 0,
+        overlong_penalty_factor: float = 1.0,
     ) -> None:
+        self.overlong_buffer, self.overlong_penalty_factor = overlong_buffer, overlong_penalty_factor
         self.custom_name = (
             custom_fn if isinstance(custom_fn, str) else getattr(custom_fn, "__name__", "")
         )
@@ -113,7 +122,7 @@ class RewardScorer:
         self, response_ids: Sequence[Sequence[int]] | None, max_response_length: int | None, n: int
     ) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {}
-        if not (self.length_penalty or self.repetition_penalty):
+        if not (self.length_penalty or self.repetition_penalty or self.overlong_buffer):
             return out
         if response_ids is None or len(response_ids) != n:
             raise ValueError("reward penalties need response_ids: one token list per response")
@@ -129,6 +138,16 @@ class RewardScorer:
         if self.repetition_penalty:
             out["repetition_penalty"] = [
                 self.repetition_penalty_weight * repetition_fraction(ids, self.repetition_ngram)
+                for ids in response_ids
+            ]
+        if self.overlong_buffer:
+            if max_response_length is None:
+                raise ValueError(
+                    "reward.overlong_buffer needs max_response_length (rollout.response_length)"
+                )
+            out["overlong_penalty"] = [
+                overlong_penalty(len(ids), max_response_length, self.overlong_buffer,
+                                 self.overlong_penalty_factor)
                 for ids in response_ids
             ]
         return out
@@ -226,4 +245,6 @@ def build_reward_scorer(cfg) -> RewardScorer:
         length_penalty_weight=cfg.length_penalty_weight,
         repetition_penalty=cfg.use_repetition_penalty,
         repetition_penalty_weight=cfg.repetition_penalty_weight,
+        overlong_buffer=cfg.overlong_buffer,
+        overlong_penalty_factor=cfg.overlong_penalty_factor,
     )

@@ -238,7 +238,9 @@ class PPOTrainer:
             ref_log_prob=batch["ref_log_probs"].to(dev) if "ref_log_probs" in batch else None,
             use_kl_loss=a.use_kl_loss, kl_loss_type=a.kl_loss_type, kl_loss_coef=a.kl_loss_coef,
             loss_agg_mode=a.loss_agg_mode, norm=norm, clip_ratio_low=a.clip_ratio_low,
-            clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c)
+            clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+            rollout_log_prob=batch["rollout_log_probs"].to(dev) if a.rollout_is else None,
+            rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap)
         return _undo_megatron_mean(loss, metrics, k)
 
     def _critic_loss(self, outputs, batch, *, norm, k):
@@ -300,6 +302,8 @@ class PPOTrainer:
         with self.memory.timed(timing, "old_log_prob"):
             old = rb.rollout_logprobs if self.on_policy else self._logprobs(self.actor, rb)
         tensors = {"old_log_probs": old}
+        if a.rollout_is:  # the engine's log-probs for the rollout IS weights (actor.rollout_is)
+            tensors["rollout_log_probs"] = rb.rollout_logprobs
         if self.ref is not None:
             with self.memory.timed(timing, "ref"):
                 tensors["ref_log_probs"] = self._logprobs(self.ref, rb)
