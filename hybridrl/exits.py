@@ -1,7 +1,8 @@
 """Exit statuses and one-line failure reports of the training entrypoint.
 
 Contract:
-- ``OK, FAILED, BAD_INPUT, INTERRUPTED = 0, 1, 2, 130``: 2 = the run could not start (config,
+- ``OK, FAILED, BAD_INPUT, INTERRUPTED, TERMINATED = 0, 1, 2, 130, 143
+TERM_GRACE_S = 5.0``: 2 = the run could not start (config,
   input files, the checkpoint to resume: found before step 1), 1 = training failed after it
   started (user code, non-finite giving up, a collective timeout, ...), 130 = Ctrl-C / SIGINT.
 - ``one_line(err)``: the exception as one line; unless it is a ValueError or hybridrl's own
@@ -15,6 +16,11 @@ Contract:
   rank shares, an error only rank N hit is still shown (it is written before the rank exits, not
   after a delay torchrun may cut short), and a rank that failed only because a peer died
   (``peer_loss``) stays silent.
+- ``Terminated`` (a ``KeyboardInterrupt``): what ``handle_sigterm()`` makes SIGTERM raise in
+  the main thread, so a ``kill`` (or torchrun forwarding one) is handled like Ctrl-C: one line
+  ``terminated (SIGTERM)`` and status ``TERMINATED`` (143, the shell's 128 + 15). When the main
+  thread sits in a collective that does not return, a watchdog thread woken by the signal
+  writes that line and leaves with 143 after ``TERM_GRACE_S`` seconds.
 - ``die_with_parent()``: under torchrun (``TORCHELASTIC_RUN_ID`` set, Linux) the worker receives
   SIGTERM when the torchrun process dies, even by SIGKILL, instead of training on alone.
 """
@@ -28,7 +34,8 @@ import signal
 import sys
 import traceback
 
-OK, FAILED, BAD_INPUT, INTERRUPTED = 0, 1, 2, 130
+OK, FAILED, BAD_INPUT, INTERRUPTED, TERMINATED = 0, 1, 2, 130, 143
+TERM_GRACE_S = 5.0
 INPUT_ERRORS = (ValueError, TypeError, OSError, EOFError, KeyError, ImportError,
                 pickle.UnpicklingError)
 FIRST_KEY, COUNT_KEY = "hybridrl/failure/first", "hybridrl/failure/count"
@@ -49,9 +56,41 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}{': ' + text if text else ''}{where}"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by ``handle_sigterm``'s handler."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def handle_sigterm(rank: int) -> None:
+    """SIGTERM raises ``Terminated``; a watchdog ends a process stuck past the grace time."""
+    import threading
+    import time
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.set_wakeup_fd(write_fd)  # written by the C-level handler, even while blocked in C
+
+    def watch():
+        while os.read(read_fd, 1) != bytes([int(signal.SIGTERM)]):
+            pass
+        time.sleep(TERM_GRACE_S)
+        who = "" if rank == 0 else f" (rank {rank})"
+        sys.stderr.write(f"hybridrl.train: error{who}: terminated (SIGTERM)\n")
+        sys.stderr.flush()
+        os._exit(TERMINATED)
+
+    threading.Thread(target=watch, name="hybridrl-sigterm", daemon=True).start()
+
+
 def status_of(err: BaseException, started: bool) -> int:
     from hybridrl.checkpoint.run_identity import StartupError
 
+    if isinstance(err, Terminated):
+        return TERMINATED
     if isinstance(err, KeyboardInterrupt):
         return INTERRUPTED
     if isinstance(err, StartupError) or (not started and isinstance(err, INPUT_ERRORS)):
@@ -60,8 +99,12 @@ def status_of(err: BaseException, started: bool) -> int:
 
 
 def is_peer_loss(err: BaseException) -> bool:
+    """A collective failed because a peer process is gone (never hybridrl's own errors: a
+    reward function's ``ConnectionResetError`` is that function's failure)."""
+    if not isinstance(err, RuntimeError) or type(err).__module__.startswith("hybridrl"):
+        return False
     text = str(err).lower()
-    return isinstance(err, RuntimeError) and any(w in text for w in PEER_LOSS_WORDS)
+    return any(w in text for w in PEER_LOSS_WORDS)
 
 
 class FailureReporter:

@@ -8,7 +8,8 @@ after ``--``) are torchrun's (``--standalone --nproc-per-node 2``, ``--nnodes``,
 (``torch.distributed.run``), so rendezvous, restarts and signal forwarding are unchanged, but:
 - the exit status is the root-cause worker's (the first that failed): 2 (it could not start:
   bad config or input), 1 (training failed), 130 (interrupted; also a worker killed by SIGINT
-  and Ctrl-C on the launcher); 0 when every worker finished;
+  and Ctrl-C on the launcher), 143 (SIGTERM: a worker or the launcher terminated); 0 when
+  every worker finished;
 - torchrun's ``ChildFailedError`` traceback and its failure log are not printed: the workers'
   own one-line errors (``hybridrl.exits``) are the report.
 """
@@ -37,10 +38,12 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def status_of_exitcode(code: int) -> int:
     """A worker's exit code as the launcher's status (negative: killed by that signal)."""
-    if code in (2, 130):
+    if code in (2, 130, 143):
         return code
     if code == -int(signal.SIGINT):
         return 130
+    if code == -int(signal.SIGTERM):
+        return 143
     return 0 if code == 0 else 1
 
 
@@ -66,7 +69,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     status = main()
-    if status == 130:  # interrupted: torchrun's C++ store threads may still be alive, and their
+    if status in (130, 143):  # interrupted: torchrun's C++ store threads may still be alive, and their
         sys.stdout.flush()  # teardown at interpreter exit can abort (SIGABRT, "terminate called
         sys.stderr.flush()  # without an active exception"); leave without it
         os._exit(status)

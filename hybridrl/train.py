@@ -16,7 +16,7 @@ phase (``hybridrl.parallel.phases``). Any exception is reported as one line
 (``hybridrl.exits``): an error every rank shares once, one only rank N hit with its rank.
 Exit status: 0 done, 1 training failed after it started (user code, the step guard gave up, a
 timeout), 2 the run could not start (bad config, layout, input file, the checkpoint to resume),
-130 interrupted. Under torchrun use ``python -m hybridrl.launch`` to get these statuses back.
+130 interrupted, 143 terminated (SIGTERM: one line, like Ctrl-C). Under torchrun use ``python -m hybridrl.launch`` to get these statuses back.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import time
 import warnings
 
-from hybridrl.exits import die_with_parent, one_line
+from hybridrl.exits import die_with_parent, handle_sigterm, one_line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", message=pattern)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     die_with_parent()  # a SIGKILLed torchrun takes its workers along
+    handle_sigterm(rank)  # SIGTERM: one line and status 143, like Ctrl-C
     try:
         from hybridrl.config.loader import load_config, resolve_config_name
 
@@ -132,14 +133,17 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.trainer.seed)
     status = _run(cfg, build_groups, train, gen, rank, timeout_s)
     if status == 0:
-        dist.barrier()
-        dist.destroy_process_group()  # after a failure a peer may be stuck: just exit
+        try:
+            dist.barrier()
+            dist.destroy_process_group()  # after a failure a peer may be stuck: just exit
+        except RuntimeError:  # a peer failed after this rank finished: it reported why
+            return 1
     return status
 
 
 def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
     """Build the trainer and fit; any failure is one line (hybridrl.exits) and a status."""
-    from hybridrl.exits import FailureReporter, is_peer_loss, status_of
+    from hybridrl.exits import FailureReporter, Terminated, is_peer_loss, status_of
     from hybridrl.parallel.phases import PhaseBoard, is_timeout
 
     board = PhaseBoard.from_default_group()
@@ -151,7 +155,8 @@ def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
         trainer.phases, started = board, True
         trainer.fit()
     except (Exception, KeyboardInterrupt) as err:  # the entrypoint reports all in one line
-        message = ("interrupted" if isinstance(err, KeyboardInterrupt) else
+        message = ("terminated (SIGTERM)" if isinstance(err, Terminated) else
+                   "interrupted" if isinstance(err, KeyboardInterrupt) else
                    board.describe_timeout(rank, timeout_s) if is_timeout(err) else one_line(err))
         return reporter.report(status_of(err, started), message,
                                peer_loss=is_peer_loss(err) and not is_timeout(err))

@@ -21,7 +21,9 @@ Contract (``Checkpointer(trainer)``; every method is collective: every rank call
   and world are unchanged (bitwise continuation); otherwise each rank keeps its fresh seeding
   (sampling is seeded per step and row, so the numbers do not depend on it) and a notice says
   so. Roles (critic or not) and model shapes must match (``ValueError`` naming them).
-- ``start()`` prepares the run folder and applies ``trainer.resume`` (``hybridrl.checkpoint.run_folder``:
+- ``start()`` locks the run folder on rank 0 for the process's life
+  (``hybridrl.checkpoint.run_lock``: a second run on it is refused naming the holder), prepares
+  the run folder and applies ``trainer.resume`` (``hybridrl.checkpoint.run_folder``:
   only the same run id; the layout is not part of it) and returns the folder resumed from (or
   None). Checkpoints live in ``trainer.resolved_checkpoint_dir``. With
   ``resume=auto`` a checkpoint that fails to load (a truncated or corrupt file is named) is
@@ -48,8 +50,9 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.checkpoint import folder as ck
-from hybridrl.checkpoint.run_folder import apply_run_dir, plan_run_dir
+from hybridrl.checkpoint.run_folder import RunDirPlan, apply_run_dir, plan_run_dir, record_run
 from hybridrl.checkpoint.run_identity import StartupError
+from hybridrl.checkpoint.run_lock import acquire_run_lock
 from hybridrl.checkpoint.shards import collect_pieces, load_pieces
 
 FORMAT = 2
@@ -93,6 +96,7 @@ class Checkpointer:
         a = self.cfg.async_save
         self.async_save = (trainer.actor.device.type == "cuda") if a == "auto" else bool(a)
         self.pending = None  # (step, thread, result, entries, trainer_state, meta)
+        self.lock = None  # rank 0: the run folder's lock (hybridrl.checkpoint.run_lock)
         self.last_save_s = 0.0  # time the training loop was blocked by the last save
 
     # ------------------------------------------------------------------ helpers
@@ -265,10 +269,15 @@ class Checkpointer:
         """Apply ``trainer.resume`` (see the module docstring); the folder resumed from."""
         t, tr, plan = self.cfg, self.tr, [None]
         if tr.rank == 0:  # rank 0's view of the folders decides for all (run_dir)
-            plan[0] = plan_run_dir(t.run_dir, self.root, t.resume, t.resume_path, tr.run_id,
-                                   t.overwrite)
+            try:  # held until this process ends: one run per run folder
+                self.lock = acquire_run_lock(t.run_dir)
+                plan[0] = plan_run_dir(t.run_dir, self.root, t.resume, t.resume_path,
+                                       tr.run_id, t.overwrite)
+            except (StartupError, OSError) as err:
+                plan[0] = RunDirPlan(error=str(err))
             if plan[0].error is None:
-                apply_run_dir(t.run_dir, self.root, plan[0], tr.run_id, t.seed)
+                apply_run_dir(t.run_dir, self.root, plan[0], tr.run_id, t.seed,
+                              record=plan[0].resume is None)
             older = [str(p) for p in ck.complete_checkpoints(self.root)]
             plan.append(older[older.index(plan[0].resume) + 1:]
                         if t.resume == "auto" and plan[0].resume in older else [])
@@ -289,6 +298,8 @@ class Checkpointer:
                 if i == len(plan[1]):
                     raise StartupError(str(err)) from None
                 tr.log.line(f"hybridrl: warning: {err}; falling back to {plan[1][i]}")
+        if resumed is not None and tr.rank == 0:  # only now: a failed resume changes nothing
+            record_run(t.run_dir, tr.run_id, t.seed)
         k = self.cfg.kl_guard
         if resumed is None and k.mode == "checkpoint" and k.max_kl > 0:
             self.save()  # global_step_0: something to restore before the first save

@@ -9,6 +9,7 @@ Layout (rank 0 writes everything but the checkpoint shards)::
     generations.jsonl            validation samples, one line each (with "step")
     metrics.redone.jsonl, generations.redone.jsonl
                                  lines of steps after the checkpoint a resume started from
+    metrics.torn.txt             a half-written last line found at a resume (kept, named)
     plot.png                     ``hybridrl plot`` / the demo
     checkpoints/global_step_N/   unless ``trainer.checkpoint_dir`` is set
     tensorboard/, mlruns/, wandb/  the optional sinks
@@ -28,12 +29,19 @@ Contract:
   line when they are another run's, or when ``resume=disable`` finds checkpoints, unless
   ``overwrite``: then all of them, and the checkpoints of ``ckpt_dir`` when it lies outside the
   run folder, are moved into ``previous_<k>/`` (never deleted).
-- ``apply_run_dir(run_dir, ckpt_dir, plan, run, seed)`` (rank 0 only) creates the run folder,
-  removes leftover ``.tmp_global_step_*`` folders (never complete by construction), moves aside
-  what the plan says (the notice names where) and writes ``run.json``.
-- ``keep_steps_upto(path, step)`` keeps the lines of a jsonl file whose ``"step"`` is <= ``step``
-  and appends the others to ``<stem>.redone.jsonl`` (first, so a crash duplicates, never loses);
-  the file is rewritten only when a line moves (atomically). Returns the number moved.
+- ``auto`` reads the newest complete checkpoint whose ``meta.json`` is readable: a corrupt one
+  is skipped with a warning notice naming the file (as a corrupt ``.pt`` falls back at load).
+- ``apply_run_dir(run_dir, ckpt_dir, plan, run, seed, record=True)`` (rank 0 only) creates the
+  run folder, removes leftover ``.tmp_global_step_*`` folders (never complete by construction),
+  moves aside what the plan says (the notice names where) and, with ``record``, writes
+  ``run.json`` (``record_run``; a resume records it only once the checkpoint loaded, so a failed
+  resume leaves the folder's files as they were).
+- ``keep_steps_upto(path, step, notices=None)`` keeps the lines of a jsonl file whose ``"step"``
+  is <= ``step`` and appends the others to ``<stem>.redone.jsonl`` (first, so a crash
+  duplicates, never loses); the file is rewritten only when a line moves (atomically). Returns
+  the number moved. A half-written last line (no newline, not JSON: the writer died or the
+  disk filled) goes to ``<stem>.torn.txt`` and a notice is appended to ``notices``; any other
+  line that is not a JSON object with a ``"step"`` raises ``StartupError`` naming file and line.
 - ``write_config(run_dir, text)`` writes ``config.yaml``; an existing one with other content is
   renamed ``config-<its mtime, %Y%m%d-%H%M%S>[-k].yaml`` first. Returns that name or None.
 """
@@ -47,12 +55,14 @@ import shutil
 import time
 from pathlib import Path
 
-from hybridrl.checkpoint.folder import latest_checkpoint
+from hybridrl.checkpoint.folder import complete_checkpoints, latest_checkpoint
+from hybridrl.checkpoint.run_identity import StartupError
 
 RUN_FILE = "run.json"
 CONFIG = "config.yaml"
 RUN_FILES = (RUN_FILE, CONFIG, "metrics.jsonl", "generations.jsonl", "metrics.redone.jsonl",
-             "generations.redone.jsonl", "plot.png", "tensorboard", "mlruns", "wandb")
+             "generations.redone.jsonl", "metrics.torn.txt", "generations.torn.txt", "plot.png",
+             "tensorboard", "mlruns", "wandb")
 
 
 @dataclasses.dataclass
@@ -66,8 +76,17 @@ class RunDirPlan:
 def _saved_id(folder: Path) -> str | None:
     try:
         return json.loads((folder / "meta.json").read_text()).get("run_id")
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return None
+
+
+def _readable_meta(folder: Path) -> str | None:
+    """None when ``<folder>/meta.json`` is a JSON object, else why it is not (one phrase)."""
+    try:
+        data = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError) as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None if isinstance(data, dict) else "not a JSON object"
 
 
 def _recorded_id(run_dir: Path) -> str | None:
@@ -123,9 +142,24 @@ def plan_run_dir(run_dir: str | Path, ckpt_dir: str | Path, mode: str, resume_pa
         note = (None if other == run else f"resuming {resume_path} of run {other} "
                 f"with a different config (run {run}): trainer.resume=path allows it")
         return RunDirPlan(resume=str(path), notice=note)
-    latest = latest_checkpoint(ckpt_dir)
+    latest, skipped = latest_checkpoint(ckpt_dir), []
+    if mode == "auto":  # a corrupt meta.json: fall back, as a corrupt .pt does
+        for folder in complete_checkpoints(ckpt_dir):
+            why = _readable_meta(folder)
+            if why is None:
+                break
+            skipped.append(f"checkpoint file '{folder / 'meta.json'}' cannot be read ({why})")
+        else:
+            if skipped:
+                return RunDirPlan(error=f"trainer.resume=auto: no complete checkpoint in "
+                                  f"{str(ckpt_dir)!r} can be read: " + "; ".join(skipped))
+        latest = folder if skipped else latest
     if mode == "auto" and latest is not None:
         other = _saved_id(latest)
+        if skipped:
+            note = "warning: " + "; ".join(skipped) + f"; falling back to {latest}"
+            if other == run:
+                return RunDirPlan(resume=str(latest), notice=note)
         if other == run:
             return RunDirPlan(resume=str(latest))
         return RunDirPlan(error=(
@@ -160,7 +194,7 @@ def _first_free(folder: Path, stem: str) -> Path:
 
 
 def apply_run_dir(run_dir: str | Path, ckpt_dir: str | Path, plan: RunDirPlan, run: str,
-                  seed: int) -> None:
+                  seed: int, record: bool = True) -> None:
     """Rank 0: create, clean temporary folders, move aside, record ``run.json`` (see docstring)."""
     run_dir, ckpt_dir = Path(run_dir), Path(ckpt_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -177,21 +211,49 @@ def apply_run_dir(run_dir: str | Path, ckpt_dir: str | Path, plan: RunDirPlan, r
         moved.append(f"{dest} ({len(names)} entries)")
     if moved and plan.notice:
         plan.notice += " into " + ", ".join(moved)
+    if record:
+        record_run(run_dir, run, seed)
+
+
+def record_run(run_dir: str | Path, run: str, seed: int) -> None:
+    """Write ``run.json`` (atomically): the run that owns the folder."""
+    run_dir = Path(run_dir)
     tmp = run_dir / (RUN_FILE + ".tmp")
     tmp.write_text(json.dumps({"run_id": run, "seed": seed}) + "\n")
     os.replace(tmp, run_dir / RUN_FILE)
 
 
-def keep_steps_upto(path: str | Path, step: int) -> int:
+def keep_steps_upto(path: str | Path, step: int, notices: list | None = None) -> int:
     """Move the lines of steps > ``step`` to ``<stem>.redone.jsonl`` (see docstring)."""
     path = Path(path)
     if not path.is_file():
         return 0
-    keep, later = [], []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            (later if json.loads(line).get("step", 0) > step else keep).append(line + "\n")
-    if later:
+    keep, later, text = [], [], path.read_text(errors="replace")
+    lines = text.splitlines()
+    for k, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            record_step = record.get("step", 0) if isinstance(record, dict) else None
+        except ValueError:
+            record_step = None
+        if record_step is None and k == len(lines) - 1 and not text.endswith("\n"):
+            torn = path.with_name(path.stem + ".torn.txt")  # a half-written last line (the
+            with open(torn, "a") as f:  # writer died, or the disk filled): kept aside, named
+                f.write(line + "\n")
+            if notices is not None:
+                notices.append(f"{path.name} line {k + 1} was half-written (torn); moved to "
+                               f"{torn.name}")
+            later.append(None)
+            continue
+        if not isinstance(record_step, int):
+            raise StartupError(f"{str(path)!r} line {k + 1} is not a JSON object with a "
+                               f"\"step\" ({line[:60]!r}): repair or remove that line")
+        (later if record_step > step else keep).append(line + "\n")
+    torn = later.count(None)
+    later = [line for line in later if line is not None]
+    if later or torn:
         with open(path.with_name(path.stem + ".redone.jsonl"), "a") as f:
             f.write("".join(later))
         tmp = path.with_name(path.name + ".tmp")

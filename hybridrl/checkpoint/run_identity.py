@@ -22,6 +22,7 @@ import json
 NOT_IDENTITY = {"trainer": ("resume", "resume_path", "total_steps", "total_epochs", "overwrite",
                             "save_freq", "test_freq", "val_before_train", "logger", "output_dir",
                             "checkpoint_dir", "collective_timeout_s", "nonfinite", "kl_guard",
+                            "nonfinite_max_steps",
                             "device", "max_ckpt_to_keep", "async_save"),
                 "parallel": ("tp", "pp", "dp", "cp", "ep", "order", "gen")}
 

@@ -80,9 +80,26 @@ def _parse_item(item: str, source: str) -> DictConfig:
     if item.endswith("="):
         item += "''"  # `key=` sets the empty string (OmegaConf would read null)
     try:
-        return OmegaConf.from_dotlist([item])
+        parsed = OmegaConf.from_dotlist([item])
     except OmegaConfBaseException as err:
         raise ValueError(f"override {source!r} cannot be parsed: {_first_line(err)}") from None
+    raw = OmegaConf.to_container(parsed, resolve=False)
+    fixed = _hydra_pairs(raw)
+    return parsed if fixed == raw else OmegaConf.create(fixed)
+
+
+def _hydra_pairs(value: Any) -> Any:
+    """Hydra's ``{key:value}`` (no space after the colon) as the mapping Hydra means: YAML
+    reads it as one key ``'key:value'`` with a null value."""
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for key, item in value.items():
+        if isinstance(key, str) and item is None and ":" in key and not key.startswith(":"):
+            key, _, text = key.partition(":")
+            item = yaml.safe_load(text) if text.strip() else None
+        out[key] = _hydra_pairs(item)
+    return out
 
 
 def _raise_all(problems: list[str], what: str) -> None:
@@ -111,7 +128,13 @@ def _read_yaml(path: str) -> DictConfig:
     if not isinstance(data, dict):
         raise ValueError(f"config file '{path}' must hold a mapping of sections at top level; "
                          f"got {type(data).__name__}")
-    layer = OmegaConf.load(path)  # OmegaConf's YAML flavour (e.g. 1e-5 is a float)
+    try:
+        layer = OmegaConf.load(path)  # OmegaConf's YAML flavour (e.g. 1e-5 is a float)
+    except yaml.YAMLError as err:  # e.g. a duplicate key, which yaml.safe_load lets pass
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        problem = getattr(err, "problem", None) or _first_line(err)
+        raise ValueError(f"config file '{path}': {problem}{where}") from None
     assert isinstance(layer, DictConfig)
     return layer
 

@@ -86,6 +86,9 @@ class TrainerConfig:
                           "host copy of the optimizer shards, skip the batch; "
                           "kl_guard.max_rollbacks consecutive at most) | fail (stop with exit "
                           "status 1).")
+    nonfinite_max_steps: int = knob(3, "With nonfinite=skip: this many consecutive non-finite "
+                                    "steps are skipped, the next one fails the run (exit "
+                                    "status 1); 0 = no limit.")
     overwrite: bool = knob(False, "A run that starts from step 0 where another run's files or "
                            "checkpoints are: move them into previous_<k>/ (never deleted) "
                            "instead of refusing to start.")
@@ -118,6 +121,7 @@ class TrainerConfig:
             check_choice("trainer.logger[]", name, LOGGERS)
         check_choice("trainer.device", self.device, DEVICES)
         check_choice("trainer.nonfinite", self.nonfinite, NONFINITE_MODES)
+        check_non_negative("trainer.nonfinite_max_steps", self.nonfinite_max_steps)
         check_positive("trainer.collective_timeout_s", self.collective_timeout_s)
         check_non_negative("trainer.max_ckpt_to_keep", self.max_ckpt_to_keep)
         if self.async_save not in ("auto", True, False):

@@ -58,6 +58,9 @@ def _refuse(verl: str, note: str) -> VerlRule:
 
 _OTC = "megatron.override_transformer_config"
 _ACTOR_LAYOUT = "the reference runs on the actor's layout; must equal the actor's {}"
+_GLOBAL_MICRO = ("deprecated global micro-batch size: divided by the DP size (verl's megatron "
+                 "workers: world / (tp x pp x cp), world = trainer.n_gpus_per_node x "
+                 "trainer.nnodes) into the *_per_gpu key; giving both is refused, as in verl")
 
 VERL_RULES: tuple[VerlRule, ...] = (
     # ---- model
@@ -69,6 +72,11 @@ VERL_RULES: tuple[VerlRule, ...] = (
          note="true = full recompute (model.recompute_method/num_layers refine it)",
          values=((True, "full"), (False, "none"))),
     _refuse(f"{ARR}.model.lora", "LoRA is not supported: hybridrl trains full weights"),
+    _ignore(f"{ARR}.model.lora_rank", "LoRA is not supported: hybridrl trains full weights "
+            "(0 = no LoRA, verl's default)", (0,)),
+    _ignore(f"{ARR}.model.lora_alpha", "LoRA is not supported (lora_rank must be 0)"),
+    _ignore(f"{ARR}.model.lora_adapter_path", "LoRA is not supported: hybridrl trains full "
+            "weights", (None, "")),
     # ---- actor optimizer, batching, loss
     _set(f"{ARR}.actor.optim.lr", "actor.lr"),
     VerlRule(f"{ARR}.actor.optim.lr_warmup_steps", ("actor.warmup_steps",),
@@ -87,6 +95,8 @@ VERL_RULES: tuple[VerlRule, ...] = (
     _set(f"{ARR}.actor.ppo_mini_batch_size", "actor.ppo_mini_batch_size",
          note="same unit: prompts, before multiplying by rollout.n"),
     _set(f"{ARR}.actor.ppo_micro_batch_size_per_gpu", "actor.ppo_micro_batch_size_per_gpu"),
+    VerlRule(f"{ARR}.actor.ppo_micro_batch_size", ("actor.ppo_micro_batch_size_per_gpu",),
+             _GLOBAL_MICRO, "special"),
     _set(f"{ARR}.actor.use_dynamic_bsz", "actor.use_dynamic_bsz"),
     _set(f"{ARR}.actor.ppo_max_token_len_per_gpu", "actor.ppo_max_token_len_per_gpu"),
     _set(f"{ARR}.actor.clip_ratio", "actor.clip_ratio_low", "actor.clip_ratio_high",
@@ -141,6 +151,8 @@ VERL_RULES: tuple[VerlRule, ...] = (
     _ignore(f"{ARR}.ref.megatron.use_dist_checkpointing", "the reference starts from "
             "ref.model_path or the actor's initial weights", (False,)),
     _set(f"{ARR}.ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size_per_gpu"),
+    VerlRule(f"{ARR}.ref.log_prob_micro_batch_size", ("ref.log_prob_micro_batch_size_per_gpu",),
+             _GLOBAL_MICRO, "special"),
     _set(f"{ARR}.ref.log_prob_use_dynamic_bsz", "ref.log_prob_use_dynamic_bsz"),
     _set(f"{ARR}.ref.log_prob_max_token_len_per_gpu", "ref.log_prob_max_token_len_per_gpu"),
     # ---- rollout
@@ -176,6 +188,8 @@ VERL_RULES: tuple[VerlRule, ...] = (
     _set(f"{ARR}.rollout.log_prob_micro_batch_size_per_gpu",
          "ref.log_prob_micro_batch_size_per_gpu",
          note="old log-probs and reference log-probs share the ref section's batching"),
+    VerlRule(f"{ARR}.rollout.log_prob_micro_batch_size",
+             ("ref.log_prob_micro_batch_size_per_gpu",), _GLOBAL_MICRO, "special"),
     _set(f"{ARR}.rollout.log_prob_use_dynamic_bsz", "ref.log_prob_use_dynamic_bsz",
          note="shared with the reference forward"),
     _set(f"{ARR}.rollout.log_prob_max_token_len_per_gpu", "ref.log_prob_max_token_len_per_gpu",
@@ -188,6 +202,11 @@ VERL_RULES: tuple[VerlRule, ...] = (
     _set("critic.model.path", "critic.model_path"),
     _ident("critic.cliprange_value"),
     _ident("critic.ppo_micro_batch_size_per_gpu"),
+    VerlRule("critic.ppo_micro_batch_size", ("critic.ppo_micro_batch_size_per_gpu",),
+             _GLOBAL_MICRO, "special"),
+    VerlRule("critic.model.enable_gradient_checkpointing", ("model.recompute_granularity",),
+             "one recompute setting for every role: true = full, false = none; must agree "
+             f"with {ARR}.model.enable_gradient_checkpointing when both are given", "special"),
     _ident("critic.ppo_mini_batch_size"),
     _ident("critic.ppo_epochs"),
     _ident("critic.use_dynamic_bsz"),
@@ -211,12 +230,28 @@ VERL_RULES: tuple[VerlRule, ...] = (
     _ident("algorithm.kl_ctrl.kl_coef"),
     _ident("algorithm.kl_ctrl.target_kl"),
     _ident("algorithm.kl_ctrl.horizon"),
+    _ident("algorithm.filter_groups.enable"),
+    _ident("algorithm.filter_groups.max_num_gen_batches"),
+    _ignore("algorithm.filter_groups.metric", "groups are filtered on the sequence score (the "
+            "reward function's score plus shaping: verl's seq_final_reward without in-reward "
+            "KL; acc for 0/1 rule rewards)", ("acc", "score", "seq_reward", "seq_final_reward")),
+    _set("algorithm.rollout_correction.rollout_is", "actor.rollout_is",
+         note="token | sequence; null = off", values=((None, ""),)),
+    _set("algorithm.rollout_correction.rollout_is_threshold", "actor.rollout_is_cap"),
     # ---- reward
     _set("reward_model.model.path", "reward.reward_model_path", note="set = enabled"),
     _ignore("reward_model.enable", "a reward model is used exactly when "
             "reward.reward_model_path is set", (False,)),
     _ignore("reward_model.reward_manager", "scores are computed once per sequence by "
-            "hybridrl.rewards (verl's 'naive' manager)", ("naive",)),
+            "hybridrl.rewards (verl's 'naive' manager; 'dapo' = naive + reward.overlong_buffer)",
+            ("naive", "dapo")),
+    VerlRule("reward_model.overlong_buffer.enable", ("reward.overlong_buffer",),
+             "false = reward.overlong_buffer=0; true needs reward_model.overlong_buffer.len",
+             "special"),
+    _set("reward_model.overlong_buffer.len", "reward.overlong_buffer"),
+    _set("reward_model.overlong_buffer.penalty_factor", "reward.overlong_penalty_factor"),
+    _ignore("reward_model.overlong_buffer.log", "reward/overlong_penalty/mean is always logged "
+            "when the buffer is on"),
     _refuse("custom_reward_function.path", "give reward.reward_fn='path/to/file.py:function' "
             "(one key: the file and the function name)"),
     _refuse("custom_reward_function.name", "give reward.reward_fn='path/to/file.py:function'"),
@@ -237,6 +272,8 @@ VERL_RULES: tuple[VerlRule, ...] = (
     _ident("data.seed"),
     _ignore("data.return_raw_chat", "prompts are tokenized once with the chat template; the "
             "engine receives token ids"),
+    _ignore("data.gen_batch_size", "each generation round takes data.train_batch_size prompts "
+            "(algorithm.filter_groups bounds the rounds)"),
     _ignore("data.trust_remote_code", "tokenizers load without remote code", (False,)),
     # ---- trainer
     _ident("trainer.total_epochs"),

@@ -10,8 +10,9 @@ Contract:
 - ``where(rank)`` -> (step, phase) or None (never recorded); ``stragglers(rank)``: the other
   ranks whose record differs from ``rank``'s (they did not reach the collective it waits in),
   with their records; ``describe_timeout(rank, timeout_s)`` turns that into one line.
-- ``is_timeout(err)``: whether an exception from a collective is a timeout (gloo and NCCL word
-  it "timed out" / "Timeout").
+- ``is_timeout(err)``: whether an exception is a collective's timeout: a RuntimeError raised by
+  torch / gloo / NCCL (not by hybridrl or user code: a reward function's ``TimeoutError`` or
+  ``ConnectionError("read timed out")`` is not one) whose message says "timed out" / "Timeout".
 """
 
 from __future__ import annotations
@@ -85,5 +86,9 @@ class PhaseBoard:
 
 
 def is_timeout(err: BaseException) -> bool:
+    if not isinstance(err, RuntimeError) or type(err).__module__.startswith("hybridrl"):
+        return False  # hybridrl's own errors (a reward timeout) name themselves
+    if isinstance(err.__cause__ or err.__context__, (TimeoutError, ConnectionError)):
+        return False  # raised while handling a user-level timeout, not by a collective
     text = str(err).lower()
-    return isinstance(err, RuntimeError) and ("timed out" in text or "timeout" in text)
+    return "timed out" in text or "timeout" in text

@@ -5,7 +5,8 @@ Contract:
   ``RowItem(row, text, ids, ground_truth, data_source, extra_info)``; each row's reward function
   (``RewardScorer.score_one``) runs once, in this process (``pool`` None) or in a process pool,
   and must return within ``timeout_s`` seconds (0 = no limit). Returns one ``RowScore`` per item
-  or, at the first timeout or exception, the one-line error ``reward function 'NAME' <what> on
+  or, at the first timeout or exception (the rows after it are not waited for), the one-line
+  error ``reward function 'NAME' <what> on
   row R (data_source 'S', index I)`` (R: the row in the step's batch, I: ``extra_info['index']``).
 - ``DistributedScorer(scorer, tokenizer, reward_cfg, max_response_length)`` with
   ``score(rows, response_ids, response_mask, ground_truth, data_source, extra_info, mp_index,
@@ -15,7 +16,8 @@ Contract:
   per-sequence scalars (score, raw score, penalties, numeric extras) gives every rank every
   row's record. Returns ``(scores [n_local] fp32 of the caller's rows, metrics over all rows)``
   with ``RewardScorer.score_batch``'s metric keys and values; an error on any rank raises
-  ``RuntimeError`` with that line on every rank.
+  ``RewardError`` (a ``RuntimeError``, never taken for a collective's timeout) with that line on
+  every rank.
 - ``global_score_metrics(scores, dp_group)``: ``critic/score/{mean,max,min}`` of per-row
   scores held by the DP ranks (a reward model's; gloo group, CPU scalars; None = this rank only).
 - ``reward.num_workers`` > 0: a "forkserver" pool whose workers rebuild the scorer from the
@@ -35,6 +37,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or timed out on a row (the message names function and row)."""
 
 
 @dataclasses.dataclass
@@ -124,14 +130,17 @@ def score_rows(scorer, items: list[RowItem], timeout_s: float, pool=None,
                reward_cfg_json: str = "", max_response_length: int | None = None
                ) -> list[RowScore] | str:
     """Every item's score once (see the module docstring); an error line on failure."""
+    results: list = []
     if pool is None:
-        results = [_score_item(scorer, item, timeout_s) for item in items]
+        for item in items:  # stop at the first error: a hanging function costs timeout_s once
+            results.append(_score_item(scorer, item, timeout_s))
+            if isinstance(results[-1], str):
+                return results[-1]
     else:
         pending = [pool.apply_async(_pool_task, (reward_cfg_json, item, timeout_s))
                    for item in items]
         # each call bounds itself in its worker; this only catches a worker that hangs anyway
         backstop = None if timeout_s <= 0 else timeout_s * (len(items) + 1) + 60
-        results = []
         for item, res in zip(items, pending):
             try:
                 results.append(res.get(backstop))
@@ -140,9 +149,8 @@ def score_rows(scorer, items: list[RowItem], timeout_s: float, pool=None,
                     f"no result within {timeout_s:g} s (reward.timeout_s)")))
             except BaseException as err:  # the worker could not run it at all
                 results.append(_error_line(scorer, item, err))
-    for res in results:
-        if isinstance(res, str):
-            return res
+            if isinstance(results[-1], str):
+                return results[-1]  # the caller ends the pool: queued rows are dropped
     penalties = scorer._penalties([it.ids for it in items], max_response_length, len(items))
     out = []
     for k, (item, (raw, extras)) in enumerate(zip(items, results)):
@@ -222,7 +230,7 @@ class DistributedScorer:
         errors = [e for e in everyone if isinstance(e, str)]
         if errors:
             self.close()
-            raise RuntimeError(errors[0])
+            raise RewardError(errors[0])
         by_row = {r.row: r for part in everyone for r in part}
         missing = [row for row in rows if row not in by_row]
         assert not missing, f"rows {missing[:5]} were scored by no rank"

@@ -20,7 +20,8 @@ Contract:
   (``restore(snapshot)``: weights, optimizers and KL controller as before the step, the batch
   skipped), kept minus its refused updates when there is none (``skip``), or raises
   ``RuntimeError`` (``nonfinite=fail``, ``kl_guard.rollback=false``, more than
-  ``kl_guard.max_rollbacks`` consecutive rollbacks (``nonfinite=skip`` has no such limit for
+  ``kl_guard.max_rollbacks`` consecutive rollbacks, more than ``trainer.nonfinite_max_steps``
+  consecutive non-finite steps with ``skip`` (``nonfinite=skip`` has no rollback limit for
   non-finite steps), or non-finite weights with no snapshot). Returns the metrics
   ``training/nonfinite_steps`` (running count), ``training/rolled_back`` (1 when the step's
   updates were not kept) and, with the KL guard on, ``training/kl_guard_rollback``.
@@ -87,6 +88,8 @@ class StepGuard:
         self.mode, self.kl = trainer_cfg.nonfinite, trainer_cfg.kl_guard
         self.device, self.log = device, log
         self.consecutive, self.nonfinite_steps = 0, 0
+        self.max_skips = getattr(trainer_cfg, "nonfinite_max_steps", 0)
+        self.nonfinite_run = 0  # consecutive non-finite steps (nonfinite_max_steps)
         self.checkpoint_rollbacks, self.restore_checkpoint = 0, None
 
     @property
@@ -139,7 +142,7 @@ class StepGuard:
         if problem is None and worst > self.kl.max_kl > 0:
             problem, is_kl = f"step {step}: policy KL {worst:.4g} > max_kl {self.kl.max_kl}", True
         if problem is None:
-            self.consecutive = 0
+            self.consecutive = self.nonfinite_run = 0
             return {**out, "training/nonfinite_steps": float(self.nonfinite_steps),
                     "training/rolled_back": 0.0}
         if is_kl and self.kl.mode == "checkpoint" and self.kl.rollback:
@@ -178,8 +181,13 @@ class StepGuard:
             raise RuntimeError(f"{problem} (trainer.kl_guard.rollback=false: rollback disabled)")
         if not is_kl:
             self.nonfinite_steps += 1
+            self.nonfinite_run += 1
             if self.mode == "fail":
                 raise RuntimeError(f"{problem} (trainer.nonfinite=fail)")
+            if self.mode == "skip" and 0 < self.max_skips < self.nonfinite_run:
+                raise RuntimeError(f"{problem}; {self.nonfinite_run} consecutive non-finite "
+                                   f"steps (trainer.nonfinite_max_steps={self.max_skips}): "
+                                   "giving up (lower actor.lr, check the reward function)")
         self.consecutive += 1
         if self._limited(is_kl) and self.consecutive > self.kl.max_rollbacks:
             raise RuntimeError(f"{problem}; {self.consecutive} consecutive rollbacks: giving up "
@@ -187,9 +195,11 @@ class StepGuard:
 
     def state_dict(self) -> dict:
         return {"consecutive": self.consecutive, "nonfinite_steps": self.nonfinite_steps,
+                "nonfinite_run": self.nonfinite_run,
                 "checkpoint_rollbacks": self.checkpoint_rollbacks}
 
     def load_state_dict(self, state: dict) -> None:
         self.consecutive = int(state.get("consecutive", 0))
         self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
+        self.nonfinite_run = int(state.get("nonfinite_run", 0))
         self.checkpoint_rollbacks = int(state.get("checkpoint_rollbacks", 0))

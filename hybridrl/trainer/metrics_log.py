@@ -77,8 +77,9 @@ class MetricsLog:
             self.tracker.log(metrics, step)
         if self.jsonl:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": step, "kept": kept, **metrics}) + "\n")
+            line = json.dumps({"step": step, "kept": kept, **metrics}) + "\n"
+            with open(self.path, "a") as f:  # one write: a torn line has no newline, and
+                f.write(line)  # resume_at moves it aside (run_folder.keep_steps_upto)
 
     def samples(self, step: int, samples: list[dict]) -> None:
         self.progress.samples(step, samples)
@@ -102,7 +103,10 @@ class MetricsLog:
         if not self.active:
             return
         for path in (self.path, self.path.with_name("generations.jsonl")):
-            moved = keep_steps_upto(path, step)
+            notices: list[str] = []
+            moved = keep_steps_upto(path, step, notices)
+            for text in notices:
+                self.line(f"hybridrl: warning: {text}")
             if moved:
                 self.line(f"hybridrl: {moved} lines of steps after {step} (run again from the "
                           f"checkpoint) moved from {path.name} to {path.stem}.redone.jsonl")

@@ -11,6 +11,9 @@ the synthetic data folder) and removing its own probe file. Checked:
 - the tokenizer folder (``model.tokenizer_path``, else ``model.path``) holds tokenizer files;
 - every optional ``trainer.logger`` sink (wandb, mlflow, tensorboard) has its package installed
   (``hybridrl.trainer.tracking.missing_loggers``: one line naming the pip install);
+- ``algorithm.adv_estimator`` and ``actor.policy_loss`` name registered entries (built-in or
+  registered by the user's code before the run starts): ``algorithm.adv_estimator 'x' is not a
+  registered advantage estimator; registered: [...]``;
 - with neither ``reward.reward_fn`` nor ``reward.reward_model_path``, every ``data_source`` of
   the training/validation parquet files has a registered reward function (``REWARD_FNS``), and
   no prompt has empty content.
@@ -113,4 +116,19 @@ def check_startup(cfg, rank: int) -> list[str]:
     from hybridrl.trainer.tracking import missing_loggers
 
     problems += missing_loggers(cfg.trainer.logger)  # no import of the sinks themselves
-    return problems + _model_problems(cfg) + _data_problems(cfg)
+    return problems + _registry_problems(cfg) + _model_problems(cfg) + _data_problems(cfg)
+
+
+def _registry_problems(cfg) -> list[str]:
+    """Unknown estimator / policy-loss names, found now instead of at step 1."""
+    from hybridrl.algos.advantages import ADVANTAGE_ESTIMATORS
+    from hybridrl.algos.losses import POLICY_LOSSES
+
+    out = []
+    for key, value, registry in (
+            ("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADVANTAGE_ESTIMATORS),
+            ("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES)):
+        if value not in registry:
+            out.append(f"{key} {value!r} is not a registered {registry.kind}; registered: "
+                       f"{registry.names()} (register yours before the run starts)")
+    return out
