@@ -95,6 +95,9 @@ def rows(long: bool) -> list[dict]:
     return out
 
 
+from benchmarks.trl_settings import hybridrl_settings, settings_mismatch, trl_settings  # noqa: E402
+
+
 def _score(completion: str, truth: str) -> float:
     from hybridrl.rewards.gsm8k import compute_score
 
@@ -134,14 +137,15 @@ def _hybridrl_rank(rank, world, folder, data, steps, tmp, extra=()):
         return metrics
 
     trainer.train_step = cpu_timed_step
-    return trainer.fit()
+    hist = trainer.fit()
+    return hist, hybridrl_settings(cfg, world, "actor/entropy" in hist[-1], torch.get_num_threads())
 
 
 def run_hybridrl(world, folder, data, steps, tmp, extra=()) -> dict:
     from hybridrl.testing.dist import run_on_ranks
 
-    hist = run_on_ranks(_hybridrl_rank, world, str(folder), str(data), steps, tmp, list(extra),
-                        timeout=1800, preload=("megatron.core",))[0]
+    hist, settings = run_on_ranks(_hybridrl_rank, world, str(folder), str(data), steps, tmp,
+                                  list(extra), timeout=1800, preload=("megatron.core",))[0]
     kept = hist[1:] or hist
     phases = sorted({k for m in kept for k in m if k.startswith("timing_s/")})
     mean = {k: statistics.mean(m[k] for m in kept) for k in phases}
@@ -150,7 +154,8 @@ def run_hybridrl(world, folder, data, steps, tmp, extra=()) -> dict:
             "cpu_s": statistics.mean(m["cpu_s/step"] for m in kept),
             "steps": {"step_s": [m["timing_s/step"] for m in kept],
                       "cpu_s": [m["cpu_s/step"] for m in kept]},
-            "phases": {k[9:]: v for k, v in mean.items() if k != "timing_s/step"}}
+            "phases": {k[9:]: v for k, v in mean.items() if k != "timing_s/step"},
+            "settings": settings}
 
 
 # ---------------------------------------------------------------------------------------- TRL
@@ -169,8 +174,14 @@ def _time_phases(trainer, phases: dict) -> None:
 
     logps = trainer._get_per_token_logps_and_entropies
     no_grad_logps = timed("ref", logps)  # the in-loss forward (grad on) belongs to the update
-    trainer._get_per_token_logps_and_entropies = (
-        lambda *a, **k: logps(*a, **k) if torch.is_grad_enabled() else no_grad_logps(*a, **k))
+
+    def logps_seen(*a, **k):
+        if torch.is_grad_enabled():  # the update's forward: does it compute the entropy?
+            phases["entropy_in_update"] = bool(k.get("compute_entropy", False))
+            return logps(*a, **k)
+        return no_grad_logps(*a, **k)
+
+    trainer._get_per_token_logps_and_entropies = logps_seen
     trainer._generate = timed("gen", trainer._generate)
     trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
     trainer._generate_and_score_completions = timed("prepare",
@@ -205,27 +216,37 @@ def trl_worker(folder: str, long: bool, steps: int, world: int, out: str) -> Non
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.t0)
             cpu.append(time.process_time() - self.c0)
-            steps_phases.append(dict(phases))
+            steps_phases.append({k: v for k, v in phases.items() if k != "entropy_in_update"})
+            self.entropy = phases.get("entropy_in_update", False)
 
     seqs = PROMPTS * N // world  # per process; one optimizer step per generation batch
+    # every option that changes the work, set to hybridrl's value (TRL 1.16 defaults to bf16
+    # autocast and gradient checkpointing, a linear lr decay and no weight decay)
     args = GRPOConfig(
         output_dir=os.path.join(os.path.dirname(out), "trl"), use_cpu=True, seed=0,
+        bf16=False, fp16=False, gradient_checkpointing=False,
         per_device_train_batch_size=MICRO, gradient_accumulation_steps=seqs // MICRO,
-        num_generations=N, max_completion_length=NEW, temperature=1.0, beta=0.001,
-        learning_rate=3e-3, max_steps=steps, num_iterations=1, logging_steps=1,
+        generation_batch_size=PROMPTS * N, num_generations=N, max_completion_length=NEW,
+        temperature=1.0, top_k=0, top_p=1.0, beta=0.001, epsilon=0.2, epsilon_high=0.2,
+        importance_sampling_level="token", loss_type="dapo", scale_rewards="group",
+        learning_rate=3e-3, lr_scheduler_type="constant", weight_decay=0.01,
+        adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
+        max_steps=steps, num_iterations=1, logging_steps=1,
         save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0)
+    timer = Timer()
     trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=AutoTokenizer.from_pretrained(folder),
-                          callbacks=[Timer()])
+                          callbacks=[timer])
     _time_phases(trainer, phases)
     trainer.train()
+    settings = trl_settings(trainer, world, timer.entropy)
     for log in trainer.state.log_history:
         if "completions/mean_length" in log:
             tokens.append(log["completions/mean_length"])
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
             json.dump({"times": times, "cpu": cpu, "phases": steps_phases,
-                       "mean_length": tokens}, f)
+                       "mean_length": tokens, "settings": settings}, f)
 
 
 def run_trl(world, folder, long, steps, tmp) -> dict:
@@ -255,7 +276,8 @@ def run_trl(world, folder, long, steps, tmp) -> dict:
               "update": step - mean["prepare"]}
     return {"step_s": step, "tokens_per_s": length * PROMPTS * N / step,
             "cpu_s": statistics.mean(res["cpu"][kept]), "phases": phases,
-            "steps": {"step_s": res["times"][kept], "cpu_s": res["cpu"][kept]}}
+            "steps": {"step_s": res["times"][kept], "cpu_s": res["cpu"][kept]},
+            "settings": res["settings"]}
 
 
 # --------------------------------------------------------------------------------------- main
@@ -334,6 +356,16 @@ def main(argv=None) -> int:
             for world in args.worlds:
                 load = os.getloadavg()[0]
                 ours, theirs = _cell(world, kind, folder, data, args, tmp)
+                differ = [line for o, t in zip(ours, theirs)
+                          for line in settings_mismatch(o["settings"], t["settings"])]
+                if differ:
+                    print("refusing to report: the two sides do different work:\n  "
+                          + "\n  ".join(sorted(set(differ))))
+                    return 1
+                if kind == args.prompts[0] and world == args.worlds[0]:
+                    print("      effective settings, equal on both sides: " + ", ".join(
+                        f"{k}={v}" for k, v in sorted(ours[0]["settings"].items())
+                        if k != "processes"), flush=True)
                 for what, key in (("wall", "step_s"), ("cpu", "cpu_s")):
                     tail = (f" {statistics.mean(r['tokens_per_s'] for r in ours):>14.0f}"
                             f" {statistics.mean(r['tokens_per_s'] for r in theirs):>10.0f}"
