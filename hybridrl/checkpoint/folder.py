@@ -4,7 +4,7 @@ Contract (the files; what goes in them is ``hybridrl.checkpoint.checkpointer``):
 - A checkpoint is written into ``.tmp_global_step_<N>/`` (``begin_folder``, collective: rank 0
   creates it, then a barrier). Every rank writes its own ``rank_<r>.pt`` in parallel
   (``write_file``: ``torch.save`` to a temporary name, ``fsync``, ``os.replace``; returns its
-  size and CRC-32). ``finish_folder`` (rank 0 only, after every rank's file is written) writes
+  size and CRC-32; a write that fails on a full disk raises ``OSError(ENOSPC)`` saying so). ``finish_folder`` (rank 0 only, after every rank's file is written) writes
   ``index.json`` (what each file holds, with its size and CRC-32), ``meta.json``,
   ``trainer_state.pt``, then the ``COMPLETE`` marker, fsyncs the folder and renames it to
   ``global_step_<N>`` (an existing one is replaced). A crash at any point leaves either no new
@@ -28,6 +28,7 @@ Contract (the files; what goes in them is ``hybridrl.checkpoint.checkpointer``):
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import re
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 COMPLETE = "COMPLETE"
+DISK_FULL_BYTES = 1 << 20  # a failed write with less free than this: the disk is full
 INDEX, META, TRAINER_STATE = "index.json", "meta.json", "trainer_state.pt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _CHUNK = 1 << 24
@@ -68,10 +70,17 @@ def crc32_of(path: Path) -> int:
 def write_file(obj, path: Path) -> dict:
     """``torch.save`` + fsync + rename; returns ``{"bytes", "crc32"}`` of the file."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as err:  # torch's "enforce fail at inline_container.cc" hides a full disk
+        free = shutil.disk_usage(path.parent).free
+        if getattr(err, "errno", None) == errno.ENOSPC or free < DISK_FULL_BYTES:
+            raise OSError(errno.ENOSPC, f"no space left on the disk of {path.parent} "
+                                        f"({free / 2**20:.1f} MiB free)") from None
+        raise
     os.replace(tmp, path)
     return {"bytes": path.stat().st_size, "crc32": crc32_of(path)}
 

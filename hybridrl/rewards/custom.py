@@ -4,8 +4,9 @@ Contract. ``load_reward_fn(spec)`` resolves ``"package.module:function"`` (impor
 or ``"path/to/file.py:function"`` (loaded from that file) to a callable
 ``fn(data_source, solution_str, ground_truth, extra_info, **kwargs)`` returning a float or a dict
 with a "score" key (other numeric keys become metrics). ``normalize_result(value, spec)`` turns
-either form into ``(score, extras)``. A malformed spec, a missing module/file/function or a result
-of another type raises ValueError naming the spec.
+either form into ``(score, extras)``. A malformed spec, a missing module/file/function, a file that does not import (a SyntaxError
+with its line, an exception at its top level) or a result of another type raises ValueError
+naming the spec.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ def _module_from_file(path: str, spec: str):
     if module_spec is None or module_spec.loader is None:
         raise ValueError(f"reward function '{spec}': cannot load file {path}")
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as err:  # bad input (exit 2), named like a missing import
+        raise ValueError(f"reward function '{spec}': {path} line {err.lineno}: SyntaxError: "
+                         f"{err.msg}") from None
+    except Exception as err:  # the file's top level raised
+        raise ValueError(f"reward function '{spec}': importing {path} raised "
+                         f"{type(err).__name__}: {err}") from None
     return module
 
 

@@ -7,8 +7,11 @@ the synthetic data folder) and removing its own probe file. Checked:
 - the run folder (``trainer.output_dir: the run folder '<path>' cannot be created or written
   (...)``), ``trainer.checkpoint_dir`` when set and ``data.synthetic.dir`` when the data is
   generated can be created and written (a folder under a regular file, no permission, ...);
-- every ``model.path``-like folder that is set exists and its ``config.json`` parses;
-- the tokenizer folder (``model.tokenizer_path``, else ``model.path``) holds tokenizer files;
+- every ``model.path``-like folder that is set exists and its ``config.json`` parses; its
+  ``*.safetensors`` files are whole and their tensor shapes are config.json's (headers only,
+  ``hybridrl.models.hf_files``: the line names the file and the tensor);
+- the tokenizer folder (``model.tokenizer_path``, else ``model.path``) holds tokenizer files,
+  and its ``tokenizer.json`` / ``tokenizer_config.json`` / ``vocab.json`` parse;
 - every optional ``trainer.logger`` sink (wandb, mlflow, tensorboard) has its package installed
   (``hybridrl.trainer.tracking.missing_loggers``: one line naming the pip install);
 - ``algorithm.adv_estimator`` and ``actor.policy_loss`` name registered entries (built-in or
@@ -48,6 +51,31 @@ def _model_folders(cfg) -> list[tuple[str, str]]:
     return [(k, v) for k, v in pairs if v]
 
 
+def _weight_problems(folder: str, hf_config: dict, key: str) -> list[str]:
+    """Truncated safetensors files and tensors whose shape is not config.json's."""
+    from hybridrl.models.hf_files import safetensors_problems
+    from hybridrl.models.spec import LlamaSpec
+
+    try:
+        spec = LlamaSpec.from_hf_config(hf_config)
+    except (ValueError, KeyError, TypeError):  # the model builder names what is unsupported
+        return []
+    return safetensors_problems(folder, spec, critic=key != "model.path")
+
+
+def _tokenizer_problems(tok: str, key: str) -> list[str]:
+    """A tokenizer JSON file that does not parse, named."""
+    out = []
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"):
+        path = Path(tok) / name
+        if path.is_file():
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (ValueError, OSError) as err:
+                out.append(f"{key}: {str(path)!r} is not valid JSON ({err})")
+    return out
+
+
 def _model_problems(cfg) -> list[str]:
     problems = []
     for key, folder in _model_folders(cfg):
@@ -56,15 +84,20 @@ def _model_problems(cfg) -> list[str]:
             problems.append(f"{key} {folder!r} is not a folder")
         elif config.is_file():
             try:
-                json.loads(config.read_text())
+                hf_config = json.loads(config.read_text())
             except (ValueError, OSError) as err:
                 problems.append(f"{key}: {str(config)!r} is not valid JSON ({err})")
+            else:
+                problems += [f"{key}: {p}" for p in _weight_problems(folder, hf_config, key)]
     tok = cfg.model.tokenizer_path or cfg.model.path
     if tok and tok not in ("char", "builtin:char") and Path(tok).is_dir() and not any(
             (Path(tok) / f).is_file() for f in TOKENIZER_FILES):
         key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
         problems.append(f"{key} {tok!r} has no tokenizer files ({' / '.join(TOKENIZER_FILES)}); "
                         "set model.tokenizer_path to the folder that has them")
+    elif tok and tok not in ("char", "builtin:char") and Path(tok).is_dir():
+        problems += _tokenizer_problems(
+            tok, "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
     return problems
 
 
@@ -85,7 +118,8 @@ def _data_problems(cfg) -> list[str]:
             wanted = [c for c in ("data_source", cfg.data.prompt_key) if c in columns]
             table = pq.read_table(file, columns=wanted).to_pydict()
         except Exception as err:  # pyarrow's errors: not a parquet file, truncated, ...
-            problems.append(f"data file {file!r} cannot be read as parquet ({err})")
+            text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            problems.append(f"data file {file!r} cannot be read as parquet ({text})")
             continue
         sources = table.get("data_source", [])
         unknown = sorted({s for s in sources if s not in REWARD_FNS})

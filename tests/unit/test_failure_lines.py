@@ -251,3 +251,92 @@ def test_sigterm_while_stuck_in_c_still_ends_with_the_line():
             "print('ready', flush=True)\n"  # the main thread never raises Terminated
             "for _ in range(600):\n    time.sleep(0.1)\n")
     assert _terminated(code) == (143, "hybridrl.train: error (rank 1): terminated (SIGTERM)\n")
+
+
+# ---------------------------------------------------------------- 5, 12: input files named
+def _hf_folder(folder, shapes_override=None):
+    from safetensors.torch import save_file
+
+    from hybridrl.models.hf_files import expected_hf_shapes
+    from hybridrl.models.spec import LlamaSpec
+
+    spec = LlamaSpec(hidden_size=32, num_layers=1, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=64, vocab_size=100)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(spec.to_hf_config()))
+    shapes = {**expected_hf_shapes(spec), **(shapes_override or {})}
+    save_file({k: torch.zeros(v) for k, v in shapes.items()}, str(folder / "model.safetensors"))
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+def _startup_lines(folder):
+    from hybridrl.trainer.startup import _model_problems
+
+    return _model_problems(load_config([], [f"model.path={folder}"]))
+
+
+def test_safetensors_shapes_are_checked_against_config_json(tmp_path):
+    assert _startup_lines(_hf_folder(tmp_path / "ok")) == []
+    bad = _hf_folder(tmp_path / "big", {"model.layers.0.mlp.up_proj.weight": (65, 32),
+                                        "model.embed_tokens.weight": (150, 32)})
+    got = _startup_lines(bad)  # bigger than config.json: loaded silently before
+    assert got == [f"model.path: '{bad}/model.safetensors': tensor model.embed_tokens.weight has "
+                   "shape [150, 32], config.json says [100, 32]",
+                   f"model.path: '{bad}/model.safetensors': tensor "
+                   "model.layers.0.mlp.up_proj.weight has shape [65, 32], config.json says [64, 32]"]
+
+
+def test_truncated_safetensors_and_garbage_tokenizer_are_named(tmp_path):
+    folder = _hf_folder(tmp_path / "m")
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    (folder / "tokenizer.json").write_text("{garbage")
+    got = _startup_lines(folder)
+    assert got[0].startswith(f"model.path: '{path}' is truncated (") and len(got) == 2
+    assert got[1].startswith(f"model.path: '{folder}/tokenizer.json' is not valid JSON (")
+
+
+def test_reward_file_with_a_syntax_error_is_bad_input(tmp_path):
+    from hybridrl.exits import BAD_INPUT, status_of
+    from hybridrl.rewards.custom import load_reward_fn
+
+    (tmp_path / "rw.py").write_text("def fn(a, b, c, d=None):\n    return 1 +\n")
+    with pytest.raises(ValueError) as err:
+        load_reward_fn(f"{tmp_path}/rw.py:fn")
+    assert str(err.value) == (f"reward function '{tmp_path}/rw.py:fn': {tmp_path}/rw.py line 2: "
+                              "SyntaxError: invalid syntax")
+    assert status_of(err.value, started=False) == BAD_INPUT
+
+
+def test_byte_flipped_parquet_is_one_line(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hybridrl.trainer.startup import _data_problems
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"data_source": ["x"] * 50, "prompt": ["hello there"] * 50}), path)
+    raw = bytearray(path.read_bytes())
+    for k in range(len(raw) // 3, len(raw) - 12):
+        raw[k] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    got = _data_problems(load_config([], [f"data.train_files=[{path}]", f"data.val_files=[{path}]",
+                                          "reward.reward_fn=hybridrl.rewards.gsm8k:compute_score"]))
+    assert got and all("\n" not in p and p.startswith(f"data file '{path}'") for p in got), got
+
+
+def test_checkpoint_write_on_a_full_disk_says_so(tmp_path, monkeypatch):
+    import errno
+
+    from hybridrl.checkpoint import folder as ck
+
+    def full(obj, f):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64")
+
+    monkeypatch.setattr(ck.torch, "save", full)
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: type("U", (), {"free": 4096})())
+    with pytest.raises(OSError) as err:
+        ck.write_file({"x": 1}, tmp_path / "rank_00000.pt")
+    assert err.value.errno == errno.ENOSPC
+    assert str(err.value) == f"[Errno 28] no space left on the disk of {tmp_path} (0.0 MiB free)"
