@@ -10,6 +10,13 @@ each key up in ``hybridrl.config.verl_keys.VERL_RULES`` and returns a ``Translat
 - verl's defaults that follow another key are kept: when verl's keys set the actor's
   ``ppo_mini_batch_size`` / ``ppo_epochs`` / ``loss_agg_mode`` and nothing sets the critic's,
   the critic gets the actor's value (verl's ``${oc.select:actor_rollout_ref.actor...}``).
+- verl's deprecated global micro-batch sizes (``*.ppo_micro_batch_size``,
+  ``*.log_prob_micro_batch_size``) become the ``*_per_gpu`` keys divided by the DP size as
+  verl's megatron workers do (DP = n_gpus_per_node x nnodes / (tp x pp x cp) from verl's keys;
+  ``check`` refuses the run when the loaded layout gives another DP size); giving both forms of
+  one key is refused. ``critic.model.enable_gradient_checkpointing`` sets the one recompute
+  knob unless the actor's key says otherwise (then refused). ``reward_model.overlong_buffer.enable
+  =false`` turns the buffer off after its ``len``.
 - ``notice``: one line listing what was translated or ignored (None when nothing was).
 - ``check(cfg, world_size)``: the rules that need the loaded config or the world size
   (``same`` keys equal to ours, ``n_gpus_per_node * nnodes`` equal to the world); a list of
@@ -71,6 +78,7 @@ class Translation:
     ignored: list[str] = field(default_factory=list)
     same: list[tuple[str, VerlRule, Any]] = field(default_factory=list)
     world: dict[str, Any] = field(default_factory=dict)
+    dp_assumed: int | None = None  # the DP size global micro-batch sizes were divided by
 
     @property
     def items(self) -> list[str]:
@@ -97,6 +105,16 @@ class Translation:
             ours = _get(cfg, rule.ours[0])
             if value != ours:
                 out.append(f"override {source!r}: {rule.note}; got {rule.ours[0]}={ours!r}")
+        if self.dp_assumed is not None:
+            given = {**VERL_WORLD_DEFAULTS, **self.world}
+            world = world_size or given["trainer.n_gpus_per_node"] * given["trainer.nnodes"]
+            par = cfg.parallel
+            dp = world // (par.tp * par.pp * par.cp) if world % (par.tp * par.pp * par.cp) == 0 \
+                else None
+            if dp != self.dp_assumed:
+                out.append(f"deprecated global micro-batch sizes were divided by DP "
+                           f"{self.dp_assumed} (verl's keys) but this layout has DP {dp}; give "
+                           "the *_per_gpu keys instead")
         if self.world and world_size is not None:
             given = {**VERL_WORLD_DEFAULTS, **self.world}
             n, nodes = given["trainer.n_gpus_per_node"], given["trainer.nnodes"]
@@ -118,6 +136,9 @@ class _Translator:
         self.by_verl: set[str] = set()  # hybridrl keys set through a differently named verl key
         self.warmup = 0
         self.drop_overlong = False
+        self.global_micro: dict[str, tuple[str, int]] = {}  # per-gpu key -> (verl key, global)
+        self.ckpt: dict[str, bool] = {}  # verl gradient-checkpointing key -> value
+        self.overlong_enable: bool | None = None
 
     def emit(self, source: str, key: str, value: Any, text: str | None = None) -> None:
         self.emitted[key] = value
@@ -182,6 +203,14 @@ class _Translator:
                 self.out.ignored.append(f"{key}={value} (no warmup)")
         elif key == "data.filter_overlong_prompts":
             self.drop_overlong = bool(value)
+        elif key.endswith("micro_batch_size"):
+            if not isinstance(value, int) or value < 1:
+                return self.refuse(source, f"{key} must be a positive integer; got {value!r}")
+            self.global_micro[rule.ours[0]] = (key, value)
+        elif key == "critic.model.enable_gradient_checkpointing":
+            self.ckpt[key] = bool(value)
+        elif key == "reward_model.overlong_buffer.enable":
+            self.overlong_enable = bool(value)
         elif key == "trainer.logger":
             names = [value] if isinstance(value, str) else list(value or [])
             kept = list(dict.fromkeys(
@@ -189,6 +218,35 @@ class _Translator:
             self.emit(source, "trainer.logger", kept, text if kept == names else None)
             if kept != names:
                 self.out.translated.append(f"trainer.logger {names} -> {kept}")
+
+    def _finish_global_micro(self) -> None:
+        dp = _verl_dp(self.emitted, self.out.world) if self.global_micro else None
+        for ours, (key, value) in self.global_micro.items():
+            source = f"{key}={value}"
+            if ours in self.emitted:
+                self.refuse(source, f"{key} (deprecated, global) and a *_per_gpu key both set "
+                                    f"{ours}; give one (verl refuses both too)")
+            elif dp is None:
+                self.refuse(source, "cannot divide by the DP size: trainer.n_gpus_per_node x "
+                                    "trainer.nnodes is not a multiple of tp x pp x cp")
+            elif value // dp < 1:
+                self.refuse(source, f"{key}={value} over DP size {dp} leaves no sequence per GPU")
+            else:
+                self.emit(source, ours, value // dp)
+                self.out.translated.append(f"{key}={value} -> {ours}={value // dp} (/ DP {dp})")
+                self.out.dp_assumed = dp
+
+    def _finish_critic_checkpointing(self) -> None:
+        key = "critic.model.enable_gradient_checkpointing"
+        if key not in self.ckpt:
+            return
+        value, mode = self.ckpt[key], "full" if self.ckpt[key] else "none"
+        actor = self.emitted.get("model.recompute_granularity")
+        if actor is not None and actor != mode:
+            return self.refuse(f"{key}={value}", f"hybridrl has one recompute setting for every "
+                                                 f"role; the actor's is {actor!r}")
+        self.emit(f"{key}={value}", "model.recompute_granularity", mode)
+        self.out.translated.append(f"{key} -> model.recompute_granularity ({mode!r})")
 
     def finish(self) -> Translation:
         tail = "(verl's default follows the actor)"
@@ -200,10 +258,28 @@ class _Translator:
             if f"actor.{name}" in self.by_verl and f"critic.{name}" not in self.emitted:
                 self.emit(f"critic.{name} {tail}", f"critic.{name}", self.emitted[f"actor.{name}"])
                 self.out.translated.append(f"critic.{name} = actor.{name} {tail}")
+        self._finish_global_micro()
+        self._finish_critic_checkpointing()
+        if self.overlong_enable is False:
+            self.emit("reward_model.overlong_buffer.enable=False", "reward.overlong_buffer", 0)
+        elif self.overlong_enable and not self.emitted.get("reward.overlong_buffer"):
+            self.refuse("reward_model.overlong_buffer.enable=True", "needs "
+                        "reward_model.overlong_buffer.len (tokens of the buffer) > 0")
         if self.drop_overlong:
             self.emit("data.filter_overlong_prompts=True", "data.truncation", "drop")
             self.out.translated.append("data.filter_overlong_prompts=True -> data.truncation=drop")
         return self.out
+
+
+def _verl_dp(emitted: dict[str, Any], world: dict[str, Any]) -> int | None:
+    """verl's DP size from its own keys: n_gpus_per_node x nnodes / (tp x pp x cp)."""
+    given = {**VERL_WORLD_DEFAULTS, **world}
+    n, nodes = given["trainer.n_gpus_per_node"], given["trainer.nnodes"]
+    if not all(isinstance(v, int) and v > 0 for v in (n, nodes)):
+        return None
+    model = emitted.get("parallel.tp", 1) * emitted.get("parallel.pp", 1) * emitted.get(
+        "parallel.cp", 1)
+    return (n * nodes) // model if model and (n * nodes) % model == 0 else None
 
 
 def _hashable(value: Any) -> bool:
