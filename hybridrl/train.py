@@ -147,6 +147,7 @@ def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
     from hybridrl.parallel.phases import PhaseBoard, is_timeout
 
     board = PhaseBoard.from_default_group()
+    board.start_heartbeat()  # a stopped or dead rank is named (hybridrl.parallel.phases)
     reporter, started = FailureReporter(rank, board.store), False
     try:
         from hybridrl.trainer.ppo import PPOTrainer
@@ -154,12 +155,15 @@ def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
         trainer = PPOTrainer(cfg, build_groups(train, gen, timeout_s=timeout_s))
         trainer.phases, started = board, True
         trainer.fit()
+        board.stop_heartbeat()
     except (Exception, KeyboardInterrupt) as err:  # the entrypoint reports all in one line
+        timeout, lost = is_timeout(err), is_peer_loss(err) and not is_timeout(err)
         message = ("terminated (SIGTERM)" if isinstance(err, Terminated) else
                    "interrupted" if isinstance(err, KeyboardInterrupt) else
-                   board.describe_timeout(rank, timeout_s) if is_timeout(err) else one_line(err))
-        return reporter.report(status_of(err, started), message,
-                               peer_loss=is_peer_loss(err) and not is_timeout(err))
+                   board.describe_timeout(rank, timeout_s) if timeout else
+                   (lost and board.describe_peer_loss(rank, err)) or one_line(err))
+        board.stop_heartbeat()
+        return reporter.report(status_of(err, started), message, peer_loss=lost or timeout)
     return 0
 
 

@@ -242,6 +242,14 @@ class Checkpointer:
         rng = ck.read_file(path, mine, index["files"][mine])["rng"] if same else None
         return meta, state, rng
 
+    def _first_error(self, mine: str | None) -> str | None:
+        """The lowest failing rank's error on every rank (one line shown once, not one per rank)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return mine
+        seen: list = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, mine)
+        return next((e for e in seen if e), None)
+
     def load(self, path: Path) -> None:
         """Collective: restore ``path`` on every rank (see the module docstring)."""
         tr, error = self.tr, None
@@ -251,7 +259,7 @@ class Checkpointer:
         except Exception as err:  # missing/corrupt file on this rank
             error = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
         if self._agree(0.0 if error is None else 1.0):  # all ranks fail together, none waits
-            raise ValueError(error or f"loading {str(path)!r} failed on another rank")
+            raise ValueError(self._first_error(error) or f"loading {str(path)!r} failed")
         for _, _, opt in self.roles():
             opt.rebuild_params()
         tr.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -288,15 +296,18 @@ class Checkpointer:
             raise StartupError(plan[0].error)
         if plan[0].notice:
             tr.log.line(f"hybridrl: {plan[0].notice}")
-        resumed = None
+        resumed, failed = None, []
         for i, path in enumerate([plan[0].resume, *plan[1]] if plan[0].resume else []):
             try:
                 self.load(Path(path))
                 resumed = Path(path)
                 break
             except ValueError as err:
-                if i == len(plan[1]):
-                    raise StartupError(str(err)) from None
+                failed.append(str(err))
+                if i == len(plan[1]):  # the last one: one line, the first problem in it
+                    more = (f" (and the {len(failed) - 1} older complete checkpoints failed "
+                            "too)" if len(failed) > 1 else "")
+                    raise StartupError(failed[0] + more) from None
                 tr.log.line(f"hybridrl: warning: {err}; falling back to {plan[1][i]}")
         if resumed is not None and tr.rank == 0:  # only now: a failed resume changes nothing
             record_run(t.run_dir, tr.run_id, t.seed)

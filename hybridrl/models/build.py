@@ -203,6 +203,7 @@ def build_model(
             pg_collection=pgc,
         )
     install_rope(module, spec)
+    zero_vocab_padding(module, spec.vocab_size, vocab, groups)
     if role in VALUE_ROLES and groups.is_last_stage:
         module.output_layer = ValueHead(spec.hidden_size, config.params_dtype,
                                         config.init_method_std, seed)
@@ -224,6 +225,21 @@ def build_model(
     return ShardedModel(role=role, module=module, spec=spec, groups=groups, pg_collection=pgc,
                         config=config, padded_vocab_size=vocab, dtype=dtype, uses_te=use_te,
                         ddp=ddp, ddp_options=ddp_options)
+
+
+def zero_vocab_padding(module, vocab_size: int, padded: int, groups) -> None:
+    """Rows of the padded vocab past ``vocab_size`` start at 0: no token reaches them, so they
+    never train and checkpoints do not keep them; a resumed run (at any layout) then holds
+    exactly the weights of the uninterrupted one (issue 32)."""
+    rows = padded // groups.tp_size
+    keep = max(0, min(rows, vocab_size - groups.tp_rank * rows))
+    layers = (getattr(getattr(module, "embedding", None), "word_embeddings", None),
+              getattr(module, "output_layer", None))
+    with torch.no_grad():
+        for layer in layers:
+            weight = getattr(layer, "weight", None)
+            if weight is not None and weight.dim() == 2 and weight.shape[0] == rows:
+                weight[keep:].zero_()
 
 
 def _wrap_ddp(module, config, pgc, options: DDPOptions):

@@ -9,7 +9,16 @@ Contract:
   (one store write per phase, no collective).
 - ``where(rank)`` -> (step, phase) or None (never recorded); ``stragglers(rank)``: the other
   ranks whose record differs from ``rank``'s (they did not reach the collective it waits in),
-  with their records; ``describe_timeout(rank, timeout_s)`` turns that into one line.
+  with their records.
+- ``start_heartbeat(interval_s)``: a daemon thread writes this rank's wall time to the store
+  every ``interval_s`` (one small write; it stops quietly when the store is gone, and
+  ``stop_heartbeat()`` ends it before the process exits);
+  ``silent(stale_s)``: the other ranks whose last heartbeat is older than ``stale_s`` (stopped
+  by SIGSTOP, hung in C, killed, exited) with its age.
+- ``describe_timeout(rank, timeout_s)`` and ``describe_peer_loss(rank, err)``: one line that
+  names the late or gone ranks (silent ones first, else those in another phase) and their
+  last phase. The line does not depend on which rank writes it, so the failure reporter
+  (``hybridrl.exits``) shows it once.
 - ``is_timeout(err)``: whether an exception is a collective's timeout: a RuntimeError raised by
   torch / gloo / NCCL (not by hybridrl or user code: a reward function's ``TimeoutError`` or
   ``ConnectionError("read timed out")`` is not one) whose message says "timed out" / "Timeout".
@@ -18,11 +27,14 @@ Contract:
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 
 import torch.distributed as dist
 
 PREFIX = "hybridrl/phase/"
 READ_TIMEOUT_S = 5.0
+HEARTBEAT_S, STALE_S = 0.5, 2.0  # heartbeat period; older than STALE_S: the rank is silent
 
 
 class StepTiming(dict):
@@ -41,6 +53,7 @@ class PhaseBoard:
 
     def __init__(self, store, rank: int, world: int) -> None:
         self.store, self.rank, self.world = store, rank, world
+        self.beating = None  # (thread, stop event) of start_heartbeat
 
     @classmethod
     def from_default_group(cls) -> PhaseBoard:
@@ -71,18 +84,82 @@ class PhaseBoard:
         mine = self.where(rank)
         return {r: w for r in range(self.world) if r != rank and (w := self.where(r)) != mine}
 
+    def start_heartbeat(self, interval_s: float = HEARTBEAT_S) -> None:
+        if self.store is None or self.world == 1 or self.beating is not None:
+            return
+        key, store, stop = f"{PREFIX}beat/{self.rank}", self.store, threading.Event()
+
+        def beat():
+            while not stop.is_set():
+                try:
+                    store.set(key, repr(time.time()))
+                except Exception:  # the store's host is gone: the job is ending
+                    return
+                stop.wait(interval_s)
+
+        self.beating = (threading.Thread(target=beat, name="hybridrl-heartbeat", daemon=True),
+                        stop)
+        self.beating[0].start()
+
+    def stop_heartbeat(self) -> None:
+        """End the heartbeat thread (before the process exits: no store call at teardown)."""
+        if self.beating is not None:
+            thread, stop = self.beating
+            stop.set()
+            thread.join(timeout=READ_TIMEOUT_S)
+            self.beating = None
+
+    def silent(self, stale_s: float) -> dict[int, float]:
+        """Other ranks whose heartbeat is older than ``stale_s`` -> its age in seconds."""
+        if self.store is None:
+            return {}
+        out, now = {}, time.time()
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=READ_TIMEOUT_S))
+            for r in range(self.world):
+                key = f"{PREFIX}beat/{r}"
+                if r != self.rank and self.store.check([key]):
+                    age = now - float(self.store.get(key).decode())
+                    if age > stale_s:
+                        out[r] = age
+        except Exception:  # the store's host is gone: nothing to report
+            return {}
+        return out
+
+    def _named(self, ranks, how) -> str:
+        parts = []
+        for r in sorted(ranks):
+            w = self.where(r)
+            parts.append(f"rank {r} {how(r)}, last in "
+                         + (f"{w[1]} of step {w[0]}" if w else "no recorded phase"))
+        return "; ".join(parts)
+
     def describe_timeout(self, rank: int, timeout_s: float) -> str:
         mine = self.where(rank)
         at = f"in {mine[1]} of step {mine[0]}" if mine else "before the first step"
+        gone = self.silent(min(STALE_S * 2, timeout_s / 2))
         late = self.stragglers(rank)
-        if not late:
+        if gone:
+            who = self._named(gone, lambda r: f"stopped responding (no heartbeat for "
+                                              f"{gone[r]:.0f} s: stopped, hung or dead)")
+        elif not late:
             who = "no rank recorded another phase (a rank may have died)"
         else:
             who = "ranks " + str(sorted(late)) + " did not arrive (" + "; ".join(
                 f"rank {r}: " + (f"{w[1]} of step {w[0]}" if w else "no phase recorded")
                 for r, w in sorted(late.items())) + ")"
-        return (f"rank {rank}: a collective timed out after {timeout_s:g} s "
+        return (f"a collective timed out after {timeout_s:g} s "
                 f"(trainer.collective_timeout_s) {at}: {who}")
+
+    def describe_peer_loss(self, rank: int, err: BaseException) -> str | None:
+        """One line naming the rank(s) whose process is gone, or None when none is found."""
+        time.sleep(STALE_S + HEARTBEAT_S)  # a rank that just died: let its heartbeat age
+        gone = self.silent(STALE_S)
+        if not gone:
+            return None
+        return ("a rank's process is gone (killed, crashed, or it exited: os._exit, a signal): "
+                + self._named(gone, lambda r: f"has sent no heartbeat for {gone[r]:.0f} s")
+                + "; the other ranks stop")
 
 
 def is_timeout(err: BaseException) -> bool:

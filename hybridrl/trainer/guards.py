@@ -9,8 +9,9 @@ Contract:
   back instead when a KL-guard snapshot exists).
 - ``check_inputs(step, scores, tensors, rb)`` (collective: every rank, once per step) looks for
   non-finite rewards, advantages and returns; every rank agrees through one all-reduce. Non-finite
-  reward rows are named with their data_source and ``extra_info['index']``. Returns the problem
-  (one line) or None; the trainer then skips the updates. With ``nonfinite=fail`` it raises
+  reward rows are named with their batch row, data_source and ``extra_info['index']``; on a
+  non-finite step one gather gives every rank the same line: the lowest rank's own, with its
+  rank (and the other ranks that found one). Returns the problem (one line) or None; the trainer then skips the updates. With ``nonfinite=fail`` it raises
   ``RuntimeError`` instead.
 - ``judge(step, metrics, input_problem, snapshot, restore, models)`` (collective) decides the
   step once for all ranks with one all-reduce of [non-finite, KL]: non-finite metrics of the
@@ -68,7 +69,8 @@ def describe_rows(rows: list[int], rb, limit: int = 5) -> str:
     parts = []
     for i in rows[:limit]:
         extra = rb.extra_info[i] if rb.extra_info[i] is not None else {}
-        parts.append(f"row {i} (data_source {rb.data_source[i]!r}, index {extra.get('index')})")
+        row = rb.rows[i] if getattr(rb, "rows", None) is not None else i  # the batch's row
+        parts.append(f"row {row} (data_source {rb.data_source[i]!r}, index {extra.get('index')})")
     more = f" and {len(rows) - limit} more" if len(rows) > limit else ""
     return ", ".join(parts) + more
 
@@ -112,16 +114,29 @@ class StepGuard:
         (flag,) = self._agree_max([1.0 if rows or bad else 0.0])
         if not flag:
             return None
+        problem = None
         if rows:
             problem = (f"step {step}: the reward is not finite for {len(rows)} of {len(scores)} "
                        f"rows: {describe_rows(rows, rb)}")
         elif bad:
             problem = f"step {step}: non-finite {' and '.join(bad)}"
-        else:
-            problem = f"step {step}: non-finite rewards or advantages on another rank"
+        problem = self._first_problem(problem)
         if self.mode == "fail":
             raise RuntimeError(f"{problem} (trainer.nonfinite=fail)")
         return problem
+
+    def _first_problem(self, mine: str | None) -> str:
+        """The same line on every rank: the lowest rank's own (its rows named), and which other
+        ranks found one too (one small gather, only on a non-finite step)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return mine or "non-finite rewards or advantages"
+        seen: list = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, mine)
+        ranks = [r for r, p in enumerate(seen) if p]
+        if not ranks:
+            return "non-finite rewards or advantages"
+        others = f" (rank {ranks[0]}" + (f"; also ranks {ranks[1:]})" if ranks[1:] else ")")
+        return seen[ranks[0]] + (others if ranks != [0] else "")
 
     def judge(self, step: int, metrics: dict, input_problem: str | None, snapshot, restore,
               models) -> dict:

@@ -78,7 +78,24 @@ def _fit_or_error(rank, world, overrides):
                         for m in history]}
 
 
-ACTIONS = {"nan_loss": _nan_loss, "fit": _fit_or_error}
+def _padding_resume(rank, world, overrides):
+    """Issue 32 item 10: 2 steps straight vs 1 step, save, resume, 1 more: the actor's weights,
+    vocab-padding rows included, are bitwise the same (they were random vs zero)."""
+    straight, _ = _trainer(rank, world, [*overrides, "trainer.experiment_name=pad_a"])
+    straight.fit()
+    first, _ = _trainer(rank, world, [*overrides, "trainer.experiment_name=pad_b",
+                                      "trainer.total_steps=1", "trainer.save_freq=1"])
+    first.fit()
+    resumed, _ = _trainer(rank, world, [*overrides, "trainer.experiment_name=pad_b"])
+    resumed.fit()
+    a, b = _params(straight), _params(resumed)
+    emb = "embedding.word_embeddings.weight"
+    vocab = straight.actor.spec.vocab_size
+    return {"same": _same(a, b), "steps": (straight.step, resumed.step),
+            "pad_zero": bool((a[emb][vocab:] == 0).all()) if emb in a else None}
+
+
+ACTIONS = {"nan_loss": _nan_loss, "fit": _fit_or_error, "padding_resume": _padding_resume}
 
 
 def run_cases(rank: int, world: int, root: str, cases: list) -> dict:

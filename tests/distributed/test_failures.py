@@ -34,6 +34,9 @@ def key_error_on_rank1(data_source, solution_str, ground_truth, extra_info=None,
     if os.environ.get("RANK") == "1":
         return extra_info["no_such_key"]
     return 0.0
+def hang(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    import time
+    time.sleep(3600)
 '''
 
 
@@ -70,9 +73,16 @@ def world1(root):
                              "trainer.save_freq=1"], "fit"),
         ("missing_path", [*GAE, *ck("ident"), "trainer.resume=path",
                           f"trainer.resume_path={root}/nowhere"], "fit"),
+        # issue 32 item 10: a resume is bitwise the straight run, vocab padding included
+        ("padding", [*GAE, f"trainer.output_dir={root}"], "padding_resume"),
     ]
     return run_on_ranks(cases_mod.run_cases, 1, root, cases, timeout=400,
                         preload=("megatron.core",))[0]
+
+
+def test_resume_is_bitwise_the_straight_run_vocab_padding_included(world1):
+    got = world1["padding"]
+    assert got["steps"] == (2, 2) and got["pad_zero"] is True and got["same"], got
 
 
 def test_nan_loss_is_rolled_back_counted_and_never_saved(world1):
@@ -127,7 +137,7 @@ def test_resume_auto_refuses_another_run(world1, root):
     assert sorted(os.listdir(f"{root}/ident/previous_0")) == [
         "checkpoints", "config.yaml", "metrics.jsonl", "run.json"]
     assert os.listdir(f"{root}/ident/previous_0/checkpoints") == ["global_step_1"]
-    assert sorted(os.listdir(f"{root}/ident")) == ["checkpoints", "config.yaml",
+    assert sorted(os.listdir(f"{root}/ident")) == [".hybridrl.lock", "checkpoints", "config.yaml",
                                                    "metrics.jsonl", "previous_0", "run.json"]
     assert "does not exist" in world1["missing_path"]["error"]
 
@@ -325,3 +335,34 @@ def test_launcher_exit_statuses(root):
     _, err = run.communicate(timeout=120)
     assert run.returncode == 130, err[-3000:]
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_launcher_reward_timeout_run_lock_and_sigterm(root):
+    """Issue 32: a hanging reward function (in a worker pool) fails at reward.timeout_s with one
+    line naming it and the row, not a collective timeout; a second run on a run folder in use
+    is refused naming the holder; SIGTERM is one line and status 143, no traceback."""
+    tiny = [*base_overrides(root), "algorithm.adv_estimator=grpo", "rollout.temperature=1.0"]
+    start = time.monotonic()
+    hung = _launch([*tiny, *run_in(f"{root}/hang"), f"reward.reward_fn={root}/rewards.py:hang",
+                    "reward.timeout_s=2", "reward.num_workers=1"], root)
+    _, err = hung.communicate(timeout=300)
+    lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
+    assert hung.returncode == 1 and len(lines) == 1, err[-3000:]
+    assert f"reward function '{root}/rewards.py:hang' no result within 2 s (reward.timeout_s) " \
+           "on row " in lines[0] and "collective" not in lines[0], lines
+    assert time.monotonic() - start < 200  # not the 600 s collective timeout
+    first = _launch([*tiny, *run_in(f"{root}/held"), "trainer.total_steps=500"], root)
+    deadline, seen = time.monotonic() + 240, ""
+    while time.monotonic() < deadline and "step 2/" not in seen:
+        seen += first.stdout.readline()
+    assert "step 2/" in seen, first.stderr.read()[-2000:] if first.poll() is not None else seen
+    second = _launch([*tiny, *run_in(f"{root}/held"), "trainer.total_steps=500"], root)
+    _, err = second.communicate(timeout=300)
+    lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
+    assert second.returncode == 2 and len(lines) == 1, err[-3000:]
+    assert "is in use by another run (host " in lines[0] and ", pid " in lines[0], lines
+    os.killpg(first.pid, signal.SIGTERM)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 143, err[-3000:]
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err, err[-3000:]

@@ -175,7 +175,8 @@ def test_one_rank_runs_and_logs(world1, root):
     assert res["lines"][0].startswith("hybridrl: world 1") and res["lines"][-1].startswith("step 2/2")
     assert f"run folder {root[0]}/a" in res["lines"][0]
     # the run folder: <output_dir>/<experiment_name>, no checkpoint (save_freq=-1)
-    assert sorted(os.listdir(f"{root[0]}/a")) == ["config.yaml", "metrics.jsonl", "run.json"]
+    assert sorted(os.listdir(f"{root[0]}/a")) == [".hybridrl.lock", "config.yaml", "metrics.jsonl",
+                                                  "run.json"]  # the lock: run_lock.py
     assert "experiment_name: a" in open(f"{root[0]}/a/config.yaml").read()
     lines = open(f"{root[0]}/a/metrics.jsonl").read().splitlines()
     logged = [json.loads(line) for line in lines]
@@ -187,8 +188,8 @@ def test_one_rank_runs_and_logs(world1, root):
     for name in ("grpo", "gae_kl_in_reward"):
         assert world1[name]["finite"] and len(world1[name]["metrics"]) == 2, name
     grpo = f"{root[0]}/grpo"  # validated at step 2: its samples in generations.jsonl
-    assert sorted(os.listdir(grpo)) == ["config.yaml", "generations.jsonl", "metrics.jsonl",
-                                        "run.json"]
+    assert sorted(os.listdir(grpo)) == [".hybridrl.lock", "config.yaml", "generations.jsonl",
+                                        "metrics.jsonl", "run.json"]
     samples = [json.loads(line) for line in open(f"{grpo}/generations.jsonl")]
     assert len(samples) == 8 and {s["step"] for s in samples} == {2}  # data.synthetic.val_size
     assert {"prompt", "response", "ground_truth", "score"} <= set(samples[0])

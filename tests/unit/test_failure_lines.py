@@ -340,3 +340,31 @@ def test_checkpoint_write_on_a_full_disk_says_so(tmp_path, monkeypatch):
         ck.write_file({"x": 1}, tmp_path / "rank_00000.pt")
     assert err.value.errno == errno.ENOSPC
     assert str(err.value) == f"[Errno 28] no space left on the disk of {tmp_path} (0.0 MiB free)"
+
+
+# ---------------------------------------------------------------- 6, 7: late and dead ranks
+def test_a_silent_rank_is_named_in_one_line_that_any_rank_writes_alike():
+    import torch.distributed as dist
+
+    from hybridrl.parallel import phases
+
+    store = dist.HashStore()
+    boards = [phases.PhaseBoard(store, r, 4) for r in range(4)]
+    for r, b in enumerate(boards):
+        b.record(3, "timing_s/reward" if r == 1 else "timing_s/update_actor")
+        b.start_heartbeat(0.05)
+    boards[1].stop_heartbeat()  # SIGSTOP, kill -9 or os._exit: its heartbeat ends
+    time.sleep(0.6)
+    assert set(boards[0].silent(0.3)) == {1}
+    lines = {boards[r].describe_timeout(r, 1.0) for r in (0, 2, 3)}
+    assert len(lines) == 1, lines  # the reporter shows it once (was: one line per rank)
+    line = lines.pop()
+    assert line.startswith("a collective timed out after 1 s (trainer.collective_timeout_s) in "
+                           "timing_s/update_actor of step 3: rank 1 stopped responding (no "
+                           "heartbeat for "), line
+    assert line.endswith("last in timing_s/reward of step 3"), line
+    lost = boards[2].describe_peer_loss(2, RuntimeError("Connection closed by peer"))
+    assert lost.startswith("a rank's process is gone (killed, crashed, or it exited: os._exit, "
+                           "a signal): rank 1 has sent no heartbeat for "), lost
+    for b in boards:
+        b.stop_heartbeat()
