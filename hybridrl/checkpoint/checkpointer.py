@@ -20,7 +20,9 @@ Contract (``Checkpointer(trainer)``; every method is collective: every rank call
   data position, step, guard counters. RNG states are restored per global rank when the layout
   and world are unchanged (bitwise continuation); otherwise each rank keeps its fresh seeding
   (sampling is seeded per step and row, so the numbers do not depend on it) and a notice says
-  so. Roles (critic or not) and model shapes must match (``ValueError`` naming them).
+  so. Roles (critic or not) and model shapes must match (``ValueError`` naming them). A
+  randomly initialized reference (no ``model.path``) resumed at another tp or pp is not the
+  run's (megatron's init depends on them): one notice line says so (``reference_notice``).
 - ``start()`` locks the run folder on rank 0 for the process's life
   (``hybridrl.checkpoint.run_lock``: a second run on it is refused naming the holder), prepares
   the run folder and applies ``trainer.resume`` (``hybridrl.checkpoint.run_folder``:
@@ -85,6 +87,19 @@ def set_rng_state(state: dict) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         tracker.set_states({k: v.to(device) if device == "cpu" else v
                             for k, v in state["tracker"].items()})
+
+
+def reference_notice(meta: dict, layout: dict, random_ref: bool, name: str) -> str | None:
+    """The line a resume prints when its randomly initialized reference cannot be the run's:
+    megatron's random init depends on tp and pp, so the same seed at another (tp, pp) gives
+    another reference (KL target). None when nothing changes."""
+    if not random_ref or (meta.get("tp"), meta.get("pp")) == (layout["tp"], layout["pp"]):
+        return None
+    return (f"hybridrl: notice: the reference model is randomly initialized (no model.path) and "
+            f"{name} was written at tp {meta.get('tp')} pp {meta.get('pp')}: at tp "
+            f"{layout['tp']} pp {layout['pp']} the same seed gives another reference, so "
+            "kl_loss / the KL penalty continue against other weights; resume at the saved tp "
+            "and pp, or start from an HF folder (model.path) for a layout-free reference")
 
 
 class Checkpointer:
@@ -272,6 +287,10 @@ class Checkpointer:
             tr.log.line(f"hybridrl: {path.name} was written at world {meta['world']} tp "
                         f"{meta['tp']} pp {meta['pp']} dp {meta['dp']}; resharded onto this "
                         "layout (RNG states re-seeded)")
+        random_ref = tr.ref is not None and not (tr.cfg.ref.model_path or tr.cfg.model.path)
+        notice = reference_notice(meta, self.layout(), random_ref, path.name)
+        if notice:
+            tr.log.line(notice)
 
     def start(self) -> Path | None:
         """Apply ``trainer.resume`` (see the module docstring); the folder resumed from."""

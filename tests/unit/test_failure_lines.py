@@ -368,3 +368,15 @@ def test_a_silent_rank_is_named_in_one_line_that_any_rank_writes_alike():
                            "a signal): rank 1 has sent no heartbeat for "), lost
     for b in boards:
         b.stop_heartbeat()
+
+
+# ---------------------------------------------------------------- 8: the reference at another layout
+def test_random_reference_resumed_at_another_tp_or_pp_says_so():
+    from hybridrl.checkpoint.checkpointer import reference_notice
+
+    meta = {"tp": 2, "pp": 2, "dp": 1, "world": 4}
+    got = reference_notice(meta, {"world": 4, "tp": 1, "pp": 1, "dp": 4}, True, "global_step_8")
+    assert got.startswith("hybridrl: notice: the reference model is randomly initialized (no "
+                          "model.path) and global_step_8 was written at tp 2 pp 2: at tp 1 pp 1")
+    assert reference_notice(meta, {"world": 8, "tp": 2, "pp": 2, "dp": 2}, True, "g") is None
+    assert reference_notice(meta, {"world": 4, "tp": 1, "pp": 1, "dp": 4}, False, "g") is None
