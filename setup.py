@@ -92,8 +92,9 @@ setup(
         # experiment tracking sinks (trainer.logger) and `hybridrl plot`, imported only when chosen
         "tracking": ["wandb", "mlflow-skinny", "tensorboard"],
         "plot": ["matplotlib"],
+        "math": ["math-verify>=0.7"],  # reward 'math' (hybridrl.rewards.math), imported lazily
         "test": ["pytest>=7", "ruff>=0.5", "transformers>=4.40", "einops", "ninja",
-                 "wandb", "mlflow-skinny", "tensorboard", "matplotlib"],
+                 "wandb", "mlflow-skinny", "tensorboard", "matplotlib", "math-verify>=0.7"],
     },
     entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},
     ext_modules=ext_modules,

@@ -3,7 +3,8 @@
 Contract. :data:`REWARD_FNS` is the registry of verl-signature functions
 ``fn(data_source, solution_str, ground_truth, extra_info, **kwargs) -> float | {"score": ...}``
 keyed by data_source; builtins: "openai/gsm8k" and "gsm8k" (strict GSM8K), "gsm8k_flexible",
-and "hybridrl/arithmetic". Register your own with ``REWARD_FNS.register(name, fn)``.
+"hybridrl/arithmetic", "math" (boxed answer + math-verify: hybridrl.rewards.math) and "code"
+(sandboxed execution against the row's tests: hybridrl.rewards.code). Register your own with ``REWARD_FNS.register(name, fn)``.
 
 ``RewardScorer(custom_fn, custom_fn_kwargs, fn_kwargs, ...)`` scores responses: a custom function
 (``"module:function"``, a file path form, or a callable) takes every row, as in verl; otherwise
@@ -31,6 +32,8 @@ import torch
 
 from hybridrl.registry import Registry
 from hybridrl.rewards import arithmetic, gsm8k
+from hybridrl.rewards import code as code_reward
+from hybridrl.rewards import math as math_reward
 from hybridrl.rewards.custom import load_reward_fn, normalize_result
 from hybridrl.rewards.penalties import (
     DEFAULT_WEIGHT,
@@ -51,6 +54,8 @@ REWARD_FNS.register("openai/gsm8k", gsm8k.compute_score)
 REWARD_FNS.register("gsm8k", gsm8k.compute_score)
 REWARD_FNS.register("gsm8k_flexible", _gsm8k_flexible)
 REWARD_FNS.register("hybridrl/arithmetic", arithmetic.compute_score)
+REWARD_FNS.register("math", math_reward.compute_score)
+REWARD_FNS.register("code", code_reward.compute_score)
 
 
 class RewardFunctionError(RuntimeError):
