@@ -22,6 +22,15 @@ Contract:
   padding of a GPTModel built at tp = tg; what the trainer's builtin engine uses); an int
   (SGLang: 64) pads the real vocab to that multiple first, as SGLang does (``ENGINE_VOCAB_PAD``,
   what the trainer uses with SGLang). Either way a chunk is ceil(padded / tg) rows.
+- Split placement (generation ranks apart from training ranks): a ``coords`` entry may be
+  ``None``, a rank outside the placement (it holds nothing of it: ``interval`` is None,
+  ``replica`` is None). ``split_placements(train, shape, gen_world, tp, pp, vocab_pad)`` puts
+  megatron's training layout ``train`` on ranks ``0 .. train.world - 1`` and ``gen_world`` more
+  ranks after them for generation, ``tp`` x ``pp`` shards replicated ``gen_world / (tp*pp)``
+  times in rank order (the i-th generation rank gets gen_tp = i % tp, gen_pp = (i // tp) % pp,
+  replica i // (tp*pp): a gen replica is consecutive ranks, so one node when tp*pp fills it).
+  Both placements span all ``train.world + gen_world`` ranks; the planner's ``split`` strategy
+  moves weights between them.
 - Nothing here touches torch.distributed.
 """
 
@@ -54,7 +63,10 @@ class Placement:
     def __post_init__(self) -> None:
         index: dict[tuple[int, int], list[int]] = {}
         exact: dict[tuple[int, int, int], int] = {}
-        for r, (b, a, rep) in enumerate(self.coords):
+        for r, c in enumerate(self.coords):
+            if c is None:  # a rank outside this placement (split placement)
+                continue
+            b, a, rep = c
             if (b, a, rep) in exact:
                 raise ValueError(f"ranks {exact[(b, a, rep)]} and {r} share coords {(b, a, rep)}")
             exact[(b, a, rep)] = r
@@ -78,11 +90,20 @@ class Placement:
         """The rank holding shard (tp_rank, pp_rank) in ``replica`` (None if that has no rank)."""
         return self._exact.get((tp_rank, pp_rank, replica))
 
-    def replica(self, rank: int) -> int:
-        return self.coords[rank][2]
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks of this placement (all of them unless it is one side of a split)."""
+        return tuple(r for r, c in enumerate(self.coords) if c is not None)
+
+    def replica(self, rank: int) -> int | None:
+        c = self.coords[rank]
+        return None if c is None else c[2]
 
     def interval(self, spec: ParamSpec, rank: int) -> tuple[int, int] | None:
-        """Canonical rows [lo, hi) that ``rank`` holds of ``spec`` (None: not on its stage)."""
+        """Canonical rows [lo, hi) that ``rank`` holds of ``spec`` (None: not on its stage, or
+        the rank is outside this placement)."""
+        if self.coords[rank] is None:
+            return None
         b, a, _ = self.coords[rank]
         if not spec.on_stage(self.pp, self.num_layers, a):
             return None
@@ -163,3 +184,21 @@ def default_gen_placement(train: TrainLayout, shape: LlamaShape, tp: int, pp: in
     """HybridFlow grouping when the gen shards nest in the training shards, else optimal."""
     nested = train.tp % tp == 0 and train.pp % pp == 0
     return gen_placement(train, shape, tp, pp, "hybridflow" if nested else "optimal", vocab_pad)
+
+
+def split_placements(train: TrainLayout, shape: LlamaShape, gen_world: int, tp: int, pp: int = 1,
+                     vocab_pad: int | None = None) -> tuple[Placement, Placement]:
+    """(training, generation) placements over ``train.world + gen_world`` ranks (module doc)."""
+    if not isinstance(gen_world, int) or gen_world < 1:
+        raise ValueError(f"gen world must be a positive integer, got {gen_world!r}")
+    if not isinstance(tp, int) or not isinstance(pp, int) or tp < 1 or pp < 1:
+        raise ValueError(f"gen tp and pp must be positive integers, got tp={tp!r}, pp={pp!r}")
+    if gen_world % (tp * pp):
+        raise ValueError(f"gen tp*pp={tp}*{pp} must divide the generation ranks ({gen_world})")
+    check_split(shape, tp, pp, "gen")
+    t = train_placement(train, shape)
+    padded = (shape.padded_vocab(train.tp) if vocab_pad is None
+              else -(-shape.vocab // vocab_pad) * vocab_pad)
+    gen = tuple((i % tp, (i // tp) % pp, i // (tp * pp)) for i in range(gen_world))
+    return (dataclasses.replace(t, coords=t.coords + (None,) * gen_world, grouping="split"),
+            Placement(tp, pp, shape.layers, -(-padded // tp), (None,) * train.world + gen, "split"))

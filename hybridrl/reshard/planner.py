@@ -18,6 +18,13 @@ Contract:
     holder, as in p2p.
   * ``p2p``: any (tg, pg); a rank keeps what it holds and receives exactly the missing rows, each
     from a holder in its own DP replica when one exists: the minimum volume.
+  * ``split``: the generation ranks are apart from the training ranks (``split_placements``),
+    and only this strategy applies there. Each generation rank receives exactly its gen shard,
+    once; every piece is cut evenly over ALL its holders (every training DP replica), the cut
+    rotated by the gen replica index, so each holder sends 1/d of its piece to every gen replica
+    and the sending is balanced over the training ranks that hold the same bytes (a piece of at
+    most 64K elements, a norm, travels whole from one holder, rotating too). Training ranks
+    receive nothing. ``send_balance(plan)``: max over mean bytes sent per sending rank.
 - Every strategy is a list of point-to-point transfers (the executor posts one isend/irecv pair
   each, or one per run of them with merged messages: hybridrl.reshard.coalesce):
   zero_redundancy's micro-DP all-gather becomes p2p exchanges inside the micro-DP group, and
@@ -41,7 +48,7 @@ from collections.abc import Callable, Sequence
 from hybridrl.reshard.placement import Placement
 from hybridrl.reshard.specs import ParamSpec
 
-STRATEGIES = ("allgather", "vanilla", "zero_redundancy", "p2p")
+STRATEGIES = ("allgather", "vanilla", "zero_redundancy", "p2p", "split")
 MiB = 1 << 20
 WHOLE_PIECE_NUMEL = 1 << 16  # zero_redundancy: a replicated piece this small has one sender
 
@@ -106,8 +113,21 @@ class Plan:
         return self.dest_bytes(rank) + self.transient_bytes(rank)
 
 
+def send_balance(plan: Plan) -> float:
+    """Max over mean bytes sent per training rank (1.0: perfectly balanced; 0 sent: 1.0)."""
+    sent = [plan.sent_bytes(r) for r in plan.train.members]
+    return max(sent) * len(sent) / sum(sent) if sum(sent) else 1.0
+
+
+def is_split(train: Placement, gen: Placement) -> bool:
+    """Whether the generation ranks are apart from the training ranks."""
+    return not set(train.members) & set(gen.members)
+
+
 def zero_redundancy_reason(train: Placement, gen: Placement) -> str | None:
     """Why zero_redundancy does not apply (None when it does)."""
+    if is_split(train, gen):
+        return "the generation ranks are apart from the training ranks (use split)"
     if train.tp % gen.tp or train.pp % gen.pp:
         return (f"needs gen tp | train tp and gen pp | train pp; got tg={gen.tp}, t={train.tp}, "
                 f"pg={gen.pp}, p={train.pp} (use p2p)")
@@ -149,12 +169,20 @@ class Sourcer:
             raise ValueError(f"zero_redundancy: {why}")
         if train.world != gen.world:
             raise ValueError(f"train world={train.world} != gen world={gen.world}")
+        split = is_split(train, gen)
+        if split != (strategy == "split"):
+            raise ValueError(
+                "split: needs the generation ranks apart from the training ranks "
+                "(split_placements)" if not split else
+                f"{strategy}: the generation ranks are apart from the training ranks; only the "
+                "split strategy moves weights between disjoint rank sets")
         self.strategy, self.train, self.gen = strategy, train, gen
         self.by_key: dict[str, list[ParamSpec]] = {}
         for s in specs:
             self.by_key.setdefault(s.key, []).append(s)
         self._pieces: dict[str, list] = {}
         self._owners: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+        self._ordinal = {k: i for i, k in enumerate(self.by_key)}
 
     def pieces(self, key: str) -> list[tuple[int, int, tuple[tuple[int, int], ...]]]:
         """Training pieces of ``key`` over every name storing it: (lo, hi, (tp, pp) shards)."""
@@ -194,6 +222,26 @@ class Sourcer:
             self._owners[(key, group)] = out
         return self._owners[(key, group)]
 
+    def _rotated_owners(self, key: str, rep: int) -> list[tuple[int, int, int]]:
+        """``split``: each piece cut evenly over all its holders, gen replica ``rep`` taking
+        part j from holder (j + rep) mod k; a small piece whole from holder (rep + i) mod k, i
+        the key's ordinal (so the norms spread over the holders too)."""
+        out, i = [], self._ordinal[key]
+        for lo, hi, shards in self.pieces(key):
+            cands = self.everywhere(shards)
+            k = len(cands)
+            small = (hi - lo) * self.by_key[key][0].row_numel <= WHOLE_PIECE_NUMEL
+            turn = (rep + (i if small else 0)) % k
+            cands = cands[turn:] + cands[:turn]
+            if small:
+                out.append((cands[0], lo, hi))
+                continue
+            for j, h in enumerate(cands):
+                a, b = lo + (hi - lo) * j // k, lo + (hi - lo) * (j + 1) // k
+                if b > a:
+                    out.append((h, a, b))
+        return out
+
     def held(self, rank: int, key: str) -> list[tuple[int, int]]:
         out = []
         for spec in self.by_key[key]:
@@ -215,6 +263,8 @@ class Sourcer:
     def sources(self, rank: int, key: str, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """[(src, a, b)] covering [lo, hi) exactly once; src == rank means a local copy."""
         t, g = self.train, self.gen
+        if self.strategy == "split":
+            return _clip(self._rotated_owners(key, g.replica(rank)), lo, hi)
         if self.strategy == "allgather":
             return _clip(self.owners(key, -1, self.everywhere), lo, hi)
         rep = t.replica(rank)

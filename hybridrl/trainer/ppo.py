@@ -13,7 +13,9 @@ Contract:
   2. ``timing_s/gen``: each gen replica samples its share of the prompts (``rollout.n`` per
      prompt); each DP replica then receives only the rows it trains on
      (``hybridrl.rollout.partition``: token-balanced per mini-batch chunk, prompt groups kept
-     together when the estimator needs them, int32 ids + fp32 log-probs point to point);
+     together when the estimator needs them, int32 ids + fp32 log-probs point to point); with
+     ``algorithm.filter_groups`` generation and scoring repeat in rounds until the batch holds
+     enough informative prompt groups (``hybridrl.trainer.dynamic_sampling``, DAPO);
   3. old log-probs (actor), reference log-probs (when a KL term is used), values (critic, GAE
      only): megatron forwards on this rank's rows only;
   4. reward (``hybridrl.rewards.distributed``: each sequence decoded and scored once in the job,
@@ -80,6 +82,7 @@ from hybridrl.rewards.scoring import build_reward_scorer
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
 from hybridrl.rollout.partition import plan_rollout_partition
 from hybridrl.rollout.worker import RolloutWorker, reshard_metrics
+from hybridrl.trainer import dynamic_sampling
 from hybridrl.trainer.guards import StepGuard
 from hybridrl.trainer.metrics_log import build_metrics_log
 from hybridrl.trainer.on_policy import GAP_METRICS, old_or_current, skip_old_forward
@@ -294,8 +297,12 @@ class PPOTrainer:
         prompts = self.loader.next_batch()
         with self.memory.timed(timing, "reshard"):
             sync = self.worker.sync_weights(self.actor)
+        scored = None  # DAPO dynamic sampling scores while it generates (algorithm.filter_groups)
         with self.memory.timed(timing, "gen"):
-            rb = self._rollout(prompts)
+            if cfg.algorithm.filter_groups.enable:
+                rb, *scored = dynamic_sampling.collect(self, prompts)
+            else:
+                rb = self._rollout(prompts)
             self.worker.release()  # SGLang gives its GPU memory back before training
         mask = rb.response_mask
         a = cfg.actor
@@ -315,7 +322,9 @@ class PPOTrainer:
                                                   c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu)
         metrics = {}
         with self.memory.timed(timing, "reward"):
-            if self.reward_model is not None:
+            if scored:
+                scores, reward_metrics = scored[0], {**scored[1], **scored[2]}
+            elif self.reward_model is not None:
                 scores, reward_metrics = self._reward_model_scores(rb, mask)
             else:
                 g = self.groups  # the replica's TP x PP ranks share its rows' scoring

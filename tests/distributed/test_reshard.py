@@ -5,7 +5,9 @@ tests/unit/test_reshard_oracle.py) from seeded full HF weights, runs the plan wi
 torch.distributed, and checks: its gen shard is bit-identical to the oracle's slice of the full
 weights (megatron format; the engine and HF formats on a subset), bytes it actually moved equal
 the plan's, its peak live bytes stay within the plan's peak (gen shard + two buckets), and, on a
-balanced model, zero_redundancy moves exactly (dg-1)/(t*p)*M per rank. Also: bf16, in-place
+balanced model, zero_redundancy moves exactly (dg-1)/(t*p)*M per rank; split placements
+(tests/distributed/reshard_split_cases.py: generation ranks apart) give bit-identical gen shards
+with training ranks receiving nothing. Also: bf16, in-place
 receive (``into=``), and ranks given different plans, or one rank given a bad input or a
 wrongly shaped ``into=`` target, all raise instead of hanging.
 """
@@ -171,7 +173,10 @@ def _bad_into(rank, world):
 
 
 def _reshard_rank(rank, world, cases):
-    return [_one_case(rank, world, case) for case in cases], _mismatch(rank, world)
+    from tests.distributed.reshard_split_cases import SPLIT_CASES, split_case
+
+    return ([_one_case(rank, world, case) for case in cases], _mismatch(rank, world),
+            [split_case(rank, world, case) for case in SPLIT_CASES])
 
 
 @pytest.mark.slow
@@ -179,6 +184,7 @@ def test_reshard_8_ranks_every_layout_and_strategy():
     cases = _cases()
     out = run_on_ranks(_reshard_rank, WORLD, cases, timeout=600)
     per_rank = [r[0] for r in out]
+    _check_split([r[2] for r in out])
     assert all(r[1][0] and "disagree on the reshard plan" in r[1][0] for r in out), out[0][1]
     assert all(r[1][1] == "group rank 5: bad input" for r in out), [r[1][1] for r in out]
     assert all(r[1][2] and r[1][2].startswith("group rank 6: rank 6: into[") and "expected shape"
@@ -197,3 +203,19 @@ def test_reshard_8_ranks_every_layout_and_strategy():
                 want = (res["dg"] - 1) * res["model_bytes"] // (t * p)
                 assert (res["dg"] - 1) * res["model_bytes"] % (t * p) == 0
                 assert res["recv"][0] == want, (case, rank, res["recv"][0], want)
+
+
+def _check_split(per_rank):
+    """Split placement (gen ranks apart): bit-identical gen shards, bytes as planned."""
+    from tests.distributed.reshard_split_cases import SPLIT_CASES
+
+    for i, case in enumerate(SPLIT_CASES):
+        for rank in range(WORLD):
+            res = per_rank[rank][i]
+            assert res["bad"] == [], (case, rank, res["bad"][:5])
+            assert res["recv"][0] == res["recv"][1] and res["sent"][0] == res["sent"][1], (case, rank)
+            assert res["in_place"], (case, rank)
+            if res["is_train"]:
+                assert res["recv"][0] == 0, (case, rank)
+            else:
+                assert res["sent"][0] == 0 and res["recv"][0] > 0, (case, rank)
