@@ -56,3 +56,22 @@ def test_gsm8k_example_is_one_node():
     cfg = load_config([os.path.join(ROOT, "configs", "gsm8k_qwen2_7b.yaml")])
     assert cfg.check_world(8) == 2 and cfg.algorithm.adv_estimator == "grpo"
     assert cfg.rollout.engine == "sglang" and cfg.rollout.engine_kwargs["mem_fraction_static"] == 0.6
+
+
+EXAMPLE_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "examples", "*.yaml")))
+
+
+def test_dapo_and_gspo_examples_mean_what_they_say():
+    names = {os.path.basename(p) for p in EXAMPLE_CONFIGS}
+    assert {"dapo_qwen2.5_7b.yaml", "gspo_qwen3_8b.yaml"} <= names
+    dapo = load_config([os.path.join(ROOT, "examples", "dapo_qwen2.5_7b.yaml")])
+    assert dapo.algorithm.filter_groups.enable and dapo.parallel.dp == 1
+    assert (dapo.actor.clip_ratio_low, dapo.actor.clip_ratio_high) == (0.2, 0.28)
+    assert dapo.actor.loss_agg_mode == "token-mean" and dapo.reward.overlong_buffer == 4096
+    assert dapo.check_world(8) == 1
+    gspo = load_config([os.path.join(ROOT, "examples", "gspo_qwen3_8b.yaml")])
+    assert gspo.actor.policy_loss == "gspo" and gspo.actor.loss_agg_mode == "seq-mean-token-mean"
+    assert (gspo.actor.clip_ratio_low, gspo.actor.clip_ratio_high) == (3e-4, 4e-4)
+    assert gspo.check_world(8) == 4
+    for path in EXAMPLE_CONFIGS:  # every example YAML loads and validates
+        assert load_config([path]).data.train_files

@@ -1,0 +1,108 @@
+"""A run config as a memory job, and the memory plan as the text ``hybridrl plan --memory`` prints.
+
+Contract:
+- ``job_from_config(cfg, shape, world, gpu_gb, **overrides)``: the ``MemoryJob`` of a hybridrl
+  config (``HybridRLConfig``) on ``world`` GPUs: its layouts, dtype, token budgets (a fixed
+  micro-batch counts micro x the longest sequence; forward-only passes the ``ref`` section's
+  budget, values the critic's), recompute / sequence parallel, offload flags (the actor's),
+  roles, rollout size, SGLang's ``mem_fraction_static`` (``rollout.engine_kwargs`` first, then
+  ``rollout.mem_fraction_static``, else 0.5, SGLang's default here), the KL guard
+  (``trainer.kl_guard.max_kl > 0``) and the micro-batches per pipeline of one mini-batch
+  (``micro_batches_per_pipeline``).
+- ``micro_batches_per_pipeline(role_cfg, sequences, dp, seq_len)``: a mini-batch of ``role_cfg``
+  (``ppo_mini_batch_size`` x ``rollout.n`` sequences, over ``dp`` ranks) in micro-batches of
+  ``ppo_micro_batch_size_per_gpu`` sequences, or with ``use_dynamic_bsz`` as many full-length
+  sequences as ``ppo_max_token_len_per_gpu`` holds (the worst case: every row at full length).
+- ``format_report(rep, title)``: one row per phase (parts in GB, worst pipeline stage), the KV
+  pool, the pipeline bubble (a WARNING line above 25 %), the snapshot's host bytes, where the
+  reshard's bytes travel (``reshard_traffic``, when the report has it), the verdict.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hybridrl.planning.memory import GB, MemoryJob
+from hybridrl.reshard.specs import LlamaShape
+
+
+def micro_batches_per_pipeline(role_cfg, n: int, dp: int, seq_len: int) -> int:
+    """Micro-batches one pipeline runs per mini-batch of ``role_cfg`` (see the docstring)."""
+    seqs = max(role_cfg.ppo_mini_batch_size * n // dp, 1)
+    per_micro = (max(role_cfg.ppo_max_token_len_per_gpu // seq_len, 1) if role_cfg.use_dynamic_bsz
+                 else role_cfg.ppo_micro_batch_size_per_gpu)
+    return math.ceil(seqs / per_micro)
+
+
+def _mem_fraction_static(rollout) -> float:
+    kwargs = getattr(rollout, "engine_kwargs", None) or {}
+    if "mem_fraction_static" in kwargs:
+        return float(kwargs["mem_fraction_static"])
+    return float(getattr(rollout, "mem_fraction_static", 0.5))
+
+
+def job_from_config(cfg, shape: LlamaShape, world: int, gpu_gb: float, **overrides) -> MemoryJob:
+    """The ``MemoryJob`` of a hybridrl config on ``world`` GPUs (see the module docstring)."""
+    a, c, r, par = cfg.actor, cfg.critic, cfg.ref, cfg.parallel
+    seq = cfg.data.max_prompt_length + cfg.rollout.response_length
+
+    def budget(role) -> int:
+        return role.ppo_max_token_len_per_gpu if role.use_dynamic_bsz else \
+            role.ppo_micro_batch_size_per_gpu * seq
+
+    forward = r.log_prob_max_token_len_per_gpu if r.log_prob_use_dynamic_bsz else \
+        r.log_prob_micro_batch_size_per_gpu * seq
+    dp = world // (par.tp * par.pp)
+    n = cfg.rollout.n
+    fields = dict(
+        shape=shape, world=world, tp=par.tp, pp=par.pp, gen_tp=par.gen.tp, gen_pp=par.gen.pp,
+        dtype=cfg.model.dtype, max_tokens_per_gpu=budget(a), critic_tokens_per_gpu=budget(c),
+        seq_len=min(seq, budget(a)), recompute=cfg.model.recompute_granularity,
+        sequence_parallel=cfg.model.sequence_parallel, critic=cfg.use_critic,
+        ref=a.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        dist_opt=a.use_distributed_optimizer, offload=frozenset(a.offload_parts),
+        rollout_seqs=cfg.data.train_batch_size * n, gpu_gb=gpu_gb,
+        engine=cfg.rollout.engine, gen_grouping=cfg.parallel.gen.grouping,
+        mem_fraction_static=_mem_fraction_static(cfg.rollout),
+        kl_guard=cfg.trainer.kl_guard.max_kl > 0, forward_tokens_per_gpu=max(forward, seq),
+        micro_batches=micro_batches_per_pipeline(a, n, dp, seq),
+        critic_micro_batches=(micro_batches_per_pipeline(c, n, dp, seq) if cfg.use_critic
+                              else 0))
+    return MemoryJob(**{**fields, **overrides})
+
+
+def format_report(rep: dict, title: str) -> str:
+    """The report as a table: one row per phase, parts in GB, then the verdict."""
+    lines = [title, f"{'phase':<13} {'total GB':>9}  parts (GB; worst pipeline stage)"]
+    for name, parts in rep["phases"].items():
+        detail = ", ".join(f"{k} {v / GB:.2f}" for k, v in parts.items() if k != "stage" and v)
+        lines.append(f"{name:<13} {rep['totals'][name] / GB:>9.2f}  stage {parts['stage']}: "
+                     f"{detail}")
+    lines.append(f"gen KV pool {rep['gen_kv_pool_bytes'] / GB:.2f} GB "
+                 f"(mem_fraction_static {rep['mem_fraction_static']:g}): "
+                 f"{rep['gen_concurrent_seqs']} of {rep['gen_seqs_per_replica']} sequences of "
+                 "a replica at once")
+    if "pipeline_bubble" in rep:
+        lines.append("pipeline bubble (1F1B, one mini-batch): " + ", ".join(
+            f"{role} {f:.0%}" for role, f in rep["pipeline_bubble"].items()))
+    if "bubble_warning" in rep:
+        lines.append(f"WARNING: pipeline bubble above 25 %: {rep['bubble_warning']}; raise "
+                     "ppo_mini_batch_size or lower the token budget / pp")
+    lines.append(f"KL-guard snapshot: {rep['kl_guard_snapshot_host_bytes'] / GB:.2f} GB of host "
+                 "memory per rank per step")
+    if "reshard_traffic" in rep:
+        t = rep["reshard_traffic"]
+        lines.append(f"reshard ({t['strategy']}) per GPU per step: up to "
+                     f"{t['inter_node_bytes'] / GB:.2f} GB across nodes + "
+                     f"{t['worst_rank_intra_bytes'] / GB:.2f} GB inside its node (rank "
+                     f"{t['worst_rank']}; {t['gpus_per_node']} GPUs per node)")
+    cap = rep["gpu_bytes"] / GB
+    if rep["fits"]:
+        lines.append(f"fits in {cap:g} GB: largest phase {rep['largest_phase']} "
+                     f"{rep['totals'][rep['largest_phase']] / GB:.2f} GB, headroom "
+                     f"{rep['headroom_bytes'] / GB:.2f} GB")
+    else:
+        o = rep["overflow"]
+        lines.append(f"does NOT fit in {cap:g} GB: {o['phase']} overflows by "
+                     f"{o['bytes'] / GB:.2f} GB")
+    return "\n".join(lines)
