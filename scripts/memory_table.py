@@ -2,7 +2,10 @@
 the first layout (smallest tp x pp, then gen tp) and knob set (none; full recompute + sequence
 parallel; + offload) that ``hybridrl.planning.memory`` says fits, with the rollout engine holding
 at least 64 sequences of its replica at once (or all of them). 16k padded tokens per micro-batch,
-4k-token sequences, 8192 sequences per step, bf16, actor + critic + reference, TE spec.
+4k-token sequences, 8192 sequences per step, bf16, actor + critic + reference, TE spec. SGLang's
+KV pool follows its rule (mem_fraction_static x the memory free when the engine starts, less its
+weights): 0.5 while training state stays resident, 0.85 with everything offloaded (the engine then
+starts on an empty GPU).
 
     python scripts/memory_table.py            # print the table
     python scripts/memory_table.py --check    # exit 1 if docs/scaling.md holds another table
@@ -19,7 +22,8 @@ from hybridrl.reshard.specs import PRESETS
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2), (8, 1), (4, 2), (8, 2), (8, 4), (8, 8)]
 FULL = frozenset({"params", "grads", "optim"})
 KNOBS = [("none", {}), ("full recompute + SP", {"recompute": "full", "sp": True}),
-         ("full recompute + SP + offload", {"recompute": "full", "sp": True, "offload": FULL})]
+         ("full recompute + SP + offload, mfs 0.85",
+          {"recompute": "full", "sp": True, "offload": FULL, "mfs": 0.85})]
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "scaling.md"
 BEGIN, END = "<!-- memory-table:begin -->", "<!-- memory-table:end -->"
 
@@ -36,7 +40,8 @@ def first_fit(model: str, world: int, gpu_gb: float):
                 job = MemoryJob(shape, world, tp=tp, pp=pp, gen_tp=gen_tp, gpu_gb=gpu_gb,
                                 recompute=k.get("recompute", "none"),
                                 sequence_parallel=k.get("sp", False) and tp > 1,
-                                offload=k.get("offload", frozenset()))
+                                offload=k.get("offload", frozenset()),
+                                mem_fraction_static=k.get("mfs", 0.5))
                 rep = plan_memory(job)
                 if rep["fits"] and rep["gen_concurrent_seqs"] >= min(
                         64, rep["gen_seqs_per_replica"]):

@@ -171,7 +171,8 @@ def memory_report(args: argparse.Namespace) -> dict:
     """``hybridrl plan --memory``: the per-GPU memory plan (``hybridrl.planning.memory``), with
     the reshard's transient (its buckets in flight beyond the engine's weights, which it fills)
     from the auto strategy (zero_redundancy when the shards nest)."""
-    from hybridrl.planning.memory import MemoryJob, job_from_config, plan_memory
+    from hybridrl.planning.memory import MemoryJob, plan_memory
+    from hybridrl.planning.report import job_from_config
 
     cfg = None
     if args.config:  # the layouts and knobs of a run config; the model: --model or its own
@@ -179,9 +180,19 @@ def memory_report(args: argparse.Namespace) -> dict:
 
         cfg = load_config([args.config])
         args.model = args.model or model_of_config(cfg)
+        args.bucket_mb = cfg.reshard.bucket_mb  # the run's reshard buckets
+        if args.world is None:  # the config's own layout: tp * pp * dp
+            p = cfg.parallel
+            if not p.dp:
+                raise ValueError("--world is required when the config's parallel.dp is 0")
+            args.world = p.tp * p.pp * p.dp
     shape = load_shape(args.model)
+    if args.world is None:
+        raise ValueError("--world is required (or --memory --config with parallel.dp)")
     if cfg is not None:
-        job = job_from_config(cfg, shape, args.world, args.gpu_gb, spec=args.spec)
+        extra = {} if args.mem_fraction_static is None else \
+            {"mem_fraction_static": args.mem_fraction_static}
+        job = job_from_config(cfg, shape, args.world, args.gpu_gb, spec=args.spec, **extra)
         args.tp, args.pp, args.gen_tp, args.gen_pp = job.tp, job.pp, job.gen_tp, job.gen_pp
         args.dtype, args.engine = job.dtype, job.engine
     else:
@@ -195,15 +206,35 @@ def memory_report(args: argparse.Namespace) -> dict:
             recompute=args.recompute, sequence_parallel=args.sp, critic=not args.no_critic,
             ref=not args.no_ref, dist_opt=not args.no_dist_opt, offload=frozenset(parts),
             rollout_seqs=args.rollout_seqs, gpu_gb=args.gpu_gb, spec=args.spec,
-            engine=args.engine)
-    reshard = plan_report(args)["strategies"]
-    auto = reshard["zero_redundancy"] if "reason" not in reshard["zero_redundancy"] else \
-        reshard["p2p"]
-    job = dataclasses.replace(job, reshard_bytes=int(auto["max_transient_bytes_per_rank"]))
+            engine=args.engine, mem_fraction_static=args.mem_fraction_static or 0.5)
+    transient, traffic = _reshard_terms(args, shape)
+    job = dataclasses.replace(job, reshard_bytes=transient)
     knobs = {k: v for k, v in dataclasses.asdict(job).items() if k != "shape"}
     knobs["offload"] = sorted(job.offload)
     return {"model": args.model, "world": args.world, "tp": args.tp, "pp": args.pp,
-            "gen_tp": args.gen_tp, "gen_pp": args.gen_pp, "job": knobs, **plan_memory(job)}
+            "gen_tp": args.gen_tp, "gen_pp": args.gen_pp, "job": knobs, **plan_memory(job),
+            "reshard_traffic": traffic}
+
+
+def _reshard_terms(args: argparse.Namespace, shape: LlamaShape) -> tuple[int, dict]:
+    """The auto strategy's (zero_redundancy when the shards nest, else p2p) transient bytes on
+    the worst rank (its buckets in flight beyond the engine's weights), and where its bytes
+    travel (``hybridrl.planning.traffic``)."""
+    from hybridrl.planning.traffic import reshard_traffic
+
+    if not args.bucket_mb > 0:
+        raise ValueError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+    if args.vocab_pad is None:  # the engine's own padding, as plan_report has it
+        args.vocab_pad = 0 if args.engine == "builtin" else ENGINE_VOCAB_PAD
+    layout = TrainLayout(world=args.world, tp=args.tp, pp=args.pp)
+    train, specs = train_placement(layout, shape), build_specs(shape)
+    gen = default_gen_placement(layout, shape, args.gen_tp, args.gen_pp, args.vocab_pad or None)
+    strategy = "p2p" if zero_redundancy_reason(train, gen) else "zero_redundancy"
+    itemsize = DTYPE_BYTES[args.dtype]
+    summary = summarize(train, gen, specs, strategy, itemsize, int(args.bucket_mb * (1 << 20)))
+    traffic = reshard_traffic(train, gen, specs, strategy, itemsize, args.gpus_per_node)
+    return int(summary.as_dict()["max_transient_bytes_per_rank"]), {"strategy": strategy,
+                                                                    **traffic}
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -214,8 +245,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          "unless --memory --config names the model (model.path)")
     if not args.memory and args.gen_tp is None:
         raise ValueError("--gen-tp is required")
+    if not args.memory and args.world is None:
+        raise ValueError("--world is required")
     if args.memory:
-        from hybridrl.planning.memory import format_report
+        from hybridrl.planning.report import format_report
 
         rep = memory_report(args)
         j = rep["job"]
@@ -236,7 +269,8 @@ def _fill(p: argparse.ArgumentParser) -> None:
                    help=f"a preset ({', '.join(PRESETS)}), an HF model folder or its "
                         "config.json (Llama 2/3.x, Qwen2/2.5, Qwen3); with --memory --config: "
                         "default the config's model.path (or the preset its folder name is)")
-    p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    p.add_argument("--world", type=int, help="number of ranks (GPUs); with --memory --config: "
+                   "default the config's tp * pp * dp")
     p.add_argument("--tp", type=int, default=1, help="training tensor-parallel size t")
     p.add_argument("--pp", type=int, default=1, help="training pipeline-parallel size p")
     p.add_argument("--gen-tp", type=int, help="generation tensor-parallel size tg (required "
@@ -255,6 +289,12 @@ def _fill(p: argparse.ArgumentParser) -> None:
     m.add_argument("--config", help="a hybridrl YAML config: its layouts, dtype, budgets, "
                    "recompute/sp and offload flags (the model size still from --model)")
     m.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GB (80, 141, ...)")
+    m.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node: the reshard's bytes inside / across nodes")
+    m.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="SGLang's static pool (weights + KV) as a share of the free memory at "
+                        "its start (default: the config's rollout.engine_kwargs / "
+                        "rollout.mem_fraction_static, else 0.5)")
     m.add_argument("--max-tokens-per-gpu", type=int, default=16384,
                    help="padded tokens of one training micro-batch (ppo_max_token_len_per_gpu)")
     m.add_argument("--seq-len", type=int, default=4096, help="prompt + response tokens")

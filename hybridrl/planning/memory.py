@@ -26,13 +26,26 @@ Contract:
   micro-batches in flight (1F1B: ``pp - stage`` of them), counted tensor by tensor as megatron's
   layers save them (see ``docs/memory.md``); with full recompute, the layer inputs plus one
   layer's activations while it is recomputed.
-- ``plan_memory(job)`` returns the report: per phase (``train_actor``, ``train_critic``, ``gen``,
-  ``reshard``) the bytes on the worst rank by part (a fixed ``reserve`` for the CUDA context,
+  The last stage adds the vocab-parallel log-prob/entropy's peak (``logits_bytes``: the
+  logits, the fp32 softmax it saves and the fp32 temporaries of its forward or backward).
+- ``job_from_config`` and ``format_report`` (a run config -> ``MemoryJob``; the text table)
+  live in ``hybridrl.planning.report``.
+- ``plan_memory(job)`` returns the report: per phase (``engine_start``, ``train_actor``,
+  ``train_critic``, ``forward_only`` (old log-probs, reference, values, KL-guard forward: one
+  model's weights, one layer's activations, the logits' forward peak), ``gen``, ``reshard``,
+  ``snapshot`` (with ``kl_guard``: actor and critic weights and optimizer back on the device))
+  the bytes on the worst rank by part (a fixed ``reserve`` for the CUDA context,
   NCCL and fragmentation included), the largest phase, and the verdict (``fits``,
-  ``headroom_bytes``; or ``overflow``: the phase and by how much). The generation phase's KV
-  cache is the pool that is left (``gen_kv_pool_bytes``) and how many of a replica's sequences
-  it holds at once (``gen_concurrent_seqs``; the engine runs the rest in waves, and the job does
-  not fit when not even one sequence does). It also gives the host memory a KL-guard snapshot
+  ``headroom_bytes``; or ``overflow``: the phase and by how much). The KV pool
+  (``gen_kv_pool_bytes``) follows SGLang 0.5.21's rule (``kv_pool_bytes``): the engine starts
+  with F bytes free (the GPU less the reserve and the training parts still resident, phase
+  ``engine_start``), its static pool (weights + KV) is ``mem_fraction_static`` x F, so
+  KV = mfs x F - weights (< 0: SGLang refuses to start, the job does not fit); the builtin
+  engine takes what the gen phase leaves. ``gen_concurrent_seqs`` is how many of a replica's
+  sequences it holds at once (the engine runs the rest in waves; the job does not fit when not
+  even one sequence does). ``pipeline_bubble`` is (p-1)/(m+p-1) of 1F1B with m micro-batches
+  per pipeline per mini-batch (``micro_batches``, ``critic_micro_batches``; absent when 0),
+  ``bubble_warning`` when one exceeds 25 %. It also gives the host memory a KL-guard snapshot
   takes per rank (the optimizer shards of actor and critic).
 """
 
@@ -49,6 +62,13 @@ SPECS = ("te", "local")
 OFFLOADABLE = ("params", "grads", "optim")
 GB = 1e9
 RESERVE_BYTES = 3 * GB  # CUDA context, NCCL buffers, allocator fragmentation
+BUBBLE_WARN = 0.25
+# bytes per element of the [tokens, vocab/tp] logits slice at the vocab-parallel log-prob's peak
+# beyond the logits' own itemsize (hybridrl.models.vocab_parallel, measured on CPU ranks in
+# tests/distributed/test_logits_memory.py): the backward holds the saved fp32 softmax, the fp32
+# grad, one fp32 temporary and the 16-bit grad of the logits (4 x 4 + itemsize); a forward
+# without grad holds the fp32 logits, the softmax and one fp32 product (3 x 4)
+LOGITS_TRAIN_FP32, LOGITS_FORWARD_FP32 = 4, 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +97,11 @@ class MemoryJob:
     critic_tokens_per_gpu: int = 0  # the critic's micro-batch; 0 = max_tokens_per_gpu
     engine: str = "sglang"  # rollout engine: "builtin" reads the rank's own shards in place
     gen_grouping: str = "hybridflow"  # parallel.gen.grouping (which rank takes which gen shard)
+    mem_fraction_static: float = 0.5  # SGLang: its static pool's share of the free memory
+    kl_guard: bool = False  # trainer.kl_guard.max_kl > 0: the snapshot phase
+    forward_tokens_per_gpu: int = 0  # a forward-only micro-batch; 0 = max_tokens_per_gpu
+    micro_batches: int = 0  # per pipeline per mini-batch (actor); 0 = unknown
+    critic_micro_batches: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -99,6 +124,9 @@ class MemoryJob:
             raise ValueError("--sp needs --tp > 1 (sequence parallel splits over the TP group)")
         if self.sequence_parallel and self.spec == "local":
             raise ValueError("--sp needs transformer-engine's spec; the local spec has no SP")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got "
+                             f"{self.mem_fraction_static}")
         for name in ("max_tokens_per_gpu", "seq_len", "rollout_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -187,13 +215,44 @@ def activation_bytes(job: MemoryJob, stage: int, in_flight: int | None = None,
     per_layer = tokens * (act * act_item + fp32 * 4)
     in_flight = in_flight or max(job.pp - stage, 1)
     rep = job.shape.hidden / job.tp if job.sequence_parallel else job.shape.hidden
-    logits = 0.0
-    if stage == job.pp - 1:  # the fp32 vocab-parallel logits the log-prob/entropy keep
-        logits = tokens * (job.shape.padded_vocab(job.tp) / job.tp) * 4
+    logits = logits_bytes(job, tokens) if stage == job.pp - 1 else 0
     if job.recompute == "full":  # layer inputs kept; at the backward's start the logits are
         inputs = tokens * rep * act_item * layers * in_flight  # alive, later one layer's
         return int(inputs + max(logits, per_layer))  # recomputed activations
-    return int(per_layer * layers * in_flight + logits * in_flight)
+    return int(per_layer * layers * in_flight + logits)
+
+
+def logits_bytes(job: MemoryJob, tokens: int, forward_only: bool = False) -> int:
+    """Peak bytes of the vocab-parallel log-prob/entropy on the last stage (the logits slice
+    [tokens, V/t] at the activation dtype and its fp32 temporaries, see LOGITS_*)."""
+    elems = tokens * job.shape.padded_vocab(job.tp) / job.tp
+    if forward_only:
+        return int(elems * (LOGITS_FORWARD_FP32 * 4 + job.itemsize))
+    return int(elems * (LOGITS_TRAIN_FP32 * 4 + job.itemsize))
+
+
+def forward_only_bytes(job: MemoryJob, stage: int, role: str) -> int:
+    """Activations of a forward without grad: the layer input and one layer's tensors alive at
+    once, plus the logits' forward peak on the last stage (not for the critic's value head)."""
+    tokens = job.forward_tokens_per_gpu or job.max_tokens_per_gpu
+    if role == "critic":  # values: the critic's own micro-batches
+        tokens = job.critic_tokens_per_gpu or job.max_tokens_per_gpu
+    act, fp32 = _layer_elements_per_token(job)
+    layer = tokens * (act * job.itemsize + fp32 * 4 + job.shape.hidden * job.itemsize)
+    last = stage == job.pp - 1 and role != "critic"
+    return int(layer + (logits_bytes(job, tokens, forward_only=True) if last else 0))
+
+
+def kv_pool_bytes(job: MemoryJob, resident_at_start: int, engine_weights: int) -> int:
+    """SGLang's KV pool on a rank whose GPU holds ``resident_at_start`` training bytes when the
+    engine starts: mem_fraction_static x (free memory) - weights (negative: no room)."""
+    free = job.gpu_gb * GB - RESERVE_BYTES - resident_at_start
+    return int(job.mem_fraction_static * free - engine_weights)
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """Idle share of a 1F1B pipeline: (p - 1) / (m + p - 1)."""
+    return (pp - 1) / (micro_batches + pp - 1)
 
 
 def _gen_bytes(job: MemoryJob) -> dict[str, int]:
@@ -244,91 +303,74 @@ def _resident(job: MemoryJob, stage: int, active: dict[str, set]) -> dict[str, i
     return out
 
 
+def _stage_phases(job: MemoryJob, stage: int, gen: dict) -> tuple[dict, int]:
+    """{phase: parts} of one rank of ``stage`` and its KV pool."""
+    full = set(OFFLOADABLE)
+    weights = gen["engine_weights"] - aliased_bytes(job, stage)
+    idle = _resident(job, stage, {})  # what training keeps on the device outside its phases
+    if job.engine == "sglang":
+        kv = kv_pool_bytes(job, sum(idle.values()), weights)
+        engine = {"engine_weights": weights, "kv_pool": max(kv, 0)}
+    else:  # the builtin engine's cache takes what the gen phase leaves
+        kv = int(job.gpu_gb * GB - RESERVE_BYTES - sum(idle.values()) - weights)
+        engine = {"engine_weights": weights}
+    out = {"engine_start": {**idle, **engine},
+           "train_actor": {**_resident(job, stage, {"actor": full}),
+                           "activations": activation_bytes(job, stage)}}
+    if job.critic:
+        out["train_critic"] = {
+            **_resident(job, stage, {"critic": full}),
+            "activations": activation_bytes(job, stage, tokens=job.critic_tokens_per_gpu)}
+    roles = ["actor"] + (["reference"] if job.ref else []) + (["critic"] if job.critic else [])
+    forwards = [{**_resident(job, stage, {r: {"params"}}),
+                 "activations": forward_only_bytes(job, stage, r)} for r in roles]
+    out["forward_only"] = max(forwards, key=lambda p: sum(p.values()))
+    out["gen"] = {**idle, **engine}
+    out["reshard"] = {**_resident(job, stage, {"actor": {"params"}}), "engine_weights": weights,
+                      "reshard_transient": job.reshard_bytes}
+    if job.kl_guard:
+        both = {"params", "optim"}
+        out["snapshot"] = _resident(job, stage, {"actor": both, "critic": both})
+    return out, kv
+
+
 def plan_memory(job: MemoryJob) -> dict:
     """The per-phase report (see the module docstring)."""
     cap = int(job.gpu_gb * GB)
-    full = set(OFFLOADABLE)
     gen = _gen_bytes(job)
     phases: dict[str, dict[str, int]] = {}
+    kv = None
     for stage in range(job.pp):
-        engine_weights = gen["engine_weights"] - aliased_bytes(job, stage)
-        candidates = {
-            "train_actor": {**_resident(job, stage, {"actor": full}),
-                            "activations": activation_bytes(job, stage)},
-            "gen": {**_resident(job, stage, {}), "engine_weights": engine_weights},
-            "reshard": {**_resident(job, stage, {"actor": {"params"}}),
-                        "engine_weights": engine_weights,
-                        "reshard_transient": job.reshard_bytes},
-        }
-        if job.critic:
-            candidates["train_critic"] = {
-                **_resident(job, stage, {"critic": full}),
-                "activations": activation_bytes(job, stage, tokens=job.critic_tokens_per_gpu)}
+        candidates, stage_kv = _stage_phases(job, stage, gen)
+        kv = stage_kv if kv is None else min(kv, stage_kv)
         for name, parts in candidates.items():
             parts = {**parts, "reserve": int(RESERVE_BYTES)}
             if name not in phases or sum(parts.values()) > sum(phases[name].values()):
                 phases[name] = {**parts, "stage": stage}
     totals = {name: sum(v for k, v in p.items() if k != "stage") for name, p in phases.items()}
-    kv_room = cap - totals["gen"]  # the engine's KV pool takes what the gen phase leaves
-    concurrent = int(min(max(kv_room // max(gen["kv_per_seq"], 1), 0), gen["seqs_per_replica"]))
+    concurrent = int(min(max(kv // max(gen["kv_per_seq"], 1), 0), gen["seqs_per_replica"]))
     worst = max(totals, key=totals.get)
     snapshot = sum(model_state_bytes(job, role, 0)["optim"]
                    for role in ("actor", "critic") if role == "actor" or job.critic)
     out = {"gpu_bytes": cap, "phases": phases, "totals": totals, "largest_phase": worst,
            "fits": totals[worst] <= cap and concurrent >= 1,
            "headroom_bytes": cap - totals[worst],
-           "gen_kv_pool_bytes": max(kv_room, 0), "gen_kv_bytes_per_seq": gen["kv_per_seq"],
+           "gen_kv_pool_bytes": max(kv, 0), "gen_kv_bytes_per_seq": gen["kv_per_seq"],
            "gen_concurrent_seqs": concurrent, "gen_seqs_per_replica": gen["seqs_per_replica"],
+           "mem_fraction_static": job.mem_fraction_static,
            "kl_guard_snapshot_host_bytes": snapshot, "dp": job.dp}
+    bubbles = {role: bubble_fraction(job.pp, m) for role, m in
+               (("actor", job.micro_batches), ("critic", job.critic_micro_batches)) if m}
+    if bubbles:
+        out["pipeline_bubble"] = bubbles
+        over = {r: f for r, f in bubbles.items() if f > BUBBLE_WARN}
+        if over:
+            out["bubble_warning"] = ", ".join(
+                f"{r} {f:.0%} idle ({m} micro-batches per pipeline, pp {job.pp})"
+                for (r, f), m in zip(over.items(), [job.micro_batches if r == "actor" else
+                                                    job.critic_micro_batches for r in over]))
     if totals[worst] > cap:
         out["overflow"] = {"phase": worst, "bytes": int(totals[worst] - cap)}
     elif concurrent < 1:
-        out["overflow"] = {"phase": "gen", "bytes": int(gen["kv_per_seq"] - max(kv_room, 0))}
+        out["overflow"] = {"phase": "gen", "bytes": int(gen["kv_per_seq"] - kv)}
     return out
-
-
-def job_from_config(cfg, shape: LlamaShape, world: int, gpu_gb: float, **overrides) -> MemoryJob:
-    """The ``MemoryJob`` of a hybridrl config (``HybridRLConfig``) on ``world`` GPUs: its
-    layouts, dtype, token budgets (a fixed micro-batch counts micro x the longest sequence),
-    recompute / sequence parallel, offload flags (the actor's), roles and rollout size."""
-    a, c, par = cfg.actor, cfg.critic, cfg.parallel
-    seq = cfg.data.max_prompt_length + cfg.rollout.response_length
-
-    def budget(role) -> int:
-        return role.ppo_max_token_len_per_gpu if role.use_dynamic_bsz else \
-            role.ppo_micro_batch_size_per_gpu * seq
-
-    fields = dict(
-        shape=shape, world=world, tp=par.tp, pp=par.pp, gen_tp=par.gen.tp, gen_pp=par.gen.pp,
-        dtype=cfg.model.dtype, max_tokens_per_gpu=budget(a), critic_tokens_per_gpu=budget(c),
-        seq_len=min(seq, budget(a)), recompute=cfg.model.recompute_granularity,
-        sequence_parallel=cfg.model.sequence_parallel, critic=cfg.use_critic,
-        ref=a.use_kl_loss or cfg.algorithm.use_kl_in_reward,
-        dist_opt=a.use_distributed_optimizer, offload=frozenset(a.offload_parts),
-        rollout_seqs=cfg.data.train_batch_size * cfg.rollout.n, gpu_gb=gpu_gb,
-        engine=cfg.rollout.engine, gen_grouping=cfg.parallel.gen.grouping)
-    return MemoryJob(**{**fields, **overrides})
-
-
-def format_report(rep: dict, title: str) -> str:
-    """The report as a table: one row per phase, parts in GB, then the verdict."""
-    lines = [title, f"{'phase':<13} {'total GB':>9}  parts (GB; worst pipeline stage)"]
-    for name, parts in rep["phases"].items():
-        detail = ", ".join(f"{k} {v / GB:.2f}" for k, v in parts.items() if k != "stage" and v)
-        lines.append(f"{name:<13} {rep['totals'][name] / GB:>9.2f}  stage {parts['stage']}: "
-                     f"{detail}")
-    lines.append(f"gen KV pool {rep['gen_kv_pool_bytes'] / GB:.2f} GB: "
-                 f"{rep['gen_concurrent_seqs']} of {rep['gen_seqs_per_replica']} sequences of "
-                 "a replica at once")
-    lines.append(f"KL-guard snapshot: {rep['kl_guard_snapshot_host_bytes'] / GB:.2f} GB of host "
-                 "memory per rank per step")
-    cap = rep["gpu_bytes"] / GB
-    if rep["fits"]:
-        lines.append(f"fits in {cap:g} GB: largest phase {rep['largest_phase']} "
-                     f"{rep['totals'][rep['largest_phase']] / GB:.2f} GB, headroom "
-                     f"{rep['headroom_bytes'] / GB:.2f} GB")
-    else:
-        o = rep["overflow"]
-        lines.append(f"does NOT fit in {cap:g} GB: {o['phase']} overflows by "
-                     f"{o['bytes'] / GB:.2f} GB")
-    return "\n".join(lines)
