@@ -48,10 +48,11 @@ class FilterGroupsConfig:
 
     enable: bool = knob(False, "Keep generating until the batch holds data.train_batch_size "
                         "prompt groups whose sequence scores are not all equal (groups with "
-                        "zero score std teach nothing to grpo-like estimators); "
-                        "hybridrl.trainer.dynamic_sampling.")
+                        "zero score std teach nothing to grpo-like estimators); needs "
+                        "parallel.dp = 1, rollout.n >= 2 and a rule / custom reward "
+                        "(hybridrl.trainer.dynamic_sampling).")
     max_num_gen_batches: int = knob(10, "Most generation rounds per step (>= 1); when they "
-                                    "end short, the step trains on the groups it has.")
+                                    "end short, the batch is filled with uninformative groups.")
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_gen_batches, int) or self.max_num_gen_batches < 1:
