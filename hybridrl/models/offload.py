@@ -14,6 +14,12 @@ Contract:
   host buffers. The round trip is bit-exact. Calling ``offload`` on storages already offloaded
   (or ``onload`` with nothing offloaded) does nothing. On a CPU-only machine the same code runs
   with an ordinary host buffer as the stand-in for pinned memory, so tests exercise it.
+  ``offload(tensors, keep=False)`` drops the bytes instead (nothing is copied: gradients that
+  the next update zeroes before reading); ``onload`` gives such storages back zero-filled.
+  ``offload`` and ``onload`` return the bytes copied across (0 for dropped storages);
+  ``last_freed`` is the device bytes the last ``offload`` released. After freeing, the CUDA
+  caching allocator's unused blocks go back to the driver (``torch.cuda.empty_cache()`` when
+  CUDA is available), so another process (SGLang's) can map them.
 - ``resident_bytes(tensors)`` is the number of bytes their distinct storages hold right now.
 """
 
@@ -76,36 +82,48 @@ class StorageOffloader:
     """Host copies of offloaded storages (see the module docstring)."""
 
     def __init__(self):
-        self._held: list[tuple[object, torch.Tensor]] = []  # (device storage, host bytes)
+        # (device storage, its bytes, host copy or None when dropped)
+        self._held: list[tuple[object, int, torch.Tensor | None]] = []
+        self.last_freed = 0
 
     @property
     def offloaded_bytes(self) -> int:
-        return sum(host.numel() for _, host in self._held)
+        return sum(nbytes for _, nbytes, _ in self._held)
 
     @torch.no_grad()
-    def offload(self, tensors) -> int:
-        """Move the storages behind ``tensors`` to host memory; returns the bytes freed."""
+    def offload(self, tensors, keep: bool = True) -> int:
+        """Free the storages behind ``tensors``, copying them to host memory first when
+        ``keep``; returns the bytes copied (``last_freed``: the device bytes released)."""
         pin = torch.cuda.is_available()
-        freed = 0
+        copied = freed = 0
         for storage in _distinct_storages(tensors):  # already-offloaded ones have 0 bytes
-            device_bytes = _as_bytes(storage)
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-            host.copy_(device_bytes, non_blocking=pin)
-            self._held.append((storage, host))
+            host = None
+            if keep:
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+                host.copy_(_as_bytes(storage), non_blocking=pin)
+                copied += storage.nbytes()
+            self._held.append((storage, storage.nbytes(), host))
             freed += storage.nbytes()
-        if pin and freed:
+        if pin and copied:
             torch.cuda.current_stream().synchronize()  # the copies finish before the frees
-        for storage, _ in self._held:
+        for storage, _, _ in self._held:
             storage.resize_(0)
-        return freed
+        if pin and freed:  # the freed blocks leave the caching allocator: SGLang can map them
+            torch.cuda.empty_cache()
+        self.last_freed = freed
+        return copied
 
     @torch.no_grad()
     def onload(self) -> int:
-        """Bring every offloaded storage back (bit-exact); returns the bytes restored."""
-        restored = 0
-        for storage, host in self._held:
-            storage.resize_(host.numel())
-            _as_bytes(storage).copy_(host, non_blocking=host.is_pinned())
-            restored += host.numel()
+        """Bring every offloaded storage back (bit-exact; dropped ones zero-filled); returns
+        the bytes copied in."""
+        copied = 0
+        for storage, nbytes, host in self._held:
+            storage.resize_(nbytes)
+            if host is None:
+                _as_bytes(storage).zero_()
+            else:
+                _as_bytes(storage).copy_(host, non_blocking=host.is_pinned())
+                copied += nbytes
         self._held = []
-        return restored
+        return copied

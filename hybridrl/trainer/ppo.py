@@ -136,18 +136,18 @@ class PPOTrainer:
         self.dist_scorer = DistributedScorer(self.scorer, self.tokenizer, cfg.reward,
                                              cfg.rollout.response_length)
         self.partition = None  # this step's (rows per DP rank, global sequence lengths)
-        self.worker = RolloutWorker(cfg, groups, self.actor, self.tokenizer)
-        self.temperature = cfg.rollout.temperature or 1.0
-        self.step, self.run_id = 0, run_id(cfg)
+        self.step, self.run_id, self.temperature = 0, run_id(cfg), cfg.rollout.temperature or 1.0
         self.log = build_metrics_log(cfg, self.rank, print_fn)  # the run folder's sinks
-        self.log.startup(f"hybridrl: models built and weights loaded ({t_models - t_start:.1f} s),"
-                         f" engine ready ({time.perf_counter() - t_models:.1f} s)")
         ref_offload = {"params"} if cfg.ref.param_offload else set()
         self.memory = PhaseMemory({
             "actor": (self.actor, self.actor_opt, cfg.actor.offload_parts),
             "critic": (self.critic, self.critic_opt, cfg.critic.offload_parts),
             "reference": (self.ref, None, ref_offload),
             "reward": (self.reward_model, None, ref_offload)})
+        self.worker = self.memory.start_engine(  # training state away first (docs/memory.md)
+            lambda: RolloutWorker(cfg, groups, self.actor, self.tokenizer))
+        self.log.startup(f"hybridrl: models built and weights loaded ({t_models - t_start:.1f} s),"
+                         f" engine ready ({time.perf_counter() - t_models:.1f} s)")
         self.guard = StepGuard(cfg.trainer, self.actor.device, self.log)
         self.phases = None  # a hybridrl.parallel.phases.PhaseBoard, when the entrypoint sets one
         self.ckpt = Checkpointer(self)

@@ -23,3 +23,16 @@ def test_round_trip_frees_and_restores_views_bit_exact():
     views[0].add_(1.0)  # the views still alias the buffer
     assert torch.equal(buffer[:300], before[0].flatten() + 1.0)
     assert mover.onload() == 0
+
+
+def test_dropped_storages_are_freed_without_a_copy_and_come_back_zeroed():
+    """Gradients the next update zeroes: keep=False copies nothing either way."""
+    grads = torch.randn(500)
+    views = [grads[:200], grads[200:]]
+    mover = StorageOffloader()
+    assert mover.offload(views, keep=False) == 0 and mover.last_freed == 500 * 4
+    assert resident_bytes(views) == 0 and mover.offloaded_bytes == 500 * 4
+    assert mover.onload() == 0
+    assert grads.untyped_storage().nbytes() == 500 * 4 and torch.count_nonzero(grads) == 0
+    views[1].add_(2.0)  # the views alias the restored storage
+    assert float(grads[300]) == 2.0
