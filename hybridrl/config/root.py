@@ -109,6 +109,14 @@ class HybridRLConfig:
             raise ValueError("rollout.n must be >= 2 when algorithm.adv_estimator is "
                              f"'{self.algorithm.adv_estimator}' "
                              f"(advantages are relative to the prompt's group); got {self.rollout.n}")
+        if self.reward.overlong_buffer > self.rollout.response_length:
+            raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be <= "
+                             f"rollout.response_length ({self.rollout.response_length})")
+        if self.algorithm.filter_groups.enable and (self.rollout.n < 2
+                                                    or self.reward.reward_model_path):
+            raise ValueError("algorithm.filter_groups.enable=true needs rollout.n >= 2 and a "
+                             "rule / custom reward (not reward.reward_model_path); got "
+                             f"rollout.n={self.rollout.n}")
         if self.reshard.strategy == "zero_redundancy":
             par = self.parallel
             if par.gen.grouping != "hybridflow" or not par.nested:

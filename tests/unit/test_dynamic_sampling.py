@@ -85,3 +85,16 @@ def test_rounds_are_bounded_and_the_batch_filled():
 def test_refusals(kwargs, key):
     with pytest.raises(ValueError, match=re.escape(key)):
         collect(StandIn([[(1, 0)]], **kwargs), Prompts(range(1)))
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["algorithm.filter_groups.enable=true", "rollout.n=1"], "needs rollout.n >= 2"),
+    (["algorithm.filter_groups.enable=true", "reward.reward_model_path=/rm"], "reward_model_path"),
+    (["algorithm.filter_groups.max_num_gen_batches=0"], "max_num_gen_batches must be"),
+    (["reward.overlong_buffer=600", "rollout.response_length=512"], "must be <= rollout"),
+])
+def test_config_refusals_at_load(overrides, fragment):
+    from hybridrl.config import load_config
+
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        load_config([], overrides)
