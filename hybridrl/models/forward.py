@@ -12,6 +12,11 @@ Contract:
   one dict per micro-batch: with ``loss_fn`` None the detached outputs; otherwise
   ``loss_fn(outputs, batch) -> (loss scalar, metrics dict)`` is called there and its loss is
   back-propagated (megatron divides it by the number of micro-batches). Other stages return [].
+- With ``sequence_parallel`` at tp > 1, ``run_microbatches`` right-pads each micro-batch's
+  per-position tensors (``SEQUENCE_KEYS``: ``input_ids`` with 0, ``labels``, ``loss_mask``) to a
+  multiple of tp (``pad_to_multiple``, pure): megatron's sequence-parallel embedding scatters the
+  sequence over the TP ranks. Right padding changes no earlier position (causal attention), and
+  padded positions carry loss mask 0; PPO reads responses through ``resp_index``.
 - ``broadcast_from_last_stage(obj, groups)`` hands a picklable result to every stage.
 - ``left_align`` / ``undo_left_align`` turn left-padded rows (verl's prompt layout) into rows that
   start at position 0 and map per-token outputs back.
@@ -30,6 +35,20 @@ from hybridrl.models.build import VALUE_ROLES, ShardedModel, ensure_megatron_sta
 from hybridrl.models.vocab_parallel import vocab_parallel_logprobs_entropy
 
 LossFn = Callable[[dict, dict], tuple[torch.Tensor, dict]]
+SEQUENCE_KEYS = ("input_ids", "labels", "loss_mask")  # [B, T] tensors padded with the sequence
+
+
+def pad_to_multiple(batch: dict, multiple: int) -> dict:
+    """``batch`` with its ``SEQUENCE_KEYS`` right-padded (zeros) to T a multiple of ``multiple``."""
+    t = batch["input_ids"].shape[1]
+    extra = -t % multiple
+    if not extra:
+        return batch
+    out = dict(batch)
+    for key in SEQUENCE_KEYS:
+        if key in batch:
+            out[key] = torch.nn.functional.pad(batch[key], (0, extra))
+    return out
 
 
 def next_token_labels(input_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -115,6 +134,8 @@ def run_microbatches(
         raise ValueError("microbatches must hold at least one micro-batch, got 0")
     if not forward_only and loss_fn is None:
         raise ValueError("a backward pass needs loss_fn")
+    if getattr(model.config, "sequence_parallel", False) and model.groups.tp_size > 1:
+        microbatches = [pad_to_multiple(mb, model.groups.tp_size) for mb in microbatches]
     shapes = [tuple(mb["input_ids"].shape) for mb in microbatches]
     if any(len(s) != 2 for s in shapes):
         raise ValueError(f"input_ids must be [B, T]; got shapes {shapes}")
