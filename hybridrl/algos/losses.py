@@ -13,8 +13,9 @@ returns ``(loss, metrics)``; metric values are detached 0-dim tensors keyed as i
   ``s_b = exp(sum_t (logp - old)·m / max(n_b, 1))`` (the geometric mean of the token ratios),
   used per token as ``log s_bt = logp_bt - sg(logp_bt) + sg(log s_b)`` clamped at 10 (value
   ``s_b``, gradient ``s_b·∇logp_bt``); ``l = max(-A·s, -A·clip(s, 1-lo, 1+hi))``, no dual clip.
-  The GSPO paper's ranges are ``lo = 3e-4``, ``hi = 4e-4`` with ``seq-mean-token-mean``
-  (configs: examples/gspo_grpo.yaml). ``actor/pg_clipfrac_lower`` is 0.
+  Its policy term is always aggregated ``seq-mean-token-mean`` (verl's GSPO ignores
+  ``loss_agg_mode`` too; the entropy and KL terms still follow it). The GSPO paper's ranges are
+  ``lo = 3e-4``, ``hi = 4e-4`` (examples/gspo_qwen3_8b.yaml). ``actor/pg_clipfrac_lower`` is 0.
 - Both take ``rollout_is_weights`` [B, T] (``hybridrl.algos.rollout_correction``): multiplied
   into the per-token losses before aggregation, as verl does.
 - ``value_loss``: ``0.5·agg(max((v-R)², (clip(v, old-ε, old+ε)-R)²))``; ``critic/vf_loss``,
@@ -103,7 +104,6 @@ def gspo_policy_loss(
     clip_ratio: float = 3e-4,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = 4e-4,
-    loss_agg_mode: str = "seq-mean-token-mean",
     norm: AggNormalizers | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
@@ -119,7 +119,8 @@ def gspo_policy_loss(
     loss1_BT = -advantages * ratio_BT
     loss2_BT = -advantages * torch.clamp(ratio_BT, 1.0 - lo, 1.0 + hi)
     pg_losses_BT = torch.maximum(loss1_BT, loss2_BT)
-    pg_loss = _weighted_agg(pg_losses_BT, rollout_is_weights, response_mask, loss_agg_mode, norm)
+    pg_loss = _weighted_agg(pg_losses_BT, rollout_is_weights, response_mask,
+                            "seq-mean-token-mean", norm)  # always, as verl's GSPO
     with torch.no_grad():
         metrics = {
             "actor/pg_clipfrac": masked_mean((loss2_BT > loss1_BT).float(), response_mask),

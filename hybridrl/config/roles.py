@@ -102,9 +102,9 @@ class ActorConfig(TrainedRoleConfig):
     SECTION: ClassVar[str] = "actor"
 
     policy_loss: str = knob("vanilla", "Policy-loss registry name: vanilla (clipped PPO with "
-                            "dual clip) | gspo (sequence-level ratio and clip; the GSPO paper "
-                            "uses clip_ratio_low 3e-4, clip_ratio_high 4e-4, loss_agg_mode "
-                            "seq-mean-token-mean) | a registered one.")
+                            "dual clip) | gspo (sequence-level ratio and clip, its term always "
+                            "aggregated seq-mean-token-mean as in verl; the GSPO paper uses "
+                            "clip_ratio_low 3e-4, clip_ratio_high 4e-4) | a registered one.")
     clip_ratio_low: float = knob(0.2, "PPO clip: ratio lower bound is 1 - clip_ratio_low.")
     clip_ratio_high: float = knob(0.2, "PPO clip: ratio upper bound is 1 + clip_ratio_high.")
     clip_ratio_c: float = knob(3.0, "Dual-clip constant: loss bounded by -A*clip_ratio_c for "

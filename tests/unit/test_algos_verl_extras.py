@@ -51,7 +51,8 @@ def verl_agg_loss(loss_mat, mask, mode):
     raise AssertionError(mode)
 
 
-def verl_gspo(old, logp, adv, mask, lo, hi, mode, is_w=None):
+def verl_gspo(old, logp, adv, mask, lo, hi, is_w=None):
+    """verl aggregates GSPO seq-mean-token-mean whatever loss_agg_mode says."""
     neg_kl = logp - old
     seq_len = mask.sum(-1).clamp(min=1)
     neg_kl_seq = (neg_kl * mask).sum(-1) / seq_len
@@ -62,7 +63,8 @@ def verl_gspo(old, logp, adv, mask, lo, hi, mode, is_w=None):
     pg = torch.maximum(l1, l2)
     if is_w is not None:
         pg = pg * is_w
-    return verl_agg_loss(pg, mask, mode), verl_masked_mean(torch.gt(l2, l1).float(), mask)
+    return (verl_agg_loss(pg, mask, "seq-mean-token-mean"),
+            verl_masked_mean(torch.gt(l2, l1).float(), mask))
 
 
 def verl_vanilla(old, logp, adv, mask, lo, hi, c, mode, is_w=None):
@@ -152,7 +154,7 @@ def test_gspo_matches_verl_value_and_grad(batch, mode, lo, hi):
     old, logp, _, adv, mask = batch
     ours, m = compute_policy_loss("gspo", old, logp, adv, mask, clip_ratio_low=lo,
                                   clip_ratio_high=hi, loss_agg_mode=mode)
-    ref, ref_clipfrac = verl_gspo(old, logp, adv, mask, lo, hi, mode)
+    ref, ref_clipfrac = verl_gspo(old, logp, adv, mask, lo, hi)
     assert ours.item() == pytest.approx(ref.item(), rel=1e-6, abs=1e-7)
     torch.testing.assert_close(_grad(ours, logp), _grad(ref, logp), rtol=1e-6, atol=1e-7)
     assert m["actor/pg_clipfrac"].item() == pytest.approx(ref_clipfrac.item(), abs=1e-7)
@@ -203,7 +205,7 @@ def test_actor_loss_with_rollout_is_matches_verl(batch, policy_loss, level):
     if policy_loss == "vanilla":
         ref = verl_vanilla(old, logp, adv, mask, lo, hi, 3.0, "token-mean", w)
     else:
-        ref = verl_gspo(old, logp, adv, mask, lo, hi, "token-mean", w)[0]
+        ref = verl_gspo(old, logp, adv, mask, lo, hi, w)[0]
     assert ours.item() == pytest.approx(ref.item(), rel=1e-6, abs=1e-7)
     torch.testing.assert_close(_grad(ours, logp), _grad(ref, logp), rtol=1e-6, atol=1e-7)
     assert "rollout_corr/is_mean" in metrics
