@@ -3,7 +3,10 @@
 Contract: ``RolloutConfig`` selects the engine (``builtin`` runs anywhere; ``sglang`` needs a
 GPU and the ``gpu`` extra) and the sampling knobs hybridrl itself uses. Engine-specific options
 are not mirrored here: ``engine_kwargs`` is passed through to the engine untouched (its keys are
-not checked). The generation parallel layout lives in ``parallel.gen``.
+not checked), except three SGLang settings hybridrl must decide for a colocated run (their
+defaults live here): ``mem_fraction_static`` (which ``engine_kwargs`` may still override),
+``timeout_s`` (how long a gen-TP group waits for its engine) and ``deterministic``. The
+generation parallel layout lives in ``parallel.gen``.
 """
 
 from dataclasses import dataclass
@@ -38,12 +41,27 @@ class RolloutConfig:
                                          "failing; separate from the 600 s collective timeout.")
     engine_port_base: int = knob(30000, "sglang: each engine on a node uses ports from "
                                  "engine_port_base + 16 * its first GPU.")
+    mem_fraction_static: float = knob(0.5, "sglang: fraction of the whole GPU its weights and KV "
+                                      "cache may fill, counted with what training still holds "
+                                      "while generating (verl's gpu_memory_utilization, same "
+                                      "default); raise it when training offloads (hybridrl "
+                                      "plan --memory shows the gen phase). "
+                                      "engine_kwargs.mem_fraction_static overrides it.")
+    timeout_s: float = knob(3600.0, "sglang: seconds the ranks of a gen-TP group wait for "
+                            "their engine's answer (a generate call, a weight-push round) "
+                            "before failing with a line naming the engine.")
+    deterministic: bool = knob(False, "sglang: enable_deterministic_inference (batch-invariant "
+                               "kernels, NCCL tree all-reduce, no custom all-reduce; slower). "
+                               "The pinned SGLang honours per-request seeds only then.")
 
     def __post_init__(self) -> None:
         check_choice("rollout.engine", self.engine, ENGINES)
         check_positive("rollout.n", self.n)
         check_positive("rollout.response_length", self.response_length)
         check_positive("rollout.engine_start_timeout_s", self.engine_start_timeout_s)
+        check_positive("rollout.timeout_s", self.timeout_s)
+        check_range("rollout.mem_fraction_static", self.mem_fraction_static, 0.0, 1.0,
+                    low_open=True)
         check_range("rollout.engine_port_base", self.engine_port_base, 1024, 65535 - 16 * 64)
         check_non_negative("rollout.temperature", self.temperature)
         check_non_negative("rollout.val_temperature", self.val_temperature)

@@ -5,7 +5,16 @@ Contract:
   with the same arguments. It validates the layouts against the world BEFORE any collective, then
   checks with one all_gather that every rank holds the same layout (a mismatch raises on every
   rank, never hangs), then creates each distinct rank set once, in the same order on all ranks
-  (gloo on CPU, NCCL on CUDA, finite timeout).
+  (gloo on CPU, NCCL on CUDA, finite timeout). NCCL groups are created eagerly, bound to this
+  rank's current CUDA device (``device_id``), so every communicator exists right here, under the
+  NCCL environment set below, not at its first collective (which may come after an SGLang
+  engine started and changed the environment of some ranks).
+- NCCL environment: ``NCCL_ENV`` (``NCCL_CUMEM_ENABLE=0``, ``NCCL_NVLS_ENABLE=0``, the values
+  SGLang's engine runs its own communicators with) is set on every rank before any NCCL
+  communicator exists (``apply_nccl_env``, called by ``init_distributed`` before
+  ``init_process_group`` and by ``build_groups``; a value the launcher already set is kept).
+  ``build_groups`` checks that every rank sees the same ``NCCL_*`` variables (ValueError on
+  every rank otherwise). Only the nccl backend touches any of this.
 - The result, ``ParallelGroups``, is frozen and passed explicitly; there are no module globals.
   Layers should take the narrowest member they need (``groups.tp``), not the whole object.
 - Train axes are named as megatron-core's ProcessGroupCollection names them (tp, pp, dp, cp, mp,
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 from collections.abc import Iterable
 
 import torch
@@ -25,6 +35,18 @@ import torch.distributed as dist
 from hybridrl.parallel.layout import GenLayout, TrainLayout
 
 DEFAULT_TIMEOUT_S = 600.0
+NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def apply_nccl_env() -> dict[str, str]:
+    """Set ``NCCL_ENV`` where the launcher did not; returns every ``NCCL_*`` variable now set."""
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    return nccl_env()
+
+
+def nccl_env() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
 
 # name -> axes of TrainLayout.groups() (the aliases below reuse identical rank sets)
 TRAIN_AXES = {
@@ -137,24 +159,28 @@ def _check_world(train: TrainLayout, gen: GenLayout | None) -> None:
         raise ValueError(f"layout world={train.world} but torch.distributed world size is {world}")
 
 
-def _check_same_everywhere(train: TrainLayout, gen: GenLayout | None) -> None:
+def _check_same_everywhere(train: TrainLayout, gen: GenLayout | None, env: dict) -> None:
     """One all_gather_object: every rank must have been given the same, consistent layouts
-    (a local inconsistency travels with the layout, so all ranks raise together)."""
+    and NCCL environment (a local inconsistency travels with the layout, so all ranks raise
+    together)."""
     problem = None
     if gen is not None and gen.train != train:
         problem = "gen layout was derived from a different training layout"
     mine = (dataclasses.astuple(train), None if gen is None else (gen.tp, gen.pp, gen.grouping),
-            problem)
+            problem, env)
     seen: list = [None] * dist.get_world_size()
     dist.all_gather_object(seen, mine)
     errors = [(r, s[2]) for r, s in enumerate(seen) if s[2]]
     if errors:
         raise ValueError(f"rank {errors[0][0]}: {errors[0][1]}")
-    bad = [r for r, other in enumerate(seen) if other != seen[0]]
+    bad = [r for r, other in enumerate(seen) if other[:2] != seen[0][:2]]
     if bad:
-        raise ValueError(
-            f"ranks disagree on the layout: rank 0 has {seen[0]}, rank {bad[0]} has {seen[bad[0]]}"
-        )
+        raise ValueError(f"ranks disagree on the layout: rank 0 has {seen[0][:2]}, rank "
+                         f"{bad[0]} has {seen[bad[0]][:2]}")
+    bad = [r for r, other in enumerate(seen) if other[3] != seen[0][3]]
+    if bad:
+        raise ValueError(f"ranks see different NCCL variables: rank 0 {seen[0][3]}, rank "
+                         f"{bad[0]} {seen[bad[0]][3]}; set them alike on every rank")
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -162,11 +188,13 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device_id = None
     if backend == "nccl":
-        import os
-
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        apply_nccl_env()  # before the first communicator (created right here: device bound)
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device_id)
 
 
 def build_groups(
@@ -178,16 +206,20 @@ def build_groups(
 ) -> ParallelGroups:
     """Create every group of ``train`` (and ``gen``) on all ranks; returns this rank's view."""
     _check_world(train, gen)
-    _check_same_everywhere(train, gen)
     backend = backend or dist.get_backend()
+    env = apply_nccl_env() if backend == "nccl" else {}
+    _check_same_everywhere(train, gen, env)
     timeout = datetime.timedelta(seconds=timeout_s)
     rank = dist.get_rank()
     cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    # NCCL communicators are created now (eagerly, device bound), under the environment above
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
 
     def make(ranks: Iterable[int], pg_backend: str) -> dist.ProcessGroup:
         key = (pg_backend, *ranks)
         if key not in cache:  # every rank reaches this line for the same keys in the same order
-            cache[key] = dist.new_group(list(ranks), timeout=timeout, backend=pg_backend)
+            cache[key] = dist.new_group(list(ranks), timeout=timeout, backend=pg_backend,
+                                        device_id=device if pg_backend == "nccl" else None)
         return cache[key]
 
     groups, members = {}, {}

@@ -1,40 +1,48 @@
 """``SGLangEngine``: one ``sglang.Engine`` per gen-TP group, fed by the reshard (GPU; lazy import).
 
-Contract (docs/rollout.md has the diagram and the memory budget):
+Contract (docs/rollout.md has the diagram, the lifecycle and the memory of each phase):
 - ``build_sglang_engine(...)`` is collective over the world (every rank, same arguments; the
   gen-TP groups ``all_members`` in the same order everywhere). It checks the SGLang/torch pair
   (``sglang_compat``), refuses ``engine_kwargs`` that set what the layout decides
-  (``RESERVED``), creates gloo side groups (one per gen-TP group, one over the world whose
-  timeout is ``rollout.engine_start_timeout_s``), exchanges (host, local GPU) of every rank and
-  places each engine with ``gpu_placement``: ``base_gpu_id`` = its source rank's local GPU,
-  ``gpu_id_step`` = the stride of its members' GPUs, ``port`` = ``engine_port_base`` + 16 x
-  base_gpu_id (distinct on a node), ``nccl_port`` = port + 1. The source rank starts the
-  engine with ``load_format="dummy"`` (the first sync writes every weight),
-  ``enable_memory_saver=True``, ``skip_tokenizer_init=True``,
-  ``enable_deterministic_inference=True`` (SGLang honours per-request ``sampling_seed`` only
-  then), the training dtype, then any ``engine_kwargs`` (which may override these), and
-  releases its memory. Every rank then learns over the world side group whether all engines
-  started: a failure (or no answer within the start timeout) raises RuntimeError with the
-  same one line on every rank.
-- Lifecycle (the source rank calls the engine; the others wait on the side group):
-  ``start_update(plan)`` resumes the weights' memory (after a release) and opens the weight-
-  update session where the release has one; ``update_weights(named)`` is the reshard's sink at
-  every flush (``WeightPusher`` rounds, load_format "direct", tensors serialized after
-  SGLang's ``monkey_patch_torch_reductions``); ``finish_update()`` closes the session, resumes
-  the KV cache and CUDA graphs and flushes the cache; ``generate``; ``release()`` gives all
-  the engine's GPU memory back before the training phases. Order per step: resume -> update
-  -> flush -> generate -> release.
+  (``RESERVED``), creates gloo side groups (one per gen-TP group, whose timeout is
+  ``rollout.timeout_s``; one over the world whose timeout is ``rollout.engine_start_timeout_s``),
+  exchanges (host, local GPU) of every rank and places each engine with ``gpu_placement``:
+  ``base_gpu_id`` = its source rank's local GPU, ``gpu_id_step`` = the stride of its members'
+  GPUs (SGLang puts TP rank k on GPU base + k x step, so members must be listed in that order),
+  ``port`` = ``engine_port_base`` + 16 x base_gpu_id (distinct on a node), ``nccl_port`` = port
+  + 1. The source rank starts the engine inside ``engine_start_env()`` (no torchrun agent-store
+  flag for the schedulers; the trainer's NCCL/CUDA variables restored afterwards) with
+  ``load_format="dummy"`` (the first sync writes every weight), ``enable_memory_saver=True``,
+  ``skip_tokenizer_init=True``, ``mem_fraction_static`` = ``rollout.mem_fraction_static``,
+  ``enable_deterministic_inference`` = ``rollout.deterministic``, the training dtype, then any
+  ``engine_kwargs`` (which may override these), and releases its memory. Every rank then learns
+  over the world side group whether all engines started: a failure (or no answer within the
+  start timeout) raises RuntimeError with the same one line on every rank.
+- Lifecycle (the source rank calls the engine; the others wait on the side group, at most
+  ``rollout.timeout_s`` per wait, then RuntimeError naming the engine): ``start_update(plan)``
+  empties every member's CUDA cache, then (after a release) resumes the weights' memory and
+  opens the weight-update session where the release has one; ``update_weights(named)`` is the
+  reshard's sink at every flush (``WeightPusher`` rounds, load_format "direct", tensors
+  serialized with SGLang's reductions patch in force only around CUDA tensors:
+  ``sglang_env.sglang_serializer``); ``finish_update()`` empties every member's CUDA cache
+  again (the reshard's buffers), closes the session, resumes the KV cache and CUDA graphs and
+  flushes the cache (a failed flush raises); ``generate``; ``release()`` gives all the engine's
+  GPU memory back before the training phases. Order per step: resume -> update -> flush ->
+  generate -> release.
 - ``generate(prompt_ids, params)``: one sampling-params dict per request: max_new_tokens,
   temperature, top_p, top_k, ``stop_token_ids`` = [eos] when known and ``sampling_seed`` =
-  ``request_seed(params.seed, i)`` (distinct for the n samples of a prompt, reproducible), or
-  ``params.row_seeds[i]`` when the caller gives one seed per request; the
-  source's result (or its error) is broadcast over the gloo side group, never NCCL.
+  ``request_seed(params.seed, i)`` (distinct for the n samples of a prompt), or
+  ``params.row_seeds[i]`` when the caller gives one seed per request. The pinned releases
+  honour ``sampling_seed`` only with deterministic inference (``seeds_honoured``); otherwise the
+  seeds travel but sampling is not reproducible per request. The source's result (or its error)
+  is broadcast over the gloo side group, never NCCL.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -42,11 +50,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from hybridrl.parallel.groups import DEFAULT_TIMEOUT_S
 from hybridrl.rollout.base import GenerationOutput, SamplingParams, as_prompt_lists
 from hybridrl.rollout.sglang_compat import LOAD_FORMAT, has_weight_update_session, import_sglang
+from hybridrl.rollout.sglang_env import engine_start_env, sglang_serializer
 from hybridrl.rollout.sglang_layout import engine_param_shapes
-from hybridrl.rollout.sglang_push import WeightPusher
+from hybridrl.rollout.sglang_push import WeightPusher, bounded
+
+logger = logging.getLogger(__name__)
 
 RESERVED = ("model_path", "tp_size", "base_gpu_id", "gpu_id_step")  # the layout decides these
 PORT_STRIDE = 16
@@ -63,8 +73,9 @@ def gpu_placement(gpus: list[tuple[str, int]]) -> tuple[int, int]:
     ids = [g for _, g in gpus]
     step = ids[1] - ids[0] if len(ids) > 1 else 1
     if step < 1 or any(b - a != step for a, b in zip(ids, ids[1:])):
-        raise ValueError(f"the GPUs of a gen-TP group must be evenly spaced and ascending "
-                         f"(base_gpu_id + i * gpu_id_step); got {ids}")
+        raise ValueError(f"the GPUs of a gen-TP group, in gen-TP order, must be ascending and "
+                         f"evenly spaced (SGLang puts TP rank k on base_gpu_id + k * "
+                         f"gpu_id_step); got {ids}")
     return ids[0], step
 
 
@@ -92,22 +103,37 @@ def sglang_backend() -> SGLangBackend:
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-    monkey_patch_torch_reductions()  # CUDA tensors pickle by device UUID, as the schedulers expect
-    return SGLangBackend(sglang.Engine, UpdateWeightsFromTensorReqInput,
-                         lambda named: MultiprocessingSerializer.serialize(list(named)),
+    # CUDA tensors pickle by device UUID (as the schedulers expect) only while serialized here
+    serialize = sglang_serializer(MultiprocessingSerializer.serialize,
+                                  monkey_patch_torch_reductions)
+    return SGLangBackend(sglang.Engine, UpdateWeightsFromTensorReqInput, serialize,
                          metadata.version("sglang"))
 
 
-def _gloo_groups(all_members: list[list[int]], rank: int, start_timeout_s: float):
+def _gloo_groups(all_members: list[list[int]], rank: int, rollout):
     """(this rank's gen-TP gloo group or None, world gloo group); same calls on every rank."""
     mine = None
     for ranks in all_members:
         if len(ranks) > 1:
             g = dist.new_group(ranks, backend="gloo",
-                               timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+                               timeout=datetime.timedelta(seconds=rollout.timeout_s))
             mine = g if rank in ranks else mine
-    world = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=start_timeout_s))
+    world = dist.new_group(backend="gloo",
+                           timeout=datetime.timedelta(seconds=rollout.engine_start_timeout_s))
     return mine, world
+
+
+def engine_start_kwargs(model_path: str, *, tp_size: int, base: int, step: int,
+                        dtype: torch.dtype, rollout) -> dict:
+    """The ServerArgs keywords the source rank starts its engine with (module docstring)."""
+    port = rollout.engine_port_base + PORT_STRIDE * base
+    kwargs = dict(model_path=model_path, tp_size=tp_size, base_gpu_id=base, gpu_id_step=step,
+                  port=port, nccl_port=port + 1, load_format="dummy", enable_memory_saver=True,
+                  skip_tokenizer_init=True, mem_fraction_static=rollout.mem_fraction_static,
+                  enable_deterministic_inference=rollout.deterministic,
+                  dtype=str(dtype).removeprefix("torch."))
+    kwargs.update(rollout.engine_kwargs)
+    return kwargs
 
 
 def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]], rank: int,
@@ -120,24 +146,20 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
     backend = backend or sglang_backend()
     members = next(m for m in all_members if rank in m)
     table = engine_param_shapes(shape, len(members))
-    tp_group, world_group = _gloo_groups(all_members, rank, rollout.engine_start_timeout_s)
+    tp_group, world_group = _gloo_groups(all_members, rank, rollout)
     device = torch.device(device)
     local = device.index if device.type == "cuda" else int(os.environ.get("LOCAL_RANK", rank))
     gpus: list = [None] * dist.get_world_size()
     dist.all_gather_object(gpus, (socket.gethostname(), local), group=world_group)
     placements = [gpu_placement([gpus[r] for r in m]) for m in all_members]  # all fail alike
     base, step = placements[all_members.index(members)]
-    port = rollout.engine_port_base + PORT_STRIDE * base
     engine, error = None, None
     if rank == members[0]:
-        kwargs = dict(model_path=model_path, tp_size=len(members), base_gpu_id=base,
-                      gpu_id_step=step, port=port, nccl_port=port + 1, load_format="dummy",
-                      enable_memory_saver=True, skip_tokenizer_init=True,
-                      enable_deterministic_inference=True,
-                      dtype=str(dtype).removeprefix("torch."))
-        kwargs.update(rollout.engine_kwargs)
+        kwargs = engine_start_kwargs(model_path, tp_size=len(members), base=base, step=step,
+                                     dtype=dtype, rollout=rollout)
         try:
-            engine = backend.engine_cls(**kwargs)
+            with engine_start_env():
+                engine = backend.engine_cls(**kwargs)
             engine.release_memory_occupation()  # training runs first; sync resumes it
         except Exception as err:  # any start failure is reported on every rank below
             line = (str(err).splitlines() or [repr(err)])[0]
@@ -151,21 +173,39 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
     first = next((e for e in errors if e), None)
     if first:
         raise RuntimeError(first)
-    return SGLangEngine(engine, backend, rank=rank, members=members, tp_group=tp_group,
-                        table=table, dtype=dtype)
+    handle = SGLangEngine(engine, backend, rank=rank, members=members, tp_group=tp_group,
+                          table=table, dtype=dtype, device=device, timeout_s=rollout.timeout_s)
+    handle.seeds_honoured = bool(rollout.engine_kwargs.get("enable_deterministic_inference",
+                                                           rollout.deterministic))
+    if handle.is_src and not handle.seeds_honoured:
+        logger.info("SGLang engine of gen-TP group %s: rollout.deterministic is off, so SGLang "
+                    "%s ignores per-request sampling seeds", members, backend.version)
+    return handle
 
 
 class SGLangEngine:
     """One gen-TP rank's handle on its group's engine (the source holds ``engine``)."""
 
     def __init__(self, engine, backend: SGLangBackend, *, rank: int, members: list[int],
-                 tp_group, table: dict, dtype: torch.dtype):
+                 tp_group, table: dict, dtype: torch.dtype, device=None,
+                 timeout_s: float = 3600.0):
         self.engine, self.backend, self.rank, self.members = engine, backend, rank, members
         self.tp_group, self.is_src = tp_group, rank == members[0]
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.sessions = has_weight_update_session(backend.version)
         self.released = True
+        self.seeds_honoured = False
+        self.wait_label = (f"rank {rank}: waiting on the SGLang engine of gen-TP group {members} "
+                           f"(source rank {members[0]}, rollout.timeout_s={timeout_s:g})")
         self.pusher = WeightPusher(rank, members, tp_group, table, dtype, backend.serialize,
-                                   self._load)
+                                   self._load, self.wait_label)
+
+    def _empty_cache(self) -> None:
+        """Every member gives its allocator's cached blocks back before the engine resumes
+        memory on its GPU (the trainer's caching allocator would otherwise keep them)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._share(None)  # the source resumes only once every member has emptied its cache
 
     def _load(self, payloads: list) -> tuple[bool, str]:
         req = self.backend.request_cls(serialized_named_tensors=payloads,
@@ -177,6 +217,8 @@ class SGLangEngine:
     def start_update(self, plan) -> None:
         """Before the reshard: weights' memory back, session open (source); schedule rounds."""
         self.pusher.start(plan)
+        if self.released:
+            self._empty_cache()
         if self.is_src:
             try:
                 if self.released:
@@ -194,7 +236,10 @@ class SGLangEngine:
 
     def finish_update(self) -> None:
         """After the reshard: last rounds, session closed, KV cache resumed, cache flushed."""
-        self.pusher.finish(self._close if self.is_src else None)
+        # after the last round, every member gives the reshard's buffers back before the KV
+        # cache comes back
+        self.pusher.finish(self._close if self.is_src else None,
+                           self._empty_cache if self.released else None)
         self.released = False
 
     def _close(self) -> tuple[bool, str]:
@@ -205,7 +250,9 @@ class SGLangEngine:
                     return False, f"end_weight_update failed: {message}"
             if self.released:
                 self.engine.resume_memory_occupation(tags=REST)
-            self.engine.flush_cache()
+            ok, message = _pair(self.engine.flush_cache())
+            if not ok:
+                return False, f"flush_cache failed: {message}"
         except Exception as err:
             return False, f"{type(err).__name__}: {err}"
         return True, ""
@@ -227,7 +274,8 @@ class SGLangEngine:
         if self.tp_group is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.members[0], group=self.tp_group)
+        bounded(lambda: dist.broadcast_object_list(box, src=self.members[0], group=self.tp_group),
+                self.wait_label)
         return box[0]
 
     def generate(self, prompt_ids, params: SamplingParams) -> GenerationOutput:

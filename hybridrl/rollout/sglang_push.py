@@ -13,7 +13,8 @@ Contract (no SGLang needed; tested on gloo with a fake engine):
   (``sink_every_flush``): after each local phase and after each bucket this rank takes part in.
   A flush's tensors go into the round of its phase; the rounds of buckets in which this rank has
   no transfers run empty right after its previous flush (the rank has already posted its next
-  bucket, so no peer waits on it). ``finish(close)`` runs the remaining empty rounds, then
+  bucket, so no peer waits on it). ``finish(close, settle)`` runs the remaining empty rounds,
+  ``settle()`` on every rank (the adapter: empty the CUDA cache, then a barrier), then
   ``close()`` on the source (end the session, resume, flush).
 - One round: each rank checks its tensors against ``table`` (name, per-rank shape, dtype),
   waits for its CUDA stream (received data is complete before IPC handles leave), serializes,
@@ -30,6 +31,9 @@ Contract (no SGLang needed; tested on gloo with a fake engine):
   of one parameter begun in an earlier bucket. ``round_bytes`` lists the bytes each round of the
   current sync held on this rank, ``peak_round_bytes`` the most over all syncs; ``rounds``
   counts rounds run (tests).
+- Waits: every gather/broadcast runs on ``group``, whose timeout the caller sets (the adapter:
+  ``rollout.timeout_s``); a wait that fails (timeout, peer gone) raises RuntimeError starting
+  with ``wait_label`` (which names the engine) and the collective's own first line.
 - ``src_error``: set on the source when an engine call outside a round failed (e.g. opening
   the session); the next round then fails on every rank with it.
 """
@@ -45,12 +49,22 @@ from hybridrl.reshard.schedule import phase_schedule
 from hybridrl.rollout.sglang_layout import check_named_tensors
 
 
+def bounded(wait: Callable, label: str):
+    """Run one collective ``wait()``; its failure (timeout, peer gone) becomes one line."""
+    try:
+        return wait()
+    except Exception as err:  # gloo raises plain RuntimeError on timeouts and lost peers
+        line = (str(err).splitlines() or [repr(err)])[0]
+        raise RuntimeError(f"{label}: {type(err).__name__}: {line}") from None
+
+
 class WeightPusher:
     """See the module docstring."""
 
     def __init__(self, rank: int, members: list[int], group, table: dict, dtype: torch.dtype,
-                 serialize: Callable, load: Callable):
+                 serialize: Callable, load: Callable, wait_label: str = "SGLang engine"):
         self.rank, self.members, self.group = rank, list(members), group
+        self.wait_label = wait_label
         self.src, self.is_src = members[0], rank == members[0]
         self.table, self.dtype, self.serialize, self.load = table, dtype, serialize, load
         self.src_error: str | None = None
@@ -80,13 +94,17 @@ class WeightPusher:
         while self.next_phase < until:
             self._round([])
 
-    def finish(self, close: Callable[[], tuple[bool, str]] | None = None) -> None:
-        """Empty rounds up to the last bucket, then ``close`` on the source (every rank)."""
+    def finish(self, close: Callable[[], tuple[bool, str]] | None = None,
+               settle: Callable[[], None] | None = None) -> None:
+        """Empty rounds up to the last bucket, ``settle()`` on every rank (the rounds are over
+        everywhere), then ``close`` on the source."""
         if self.calls < len(self.phases):
             raise AssertionError(f"rank {self.rank}: {self.calls} flushes, "
                                  f"expected {len(self.phases)}")
         while self.next_phase < self.n_buckets:
             self._round([])
+        if settle is not None:
+            settle()
         result = (True, "")
         if self.is_src and close is not None:
             result = (False, self.src_error) if self.src_error else close()
@@ -98,7 +116,8 @@ class WeightPusher:
         if self.group is None:
             return result
         box = [result]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        bounded(lambda: dist.broadcast_object_list(box, src=self.src, group=self.group),
+                self.wait_label)
         return box[0]
 
     def _round(self, named: list) -> None:
@@ -117,7 +136,8 @@ class WeightPusher:
             parts = [mine]
         else:
             parts = [None] * len(self.members) if self.is_src else None
-            dist.gather_object(mine, parts, dst=self.src, group=self.group)
+            bounded(lambda: dist.gather_object(mine, parts, dst=self.src, group=self.group),
+                    self.wait_label)
         kind, message = self._share(self._decide(parts) if self.is_src else None)
         # only now may the producers go: the engine has copied this round's tensors
         if kind == "input":

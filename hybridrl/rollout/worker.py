@@ -97,13 +97,22 @@ def _gen_tp_groups(gen, rank: int, groups, grouping: str):
     return mine, members
 
 
-def rollout_gen_placement(layout, shape: LlamaShape, gen_cfg, vocab_pad: int | None = ENGINE_VOCAB_PAD):
+def rollout_gen_placement(layout, shape: LlamaShape, gen_cfg, vocab_pad: int | None = ENGINE_VOCAB_PAD,
+                          engine: str = "builtin"):
     """(gen ``Placement``, its grouping) of the rollout engines: ``gen_cfg.grouping`` when tg | t
     and pg | p, else ``optimal`` (pure). ``vocab_pad``: the engine's vocabulary padding (None:
-    megatron's training padding, so each gen vocab chunk is whole training chunks)."""
+    megatron's training padding, so each gen vocab chunk is whole training chunks). SGLang:
+    a layout whose gen-TP groups follow its GPU order (``sglang_layout.sglang_gen_placement``)."""
     nested = layout.tp % gen_cfg.tp == 0 and layout.pp % gen_cfg.pp == 0
     grouping = gen_cfg.grouping if nested else "optimal"
     gen = gen_placement(layout, shape, gen_cfg.tp, gen_cfg.pp, grouping, vocab_pad=vocab_pad)
+    if engine == "sglang":
+        import os
+
+        from hybridrl.rollout.sglang_layout import sglang_gen_placement
+
+        node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+        gen = sglang_gen_placement(train_placement(layout, shape), shape, gen, node)
     return gen, gen.grouping
 
 
@@ -129,7 +138,7 @@ class RolloutWorker:
         # whole training chunks (engine_blocks); SGLang pads to its own multiple
         self.gen, grouping = rollout_gen_placement(
             layout, self.shape, gen_cfg,
-            None if cfg.rollout.engine == "builtin" else ENGINE_VOCAB_PAD)
+            None if cfg.rollout.engine == "builtin" else ENGINE_VOCAB_PAD, cfg.rollout.engine)
         strategy = cfg.reshard.strategy
         if strategy == "auto":
             strategy = "zero_redundancy" if grouping == "hybridflow" else "p2p"
