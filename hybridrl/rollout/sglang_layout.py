@@ -12,7 +12,8 @@ Contract: ``engine_param_shapes(shape, tp, vocab_pad=64) -> {name: shape}`` list
 - ``embed_tokens`` / ``lm_head`` (VocabParallelEmbedding / ParallelLMHead): the vocab padded to
   a multiple of ``vocab_pad`` (SGLang's DEFAULT_VOCAB_PADDING_SIZE, 64), split tp ways; a tied
   model has no ``lm_head.weight`` (SGLang reuses ``embed_tokens``).
-- norms [hidden], replicated.
+- norms [hidden], replicated; Qwen3 (``shape.qk_norm``) adds ``self_attn.q_norm`` /
+  ``k_norm`` [head_dim], replicated (SGLang's ``Qwen3Attention``).
 ``check_named_tensors(named, table, dtype)`` returns the first problem (unknown name, wrong
 shape or dtype) as one line, or None: the push checks every tensor with it before sending.
 
@@ -60,6 +61,9 @@ def engine_param_shapes(shape: LlamaShape, tp: int,
         table[p + "self_attn.qkv_proj.weight"] = (qkv_rows, H)
         if shape.qkv_bias:
             table[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
+        if shape.qk_norm:  # Qwen3Attention.q_norm / k_norm: RMSNorm(head_dim), replicated
+            table[p + "self_attn.q_norm.weight"] = (hd,)
+            table[p + "self_attn.k_norm.weight"] = (hd,)
         table[p + "self_attn.o_proj.weight"] = (H, heads * hd)
         table[p + "mlp.gate_up_proj.weight"] = (2 * ffn, H)
         table[p + "mlp.down_proj.weight"] = (H, ffn)

@@ -1,10 +1,13 @@
 """The SGLang adapter's pure parts and one-rank push (no process group): bad tensors raise
 ValueError before anything reaches the engine, an engine's (False, message) raises naming the
 first tensor, rounds follow the plan's phases; GPU placement, per-request seeds, stop ids and
-the keys the layout owns."""
+the keys the layout owns; gen tp > train tp in SGLang's GPU order; the NCCL environment set
+before the first (eagerly created) communicator; the CUDA cache emptied before each resume and
+the flush result checked; the rollout keys' defaults and checks."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -111,3 +114,108 @@ def test_layout_owned_engine_kwargs_are_refused():
     with pytest.raises(ValueError, match=r"must not set \['tp_size'\]"):
         build_sglang_engine("m", shape=SHAPE, all_members=[[0]], rank=0, device="cpu",
                             dtype=torch.float32, rollout=rollout)
+
+
+def test_gen_tp_above_train_tp_gets_sglangs_gpu_order():
+    """Train tp 4 pp 2 -> gen tp 8: the optimal grouping's order [0, 4, 1, 5, ...] is not the
+    GPU order SGLang assigns (base + k * step); the chosen layout is, and keeps what it can."""
+    from hybridrl.parallel.layout import TrainLayout
+    from hybridrl.reshard.placement import gen_placement, train_placement
+    from hybridrl.rollout.sglang_layout import (
+        gen_tp_groups,
+        sglang_gen_placement,
+        sglang_order_problem,
+    )
+    from tests.unit.test_reshard_oracle import SMALL
+
+    for world, t, p, tg in [(8, 4, 2, 8), (8, 2, 2, 4), (8, 2, 1, 4), (16, 2, 2, 8)]:
+        layout = TrainLayout(world, tp=t, pp=p)
+        optimal = gen_placement(layout, SMALL, tg, 1, "optimal", vocab_pad=64)
+        assert sglang_order_problem(optimal) is not None  # what was refused before
+        chosen = sglang_gen_placement(train_placement(layout, SMALL), SMALL, optimal)
+        assert sglang_order_problem(chosen) is None, gen_tp_groups(chosen)
+        assert sorted(r for g in gen_tp_groups(chosen) for r in g) == list(range(world))
+    layout = TrainLayout(8, tp=4, pp=2)
+    chosen = sglang_gen_placement(train_placement(layout, SMALL), SMALL,
+                                  gen_placement(layout, SMALL, 8, 1, "optimal", vocab_pad=64))
+    assert gen_tp_groups(chosen) == [list(range(8))]
+    nested = gen_placement(layout, SMALL, 2, 1, "hybridflow", vocab_pad=64)
+    assert sglang_gen_placement(train_placement(layout, SMALL), SMALL, nested) is nested
+    with pytest.raises(ValueError, match="no generation layout of gen tp 8 fits SGLang's GPU "
+                                         "order.*not ascending"):
+        sglang_gen_placement(train_placement(layout, SMALL), SMALL,
+                             gen_placement(layout, SMALL, 8, 1, "optimal", vocab_pad=64), 4)
+
+
+def test_nccl_env_set_before_the_first_communicator(monkeypatch):
+    """init_distributed(nccl): NCCL_ENV set (launcher values kept) before init_process_group,
+    which gets device_id (eager communicator); gloo touches nothing."""
+    import torch.distributed as dist
+
+    from hybridrl.parallel import groups
+
+    seen = {}
+
+    def fake_init(**kwargs):
+        seen.update(kwargs, env={k: os.environ.get(k) for k in groups.NCCL_ENV})
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # set by the launcher: kept
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    groups.init_distributed("nccl")
+    assert seen["env"] == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "1"}
+    assert seen["device_id"] == torch.device("cuda", 3) and seen["backend"] == "nccl"
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE")
+    seen.clear()
+    groups.init_distributed("gloo")
+    assert seen["device_id"] is None and seen["env"]["NCCL_CUMEM_ENABLE"] is None
+
+
+def test_rollout_config_sglang_keys():
+    from hybridrl.config.rollout import RolloutConfig
+
+    cfg = RolloutConfig()
+    assert (cfg.mem_fraction_static, cfg.timeout_s, cfg.deterministic) == (0.5, 3600.0, False)
+    with pytest.raises(ValueError, match="rollout.timeout_s must be > 0"):
+        RolloutConfig(timeout_s=0)
+    with pytest.raises(ValueError, match=r"rollout.mem_fraction_static must be in \(0.0, 1.0\]"):
+        RolloutConfig(mem_fraction_static=1.5)
+
+
+def test_engine_resumes_only_after_every_member_emptied_its_cache_and_flush_is_checked():
+    """One-member engine: the cache is emptied before each resume; a flush that answers
+    success=False fails the sync."""
+    from hybridrl.rollout.sglang import SGLangEngine
+    from hybridrl.testing.sglang_fake import FakeEngine, fake_backend
+
+    class FlushFails(FakeEngine):
+        def flush_cache(self):
+            self.calls.append("flush_cache")
+            return types.SimpleNamespace(success=False, message="pending requests")
+
+    handle = SGLangEngine(FlushFails(tp_size=1), fake_backend(FlushFails), rank=0, members=[0],
+                          tp_group=None, table=engine_param_shapes(SHAPE, 1),
+                          dtype=torch.float32)
+    emptied = []
+    handle._empty_cache = lambda: emptied.append(list(handle.engine.calls))
+    handle.start_update(PLAN)
+    for _ in range(5):
+        handle.update_weights([])
+    with pytest.raises(RuntimeError, match="flush_cache failed: pending requests"):
+        handle.finish_update()
+    assert emptied == [[], ["resume_memory_occupation:weights", "begin_weight_update"]]
+
+
+def test_qwen3_norms_are_sglang_parameters():
+    """Qwen3's per-head q/k norms (the reshard's engine format emits them) are parameters of
+    SGLang's Qwen3 model on every TP rank: [head_dim], replicated."""
+    shape = LlamaShape(hidden=64, ffn=96, heads=8, num_query_groups=4, layers=1, vocab=100,
+                       head_dim=16, qk_norm=True)
+    for tp in (1, 2, 4):
+        table = engine_param_shapes(shape, tp)
+        assert table["model.layers.0.self_attn.q_norm.weight"] == (16,)
+        assert table["model.layers.0.self_attn.k_norm.weight"] == (16,)
+        assert table["model.layers.0.self_attn.o_proj.weight"] == (64, 8 * 16 // tp)
