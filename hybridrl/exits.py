@@ -2,7 +2,7 @@
 
 Contract:
 - ``OK, FAILED, BAD_INPUT, INTERRUPTED, TERMINATED = 0, 1, 2, 130, 143
-TERM_GRACE_S = 5.0``: 2 = the run could not start (config,
+TERM_GRACE_S = 10.0``: 2 = the run could not start (config,
   input files, the checkpoint to resume: found before step 1), 1 = training failed after it
   started (user code, non-finite giving up, a collective timeout, ...), 130 = Ctrl-C / SIGINT.
 - ``one_line(err)``: the exception as one line; unless it is a ValueError or hybridrl's own
@@ -35,7 +35,7 @@ import sys
 import traceback
 
 OK, FAILED, BAD_INPUT, INTERRUPTED, TERMINATED = 0, 1, 2, 130, 143
-TERM_GRACE_S = 5.0
+TERM_GRACE_S = 10.0
 INPUT_ERRORS = (ValueError, TypeError, OSError, EOFError, KeyError, ImportError,
                 pickle.UnpicklingError)
 FIRST_KEY, COUNT_KEY = "hybridrl/failure/first", "hybridrl/failure/count"

@@ -160,13 +160,15 @@ def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
     except (Exception, KeyboardInterrupt) as err:  # the entrypoint reports all in one line
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun stopping the others: report
         timeout, lost = is_timeout(err), is_peer_loss(err) and not is_timeout(err)
-        message = ("terminated (SIGTERM)" if isinstance(err, Terminated) else
+        lost = lost or isinstance(err, Terminated)  # torchrun ends the others when one died
+        message = ((board.describe_peer_loss(rank, err) or "terminated (SIGTERM)")
+                   if isinstance(err, Terminated) else
                    "interrupted" if isinstance(err, KeyboardInterrupt) else
                    board.describe_timeout(rank, timeout_s) if timeout else
                    (lost and board.describe_peer_loss(rank, err)) or one_line(err))
         board.stop_heartbeat()
         return reporter.report(status_of(err, started), message,  # shown only when no rank
-                               peer_loss=lost or timeout or isinstance(err, Terminated))  # did
+                               peer_loss=lost or timeout)  # did
     return 0
 
 

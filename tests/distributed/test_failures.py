@@ -366,3 +366,36 @@ def test_launcher_reward_timeout_run_lock_and_sigterm(root):
     _, err = first.communicate(timeout=120)
     assert first.returncode == 143, err[-3000:]
     assert "terminated (SIGTERM)" in err and "Traceback" not in err, err[-3000:]
+
+
+def _worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the hybridrl.train worker of ``rank`` started by the launcher."""
+    for entry in os.listdir("/proc"):
+        try:
+            env = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+            stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            continue
+        if int(stat[1]) == launcher_pid and f"RANK={rank}".encode() in env:
+            return int(entry)
+    return None
+
+
+@pytest.mark.slow
+def test_launcher_names_a_killed_rank_once(root):
+    """Issue 32 item 7: kill -9 of rank 1 mid-run: one line naming rank 1 (was gloo's raw
+    "Connection closed by peer", not naming it), status 1, no traceback."""
+    tiny = [*base_overrides(root), "algorithm.adv_estimator=grpo", "rollout.temperature=1.0"]
+    run = _launch([*tiny, *run_in(f"{root}/killed"), "trainer.total_steps=500"], root)
+    deadline, seen = time.monotonic() + 240, ""
+    while time.monotonic() < deadline and "step 2/" not in seen:
+        seen += run.stdout.readline()
+    assert "step 2/" in seen, run.stderr.read()[-2000:] if run.poll() is not None else seen
+    victim = _worker_pid(run.pid, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    _, err = run.communicate(timeout=180)
+    lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
+    assert run.returncode == 1 and len(lines) == 1, err[-3000:]
+    assert "a rank's process is gone" in lines[0] and "rank 1 has sent no heartbeat" in lines[0]
+    assert "Traceback" not in err, err[-3000:]
