@@ -7,11 +7,16 @@ Contract (verl signature, registered for data_source ``math``):
   of the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces, else the text after the last
   ``Answer:`` / ``final answer is`` on its line; an answer longer than ``MAX_ANSWER_CHARS`` counts
   as malformed;
-- ``compute_score`` returns ``{"score": 1.0 | 0.0, "acc": same, "format_ok": 1.0 | 0.0}``:
+- ``compute_score`` returns ``{"score": 1.0 | 0.0, "acc": same, "format_ok": 1.0 | 0.0,
+  "too_complex": 1.0 | 0.0}`` (``too_complex`` absent when no answer was found):
   1.0 when ``math_verify.verify(parse(gold), parse(answer))`` holds (gold and answer are both
   parsed as ``\\boxed{...}``), 0.0 when it does not, when no answer was found (format_ok 0), or
   when parsing / verifying runs past ``timeout_s`` (math-verify's own signal timeout, used in the
-  main thread only: a worker thread has no signals and relies on ``reward.timeout_s``).
+  main thread only: the trainer calls reward functions in a thread, which has no signals);
+- answers sympy could spend unbounded time on score 0 without being evaluated (``too_complex``
+  1.0): a power tower (an exponent containing ``^``), an exponent of 6+ digits, a factorial of
+  5+ digits. math-verify's timeout would give them 0 in verl too; here they cannot
+  hang a thread until ``reward.timeout_s`` stops the run.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 TAIL_CHARS = 10_000
 MAX_ANSWER_CHARS = 1_000
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_RISKY = (re.compile(r"\^\s*\{[^{}]*\^"), re.compile(r"\^\s*\{?\s*\d{6,}"),
+          re.compile(r"\d{5,}\s*\)?\s*!"))
 _ANSWER_LINE = re.compile(r"(?:Answer\s*:|final answer is)\s*\$?([^\n$]+)", re.IGNORECASE)
 
 
@@ -60,6 +67,11 @@ def extract_answer(solution_str: str) -> str | None:
     return answer
 
 
+def too_complex(answer: str) -> bool:
+    """True for answers whose evaluation may not finish (see the module docstring)."""
+    return any(p.search(answer) for p in _RISKY)
+
+
 def is_equivalent(answer: str, ground_truth: str, timeout_s: int | None = 5) -> bool:
     """math-verify equivalence of two answers (False on a timeout or a parse failure)."""
     mv = _math_verify()
@@ -79,5 +91,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any,
     answer = extract_answer(solution_str)
     if answer is None:
         return {"score": 0.0, "acc": 0.0, "format_ok": 0.0}
+    if too_complex(answer):
+        return {"score": 0.0, "acc": 0.0, "format_ok": 1.0, "too_complex": 1.0}
     ok = float(is_equivalent(answer, str(ground_truth).strip(), timeout_s))
-    return {"score": ok, "acc": ok, "format_ok": 1.0}
+    return {"score": ok, "acc": ok, "format_ok": 1.0, "too_complex": 0.0}

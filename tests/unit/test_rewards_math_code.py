@@ -32,7 +32,7 @@ def _fenced(program: str) -> str:
 ])
 def test_math_correct(response, truth):
     assert math_reward.compute_score("math", response, truth) == {
-        "score": 1.0, "acc": 1.0, "format_ok": 1.0}
+        "score": 1.0, "acc": 1.0, "format_ok": 1.0, "too_complex": 0.0}
 
 
 @pytest.mark.parametrize("response,truth", [
@@ -40,7 +40,7 @@ def test_math_correct(response, truth):
 ])
 def test_math_wrong(response, truth):
     assert math_reward.compute_score("math", response, truth) == {
-        "score": 0.0, "acc": 0.0, "format_ok": 1.0}
+        "score": 0.0, "acc": 0.0, "format_ok": 1.0, "too_complex": 0.0}
 
 
 @pytest.mark.parametrize("response", [
@@ -55,6 +55,26 @@ def test_math_timeout_is_bounded():
     t0 = time.perf_counter()
     out = math_reward.compute_score("math", r"\boxed{9^{9^{9^{9^{9}}}}}", "1", timeout_s=1)
     assert out["score"] == 0.0 and time.perf_counter() - t0 < 20
+
+
+@pytest.mark.parametrize("answer", ["9^{9^{9^{9}}}", "10^{10^{5}}", "2^{10000000}",
+                                    "(100000)!"])
+def test_math_unbounded_answers_score_zero_in_a_thread(answer):
+    """The trainer calls reward functions in a thread (no signal timeout there): answers sympy
+    could evaluate forever are scored 0 without evaluating them, well inside the deadline."""
+    import threading
+
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(
+        math_reward.compute_score("math", rf"\boxed{{{answer}}}", "1")), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive() and out["score"] == 0.0 and out["too_complex"] == 1.0
+
+
+@pytest.mark.parametrize("answer", ["2^{1000}", "x^5+x^4+x^3+x^2+x+1", "1000!", "x^{2}+y^{3}"])
+def test_math_ordinary_powers_are_not_screened(answer):
+    assert not math_reward.too_complex(answer)
 
 
 def test_math_resource_exhaustion_huge_response():
