@@ -158,12 +158,9 @@ def gen_placement(
     if not isinstance(tp, int) or not isinstance(pp, int) or tp < 1 or pp < 1:
         raise ValueError(f"gen tp and pp must be positive integers, got tp={tp!r}, pp={pp!r}")
     check_split(shape, tp, pp, "gen")
-    if vocab_pad is not None and (not isinstance(vocab_pad, int) or vocab_pad < 1):
-        raise ValueError(f"vocab_pad must be a positive integer or None, got {vocab_pad!r}")
     if train.world % (tp * pp):
         raise ValueError(f"gen tp*pp={tp}*{pp} must divide world={train.world}")
-    padded = shape.padded_vocab(train.tp) if vocab_pad is None else -(-shape.vocab // vocab_pad) * vocab_pad
-    chunk = -(-padded // tp)
+    chunk = _gen_vocab_chunk(train, shape, tp, vocab_pad)
     if grouping == "optimal":
         coords = optimal_coords(train_placement(train, shape), build_specs(shape), tp, pp, chunk)
         grouping = "optimal" if coords is not None else "consecutive"
@@ -197,8 +194,16 @@ def split_placements(train: TrainLayout, shape: LlamaShape, gen_world: int, tp: 
         raise ValueError(f"gen tp*pp={tp}*{pp} must divide the generation ranks ({gen_world})")
     check_split(shape, tp, pp, "gen")
     t = train_placement(train, shape)
-    padded = (shape.padded_vocab(train.tp) if vocab_pad is None
-              else -(-shape.vocab // vocab_pad) * vocab_pad)
+    chunk = _gen_vocab_chunk(train, shape, tp, vocab_pad)
     gen = tuple((i % tp, (i // tp) % pp, i // (tp * pp)) for i in range(gen_world))
     return (dataclasses.replace(t, coords=t.coords + (None,) * gen_world, grouping="split"),
-            Placement(tp, pp, shape.layers, -(-padded // tp), (None,) * train.world + gen, "split"))
+            Placement(tp, pp, shape.layers, chunk, (None,) * train.world + gen, "split"))
+
+
+def _gen_vocab_chunk(train: TrainLayout, shape: LlamaShape, tp: int, vocab_pad: int | None) -> int:
+    """Rows per gen TP rank of the vocab-parallel tensors (``vocab_pad``: see module doc)."""
+    if vocab_pad is not None and (not isinstance(vocab_pad, int) or vocab_pad < 1):
+        raise ValueError(f"vocab_pad must be a positive integer or None, got {vocab_pad!r}")
+    padded = (shape.padded_vocab(train.tp) if vocab_pad is None
+              else -(-shape.vocab // vocab_pad) * vocab_pad)
+    return -(-padded // tp)

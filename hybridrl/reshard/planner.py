@@ -48,7 +48,8 @@ from collections.abc import Callable, Sequence
 from hybridrl.reshard.placement import Placement
 from hybridrl.reshard.specs import ParamSpec
 
-STRATEGIES = ("allgather", "vanilla", "zero_redundancy", "p2p", "split")
+STRATEGIES = ("allgather", "vanilla", "zero_redundancy", "p2p")  # generation on the training ranks
+SPLIT = "split"  # generation ranks apart from the training ranks (split_placements)
 MiB = 1 << 20
 WHOLE_PIECE_NUMEL = 1 << 16  # zero_redundancy: a replicated piece this small has one sender
 
@@ -163,14 +164,14 @@ class Sourcer:
     """Chooses, for a (rank, key, rows) destination, the source rank of every row."""
 
     def __init__(self, strategy: str, train: Placement, gen: Placement, specs: Sequence[ParamSpec]):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if strategy not in (*STRATEGIES, SPLIT):
+            raise ValueError(f"strategy must be one of {(*STRATEGIES, SPLIT)}, got {strategy!r}")
         if strategy == "zero_redundancy" and (why := zero_redundancy_reason(train, gen)):
             raise ValueError(f"zero_redundancy: {why}")
         if train.world != gen.world:
             raise ValueError(f"train world={train.world} != gen world={gen.world}")
         split = is_split(train, gen)
-        if split != (strategy == "split"):
+        if split != (strategy == SPLIT):
             raise ValueError(
                 "split: needs the generation ranks apart from the training ranks "
                 "(split_placements)" if not split else
@@ -263,7 +264,7 @@ class Sourcer:
     def sources(self, rank: int, key: str, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """[(src, a, b)] covering [lo, hi) exactly once; src == rank means a local copy."""
         t, g = self.train, self.gen
-        if self.strategy == "split":
+        if self.strategy == SPLIT:
             return _clip(self._rotated_owners(key, g.replica(rank)), lo, hi)
         if self.strategy == "allgather":
             return _clip(self.owners(key, -1, self.everywhere), lo, hi)

@@ -57,3 +57,20 @@ def test_deprecated_ppo_alias_warns_and_resolves():
     assert "hybridrl.algos.compute_advantage" in str(caught[0].message)
     with pytest.raises(AttributeError, match="deprecated alias"):
         ppo.PPOTrainer  # noqa: B018  (moved to hybridrl.trainer.ppo, not an algos name)
+
+
+def test_deprecated_ppo_submodules_redirect_with_a_warning():
+    import subprocess
+    code = ("import warnings, sys; warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    from hybridrl.ppo.checkpointing import Checkpointer\n"
+            "    import hybridrl.ppo.losses as old\n"
+            "import hybridrl.checkpoint.checkpointer as c, hybridrl.algos.losses as new\n"
+            "assert Checkpointer is c.Checkpointer and old is new\n"
+            "print(sorted(str(x.message).split()[0] for x in w))\n"
+            "import hybridrl.ppo.nope\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert out.stdout.strip() == "['hybridrl.ppo.checkpointing', 'hybridrl.ppo.losses']", out
+    assert "No module named 'hybridrl.ppo.nope'" in out.stderr

@@ -108,3 +108,5 @@ def test_bad_split_layouts_are_one_line():
         split_placements(TrainLayout(2, tp=2), SMALL, 6, 4, 1)
     with pytest.raises(ValueError, match="gen world must be a positive integer"):
         split_placements(TrainLayout(2, tp=2), SMALL, 0, 1, 1)
+    with pytest.raises(ValueError, match="vocab_pad must be a positive integer"):
+        split_placements(TrainLayout(2, tp=2), SMALL, 2, 1, 1, vocab_pad=0)
