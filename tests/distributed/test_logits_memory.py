@@ -1,15 +1,13 @@
 """The planner's logits term against the vocab-parallel log-prob/entropy's real peak on 2 gloo ranks.
 
 Every tensor the log-prob/entropy (hybridrl.models.vocab_parallel) creates, the logits slice
-[1, T, V/tp] and its gradient included, is tracked from its allocation to its release (a dispatch
-mode with weakref finalizers); the live bytes' peak of a training pass (forward and backward,
+[1, T, V/tp] and its gradient included, is tracked from its allocation to its release (the dispatch
+mode of test_memory_plan.py); the live bytes' peak of a training pass (forward and backward,
 loss on log-probs and entropy) and of a forward without grad must be within 10 % of
 ``hybridrl.planning.memory.logits_bytes`` at tp = 2, for bf16 and fp32 logits.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import pytest
 import torch
@@ -21,42 +19,15 @@ T, VOCAB = 256, 4096  # VOCAB a multiple of 128 x tp: no padding rows
 
 def _peak(dtype, train: bool) -> int:
     import torch.distributed as dist
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
 
     from hybridrl.models.vocab_parallel import vocab_parallel_logprobs_entropy
-
-    class LiveBytes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.live, self.now, self.peak = {}, 0, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self._track(t)
-            return out
-
-        def _track(self, t):
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if not storage.nbytes() or key in self.live:
-                return
-            self.live[key] = storage.nbytes()
-            self.now += storage.nbytes()
-            self.peak = max(self.peak, self.now)
-            weakref.finalize(t, self._drop, key)
-
-        def _drop(self, key):
-            if key in self.live:
-                self.now -= self.live.pop(key)
+    from tests.distributed.test_memory_plan import live_bytes_mode
 
     tp, rank = dist.get_world_size(), dist.get_rank()
     v_local = VOCAB // tp
     gen = torch.Generator().manual_seed(rank)
     labels = torch.randint(0, VOCAB, (1, T), generator=gen)
-    mode = LiveBytes()
+    mode = live_bytes_mode(set())
     with mode, torch.set_grad_enabled(train):
         logits = torch.randn(1, T, v_local, generator=gen, dtype=dtype).requires_grad_(train)
         logp, ent = vocab_parallel_logprobs_entropy(logits, labels, dist.group.WORLD,
