@@ -5,14 +5,18 @@
 
 Contract (stdlib only, so ``--dry-run`` and the rules below run anywhere, tested without a GPU):
 - Stages, always in this order: ``env`` (carried wheels, versions; always first), then those of
-  ``--steps`` (default all). ``build``, ``tests``, ``sanitize`` and ``bench`` are the critical
-  path: their caps with ``env``'s sum to at most ``CRITICAL_MAX_S`` (6 minutes); every cap sums
-  to at most ``BUDGET_S`` (9 minutes), the default ``--budget``.
+  ``--steps`` (default all); the plan, its caps and budget are ``scripts/gpu_plan.py``'s.
+  ``build``, ``tests``, ``sanitize`` and ``bench`` are the critical path: their caps with
+  ``env``'s sum to at most ``CRITICAL_MAX_S`` (6 minutes); every cap sums to at most
+  ``BUDGET_S`` (9 minutes), the default ``--budget``.
 - Time rule: a stage starts only when its whole cap fits in what is left of the budget, and runs
   under a hard timeout of its cap (its process group is killed). A stage that does not fit is
-  NOT RUN ("skipped for time"); so is ``tests``/``sanitize``/``bench`` when ``build`` was
-  selected and did not pass. ``sanitize`` is UNAVAILABLE when compute-sanitizer cannot run a
-  trivial torch program on this runtime (a probe tells this from a kernel fault).
+  NOT RUN ("skipped for time").
+- Dependencies: every stage after ``env`` is NOT RUN ("env did not pass") when ``env`` is not
+  ok (no CUDA device, the wheels did not install); ``tests``/``sanitize``/``bench`` are NOT RUN
+  when ``build`` was selected and did not pass. ``sanitize`` is UNAVAILABLE when
+  compute-sanitizer cannot run a trivial torch program on this runtime (a probe tells this from
+  a kernel fault), NOT RUN when a sanitizer tool's share of the time was too short to start it.
 - Exit status: 1 when a stage FAILED or hit its TIMEOUT; else 3 when a selected stage did not
   run (NOT RUN or UNAVAILABLE) unless ``--allow-partial``; else 0. 2: bad arguments.
 - Files: ``--out`` (default ``$OUT``, else ``./gpu_out``) receives exactly ``summary.txt`` and
@@ -20,17 +24,16 @@ Contract (stdlib only, so ``--dry-run`` and the rules below run anywhere, tested
   is cut short still returns what it did. Logs are written outside ``--out`` (``--log-dir``).
 - ``summary.txt``: one line per stage (``name: verdict in S s (cap C s)``), then the result lines
   the stages report (a command's output lines that start with ``SUMMARY: ``, and the lines the
-  stage bodies derive), then ``verdict: PASS | FAIL | INCOMPLETE`` and the exit status.
+  stage bodies derive), then ``times:`` (every stage's measured seconds / cap: the caps are
+  estimates until a run measured them), then ``verdict: PASS | FAIL | INCOMPLETE`` and the exit
+  status.
 The stage bodies (what each one runs) live in ``scripts/gpu_stages.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import signal
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -38,52 +41,25 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-BUDGET_S = 540  # a full run: 9 minutes, inside the device tool's 10-minute command limit
-CRITICAL_MAX_S = 360  # env + build + tests + sanitize + bench: 6 minutes
+import gpu_stages
+from gpu_plan import (
+    BUDGET_S,
+    CRITICAL_MAX_S,
+    FAILED,
+    NOT_RUN,
+    OK,
+    SETUP,
+    STAGE_NAMES,
+    STAGES,
+    TIMEOUT,
+    UNAVAILABLE,
+    Context,
+    Result,
+    Stage,
+)
+
 SUMMARY_FILE = "summary.txt"
 ARCHIVE_FILE = "gpu_check_logs.tar.gz"
-SUMMARY_PREFIX = "SUMMARY: "
-OK, FAILED, TIMEOUT, NOT_RUN, UNAVAILABLE = "ok", "FAILED", "TIMEOUT", "NOT RUN", "UNAVAILABLE"
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    name: str
-    cap_s: int
-    critical: bool
-    needs_build: bool  # pointless when `build` was selected and did not pass
-    what: str
-
-
-SETUP = Stage("env", 15, True, False, "install .whl/*.whl to /tmp/site; GPU, driver, torch, "
-              "nvcc versions; which of megatron-core, omegaconf, transformers import")
-STAGES = (
-    Stage("build", 120, True, False, "setup.py build_ext --inplace (sm_90, 16 jobs); fails "
-          "unless every hybridrl op has a CUDA kernel"),
-    Stage("tests", 70, True, True, "pytest tests/gpu/test_kernels_cuda.py (each kernel vs its "
-          "reference and the GAE emulation)"),
-    Stage("sanitize", 110, True, True, "probe; then compute-sanitizer memcheck, racecheck, "
-          "synccheck, initcheck on scripts/kernel_sanitizer_cases.py"),
-    Stage("bench", 40, True, True, "benchmarks.kernels at 4096x8192 (fp32; KL bf16 too) vs "
-          "4800 GB/s, goal >= 50% for gae and kl"),
-    Stage("models", 65, False, False, "pytest -s tests/gpu/test_models_gpu.py, "
-          "test_models_families_gpu.py: NCCL vs transformers (llama, llama 3, qwen3, qwen2.5); "
-          "~1B llama step: tokens/s, MFU, peak vs plan --memory"),
-    Stage("engine", 40, False, False, "benchmarks/rollout_engine.py: builtin engine vs "
-          "transformers generate, ~30M llama bf16, batch 32, 128 + 128 tokens"),
-    Stage("ppo", 75, False, False, "scripts/gpu_ppo_step.py: 3 GRPO steps each of a ~0.5B "
-          "llama and a ~0.44B Qwen3 (builtin engine + megatron, bf16): tokens/s, MFU, memory"),
-)
-STAGE_NAMES = tuple(s.name for s in STAGES)
-
-
-@dataclasses.dataclass
-class Result:
-    stage: str
-    status: str  # OK | FAILED | TIMEOUT | NOT_RUN | UNAVAILABLE
-    seconds: float = 0.0
-    detail: str = ""
-    lines: list[str] = dataclasses.field(default_factory=list)  # result lines for the summary
 
 
 # ---- pure rules --------------------------------------------------------------------------------
@@ -139,9 +115,17 @@ def may_start(stage: Stage, left_s: float) -> bool:
     return stage.cap_s <= left_s
 
 
-def blocked_by_build(stage: Stage, results: Mapping[str, Result]) -> bool:
+def blocked_by(stage: Stage, results: Mapping[str, Result], setup: str = SETUP.name) -> str:
+    """Why ``stage`` must not start ("" when it may): ``setup`` (env) ran and was not ok (no CUDA,
+    the wheels did not install: every GPU stage would fail and burn the device time), or the
+    stage needs ``build``, which was selected and did not pass."""
+    env = results.get(setup)
+    if env is not None and env.status != OK:
+        return f"{setup} did not pass ({env.status}{': ' + env.detail if env.detail else ''})"
     build = results.get("build")
-    return stage.needs_build and build is not None and build.status != OK
+    if stage.needs_build and build is not None and build.status != OK:
+        return "build did not pass"
+    return ""
 
 
 def exit_status(results: Sequence[Result], allow_partial: bool) -> int:
@@ -167,74 +151,35 @@ def verdict_line(results: Sequence[Result], allow_partial: bool) -> str:
     return f"verdict: {word}: {ran} of {len(results)} stages ran{tail} (exit {code})"
 
 
+def started(r: Result) -> bool:
+    """Whether the stage's body ran (a sanitize stage whose tools did not all fit is NOT RUN
+    after its measured seconds)."""
+    return r.status != NOT_RUN or r.seconds > 0
+
+
 def result_line(r: Result, cap_s: int) -> str:
-    took = f" in {r.seconds:.0f} s (cap {cap_s} s)" if r.status != NOT_RUN else ""
+    took = f" in {r.seconds:.0f} s (cap {cap_s} s)" if started(r) else ""
     return f"{r.stage}: {r.status}{took}" + (f" - {r.detail}" if r.detail else "")
+
+
+def times_line(results: Sequence[Result], caps: Mapping[str, int]) -> str:
+    """Each stage's measured seconds next to its cap, to retune the caps (gpu_plan.py) from."""
+    cells = [f"{r.stage} {r.seconds:.0f}/{caps[r.stage]}" if started(r)
+             else f"{r.stage} -/{caps[r.stage]}" for r in results]
+    return "times (measured s / cap s, - = not started): " + ", ".join(cells)
 
 
 def summary_text(results: Sequence[Result], caps: Mapping[str, int], budget_s: int,
                  elapsed_s: float, allow_partial: bool, final: bool) -> str:
     lines = [result_line(r, caps[r.stage]) for r in results]
     lines += [line for r in results for line in r.lines]
+    lines.append(times_line(results, caps))
     lines.append(f"time: {elapsed_s:.0f} s of the {budget_s} s budget")
     lines.append(verdict_line(results, allow_partial) if final else "verdict: still running")
     return "\n".join(lines) + "\n"
 
 
-def summary_lines_of(text: str) -> list[str]:
-    """The lines a command reported for the summary (``SUMMARY: `` prefix removed)."""
-    return [ln[len(SUMMARY_PREFIX):].rstrip() for ln in text.splitlines()
-            if ln.startswith(SUMMARY_PREFIX)]
-
-
 # ---- side effects: commands, logs, the two output files ----------------------------------------
-
-
-@dataclasses.dataclass
-class Context:
-    """What a stage body gets: its log, its deadline, the environment of its commands."""
-
-    name: str
-    log: Path
-    deadline: float  # time.monotonic() at which the stage's cap ends
-    env: dict
-    python: str
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def sh(self, cmd: Sequence[str], limit: float | None = None, env: Mapping | None = None,
-           log: Path | None = None) -> int:
-        """Run ``cmd`` (output appended to the log) under min(limit, stage time left); 124 when
-        it ran out of time."""
-        budget = self.left() if limit is None else min(limit, self.left())
-        return run_command(cmd, log or self.log, budget, {**self.env, **(env or {})})
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
-def run_command(cmd: Sequence[str], log: Path, timeout_s: float, env: Mapping) -> int:
-    """Run ``cmd`` in its own process group, stdout and stderr appended to ``log``; on timeout
-    the whole group is killed and 124 returned."""
-    if timeout_s <= 0:
-        return 124
-    with open(log, "a") as f:
-        f.write(f"$ {' '.join(cmd)}\n")
-        f.flush()
-        try:
-            proc = subprocess.Popen(list(cmd), stdout=f, stderr=subprocess.STDOUT, env=dict(env),
-                                    start_new_session=True)
-        except OSError as err:
-            f.write(f"cannot start: {err}\n")
-            return 127
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            f.write(f"\n[gpu_check] killed after {timeout_s:.0f} s\n")
-            return 124
 
 
 def write_outputs(out_dir: Path, log_dir: Path, summary: str) -> None:
@@ -258,31 +203,34 @@ Runner = Callable[[Context], Result]
 def run_check(selected: Sequence[Stage], runners: Mapping[str, Runner], *, budget_s: int,
               out_dir: Path, log_dir: Path, env: Mapping, python: str,
               allow_partial: bool = False, setup: Stage | None = SETUP,
-              echo: Callable[[str], None] = print) -> int:
-    """Run ``setup`` and ``selected`` by the time and dependency rules; the exit status."""
-    start = time.monotonic()
+              echo: Callable[[str], None] = print,
+              clock: Callable[[], float] = time.monotonic) -> int:
+    """Run ``setup`` and ``selected`` by the time and dependency rules; the exit status.
+    ``clock`` (seconds) measures the budget, the stages' deadlines and their times."""
+    start = clock()
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = ([setup] if setup else []) + list(selected)
     caps = {s.name: s.cap_s for s in rows}
     results: list[Result] = []
     done: dict[str, Result] = {}
     for stage in rows:
-        left = budget_s - (time.monotonic() - start)
-        if not may_start(stage, left):
+        left = budget_s - (clock() - start)
+        blocker = blocked_by(stage, done, setup.name if setup else SETUP.name)
+        if blocker:
+            res = Result(stage.name, NOT_RUN, detail=blocker)
+        elif not may_start(stage, left):
             res = Result(stage.name, NOT_RUN, detail=f"skipped for time: {left:.0f} s of the "
                          f"budget left, cap {stage.cap_s} s")
-        elif blocked_by_build(stage, done):
-            res = Result(stage.name, NOT_RUN, detail="build did not pass")
         else:
             echo(f"== {stage.name} (cap {stage.cap_s} s, {left:.0f} s of the budget left)")
-            ctx = Context(stage.name, log_dir / f"{stage.name}.log",
-                          time.monotonic() + stage.cap_s, dict(env), python)
-            t0 = time.monotonic()
+            ctx = Context(stage.name, log_dir / f"{stage.name}.log", clock() + stage.cap_s,
+                          dict(env), python, clock)
+            t0 = clock()
             try:
                 res = runners[stage.name](ctx)
             except Exception as err:  # a broken stage body is that stage's failure, not the run's
                 res = Result(stage.name, FAILED, detail=f"{type(err).__name__}: {err}")
-            res.seconds = time.monotonic() - t0
+            res.seconds = clock() - t0
             if res.status in (FAILED, TIMEOUT):
                 tail = ctx.text().splitlines()[-25:]
                 echo("\n".join(f"   | {ln}" for ln in tail))
@@ -291,11 +239,9 @@ def run_check(selected: Sequence[Stage], runners: Mapping[str, Runner], *, budge
             echo(f"   {line}")
         results.append(res)
         done[stage.name] = res
-        write_outputs(out_dir, log_dir, summary_text(results, caps, budget_s,
-                                                     time.monotonic() - start, allow_partial,
-                                                     final=False))
-    summary = summary_text(results, caps, budget_s, time.monotonic() - start, allow_partial,
-                           final=True)
+        write_outputs(out_dir, log_dir, summary_text(results, caps, budget_s, clock() - start,
+                                                     allow_partial, final=False))
+    summary = summary_text(results, caps, budget_s, clock() - start, allow_partial, final=True)
     write_outputs(out_dir, log_dir, summary)
     echo("== summary (" + str(out_dir / SUMMARY_FILE) + ")\n" + summary.rstrip())
     return exit_status(results, allow_partial)
@@ -327,10 +273,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         print("\n".join(plan_lines(selected, args.budget)))
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.modules.setdefault("gpu_check", sys.modules[__name__])  # one copy when run as a script
-    import gpu_stages
-
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="gpu_check_")) / "logs"
     python = os.environ.get("PYTHON", "python3")
     return run_check(selected, gpu_stages.RUNNERS, budget_s=args.budget, out_dir=Path(args.out),

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, one command for a session lent the H200 (the device tool's `run`, repository
 # root; its python3 holds a CUDA torch, pytest and ninja; nvcc and compute-sanitizer come with the
-# CUDA toolkit). Named stages inside one time budget; the rules, the plan and the output files are
-# scripts/gpu_check.py's (what each stage runs: scripts/gpu_stages.py; docs/gpu.md says how to
-# read the result):
+# CUDA toolkit). Named stages inside one time budget; the plan and its caps are
+# scripts/gpu_plan.py's, the rules and the output files scripts/gpu_check.py's (what each stage
+# runs: scripts/gpu_stages.py; docs/gpu.md says how to read the result):
 #   bash scripts/gpu_check.sh --dry-run                 # the stage plan with its caps
 #   bash scripts/gpu_check.sh                           # every stage, <= 9 minutes
 #   bash scripts/gpu_check.sh --steps build,tests,sanitize,bench   # the critical path, <= 6

@@ -9,8 +9,8 @@ KL loss, the character tokenizer: vocab 100) on a random-weight model per ``--ar
   groups, SwiGLU 5632 (~0.49B parameters), bf16, 32 prompts x 8 responses of 128 tokens;
 - ``qwen3``: a Qwen3-style HF folder written here with transformers (q/k RMSNorm, head_dim 128
   != hidden / heads, tied embeddings; ``0.5b`` = hidden 1024, 28 layers, 16 / 8 heads, SwiGLU
-  3072, ~0.44B) and loaded through ``model.path``. SWITCH: where hybridrl refuses the folder
-  (Qwen3 support is issue 25's), that arch prints one ``NOT SUPPORTED`` line and is no failure.
+  3072, ~0.44B) and loaded through ``model.path`` (hybridrl.models supports Qwen3: any error
+  building or running it fails the run like the llama's);
 - ``tiny`` (or ``--tiny``): the demo's model sizes (fp32, 4 prompts x 4 responses of 3 tokens),
   so the whole script runs on a CPU in seconds (tests/unit/test_gpu_check_ppo.py runs it).
 Several archs run one after another, each in its own process (a fresh process group).
@@ -26,7 +26,7 @@ each (scripts/gpu_check.py copies them into summary.txt):
               ``hybridrl plan --memory --config <this job> --model <its config.json>``'s largest
               phase, without the plan's fixed 3 GB reserve (cuda only; on cpu the plan alone);
   step        step seconds, its phases, whether every metric is finite.
-Exit status 0 when every run's metrics are finite (or its arch is not supported yet), else 1.
+Exit status 0 when every run finished with finite metrics, else non-zero.
 """
 
 from __future__ import annotations
@@ -216,15 +216,8 @@ def run_one(arch: str, size: str, device: str, steps: int, peak_tflops: float) -
             cfg = load_config([str(ROOT / "configs" / "demo_cpu.yaml")],
                               overrides(arch, size, device, steps, tmp))
             torch.manual_seed(cfg.trainer.seed)
-            try:
-                trainer = PPOTrainer(cfg, build_groups(TrainLayout(world=1)),
-                                     print_fn=lambda *a, **k: None)
-            except (ValueError, NotImplementedError) as err:
-                if arch == "qwen3" and "support" in str(err).lower():  # the SWITCH (docstring)
-                    print(f"{SUMMARY}{label}: NOT SUPPORTED by hybridrl.models yet: "
-                          f"{str(err).splitlines()[0][:200]}")
-                    return 0
-                raise
+            trainer = PPOTrainer(cfg, build_groups(TrainLayout(world=1)),
+                                 print_fn=lambda *a, **k: None)
             n_params = sum(p.numel() for p in trainer.actor.module.parameters())
             spec = "te" if getattr(trainer.actor, "uses_te", False) else "local"
             try:

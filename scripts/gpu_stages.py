@@ -1,7 +1,7 @@
 """What each stage of ``scripts/gpu_check.py`` runs on the GPU machine, and how its output reads.
 
 Contract:
-- ``RUNNERS[name](ctx) -> Result`` for ``env`` and every stage of ``gpu_check.STAGES``; each body
+- ``RUNNERS[name](ctx) -> Result`` for ``env`` and every stage of ``gpu_plan.STAGES``; each body
   runs its commands through ``ctx.sh`` (output into the stage's log, bounded by the stage's cap)
   and returns the verdict with the result lines it read from that output.
 - ``base_env()``: the environment of every command: ``PYTHONPATH`` = ``/tmp/site`` (where ``env``
@@ -12,6 +12,11 @@ Contract:
   50% goal), ``pytest_line``, ``probe_verdict`` (can compute-sanitizer run a trivial torch
   program here: tells "unavailable on this runtime" from a kernel fault) and ``tool_verdict``
   (one sanitizer tool's run over scripts/kernel_sanitizer_cases.py).
+- ``sanitize``: the probe is timed; every tool pays the same sanitized torch start-up, so a tool
+  starts only when its equal share of the stage's time left is >= ``MIN_SHARE_X`` x the probe's
+  time (``tools_that_fit``); the tools run most valuable first (``SANITIZER_TOOLS``: memcheck,
+  racecheck, then synccheck, initcheck) and those that do not fit are NOT RUN (the stage counts
+  as not run: exit 3 unless --allow-partial), never FAILED.
 """
 
 from __future__ import annotations
@@ -21,15 +26,18 @@ import re
 import shutil
 from pathlib import Path
 
-from gpu_check import FAILED, OK, TIMEOUT, UNAVAILABLE, Context, Result, summary_lines_of
+from gpu_plan import FAILED, NOT_RUN, OK, TIMEOUT, UNAVAILABLE, Context, Result, summary_lines_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = "/tmp/site"
 # tool -> the case groups it runs (racecheck and synccheck look at shared memory and barriers:
-# the KL kernel has neither); memcheck first, the likeliest to find a fault
+# the KL kernel has neither), in run order, most valuable first: memcheck (out-of-bounds and
+# misaligned accesses), racecheck (shared-memory hazards of the GAE and whitening blocks); the
+# last ones are the first left out when the stage's time runs short
 SANITIZER_TOOLS = {"memcheck": "gae,kl,whiten", "racecheck": "gae,whiten",
                    "synccheck": "gae,whiten", "initcheck": "gae,kl,whiten"}
-PROBE_S = 40  # the sanitized probe: torch import + CUDA init under memcheck
+PROBE_S = 40  # at most, for the sanitized probe: torch import + CUDA init under memcheck
+MIN_SHARE_X = 1.5  # a tool starts only with a share >= this x the probe's measured time
 GOAL_PCT = 50
 PEAK_GBS = 4800
 # A trivial torch program: under compute-sanitizer it fails only when the tool cannot use the
@@ -133,8 +141,8 @@ def tool_verdict(tool: str, rc: int, text: str, limit_s: float = 0) -> tuple[str
                if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln]
     said = "; ".join(summary) or "no sanitizer summary line"
     if rc in (124, 137):
-        return TIMEOUT, (f"{tool}: did not finish in its {limit_s:.0f} s share of the stage: "
-                         "no verdict from this tool")
+        return TIMEOUT, (f"{tool}: TIMEOUT: did not finish in its {limit_s:.0f} s share of the "
+                         "stage (a hang, or a share too small: its log says how far it got)")
     if rc == 0:
         return OK, f"{tool}: {said}"
     if rc == 9:
@@ -145,6 +153,17 @@ def tool_verdict(tool: str, rc: int, text: str, limit_s: float = 0) -> tuple[str
     if rc == 2:
         return FAILED, f"{tool}: the CUDA ops are missing (build first)"
     return FAILED, f"{tool}: exit status {rc}; {said}"
+
+
+def tools_that_fit(left_s: float, probe_s: float, remaining: int) -> int:
+    """How many of the ``remaining`` tools to share ``left_s`` among: as many as get an equal
+    share of at least ``MIN_SHARE_X`` x ``probe_s`` (each tool pays the probe's sanitized torch
+    start-up before its first case), at most ``remaining``; 0: none may start."""
+    floor_s = MIN_SHARE_X * max(probe_s, 1e-3)
+    return max(0, min(remaining, int(left_s // floor_s)))
+
+
+_RANK = {OK: 0, NOT_RUN: 1, TIMEOUT: 2, FAILED: 3}
 
 
 # ---- stage bodies -------------------------------------------------------------------------------
@@ -213,8 +232,10 @@ def stage_sanitize(ctx: Context, tools=SANITIZER_TOOLS) -> Result:
         return Result(ctx.name, UNAVAILABLE, detail="compute-sanitizer not found (PATH, "
                       "$CUDA_HOME/bin): no kernel verdict")
     probe_log = ctx.log.with_name("sanitize_probe.log")
+    t0 = ctx.clock()
     rc = ctx.sh([exe, "--tool", "memcheck", "--error-exitcode", "9", py, "-c", PROBE],
                 limit=PROBE_S, log=probe_log)
+    probe_s = ctx.clock() - t0
     usable, why = probe_verdict(rc, probe_log.read_text(errors="replace"))
     if not usable:
         plain = ctx.sh([py, "-c", PROBE], limit=30, log=probe_log)
@@ -223,20 +244,29 @@ def stage_sanitize(ctx: Context, tools=SANITIZER_TOOLS) -> Result:
                           "sanitizer too: the GPU or torch is broken, not the sanitizer")
         return Result(ctx.name, UNAVAILABLE, detail="sanitizer unavailable on this runtime: a "
                       f"trivial torch program fails under it ({why}); no kernel verdict")
-    lines, worst = [], OK
+    lines = [f"sanitize probe: {probe_s:.1f} s (a trivial torch program under memcheck)"]
+    worst, detail_of_worst, names = OK, "", list(tools)
     cases = str(ROOT / "scripts" / "kernel_sanitizer_cases.py")
-    for i, tool in enumerate(tools):
-        log = ctx.log.with_name(f"sanitize_{tool}.log")
-        share = ctx.left() / (len(tools) - i)
-        rc = ctx.sh([exe, "--tool", tool, "--error-exitcode", "9", "--print-limit", "20", py,
-                     cases, "--only", tools[tool]], limit=share,
-                    env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, log=log)
-        status, detail = tool_verdict(tool, rc, log.read_text(errors="replace"), share)
-        lines.append(f"sanitize {detail}")
-        if status != OK and worst != FAILED:
-            worst = status
-    bad = [ln for ln in lines if "KERNEL FAULT" in ln or "did not finish" in ln]
-    return Result(ctx.name, worst, lines=lines, detail=bad[0] if bad else "")
+    for i, tool in enumerate(names):
+        left = ctx.left()
+        fit = tools_that_fit(left, probe_s, len(names) - i)
+        if fit == 0:
+            status = NOT_RUN
+            lines.append(f"sanitize {', '.join(names[i:])}: NOT RUN - {left:.0f} s left, under "
+                         f"{MIN_SHARE_X:g} x the probe's {probe_s:.1f} s per tool")
+        else:
+            share, log = left / fit, ctx.log.with_name(f"sanitize_{tool}.log")
+            t0 = ctx.clock()
+            rc = ctx.sh([exe, "--tool", tool, "--error-exitcode", "9", "--print-limit", "20", py,
+                         cases, "--only", tools[tool]], limit=share,
+                        env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, log=log)
+            status, said = tool_verdict(tool, rc, log.read_text(errors="replace"), share)
+            lines.append(f"sanitize {said} ({ctx.clock() - t0:.0f} s of a {share:.0f} s share)")
+        if _RANK[status] > _RANK[worst]:  # the detail names the worst tool's line
+            worst, detail_of_worst = status, lines[-1]
+        if fit == 0:  # the tools after it are left out with it
+            break
+    return Result(ctx.name, worst, lines=lines, detail=detail_of_worst)
 
 
 def stage_bench(ctx: Context) -> Result:
@@ -267,9 +297,7 @@ def stage_engine(ctx: Context) -> Result:
 def stage_ppo(ctx: Context) -> Result:
     rc = ctx.sh([ctx.python, "scripts/gpu_ppo_step.py", "--device", "cuda", "--size", "0.5b",
                  "--arch", "llama,qwen3", "--steps", "3"])
-    lines = summary_lines_of(ctx.text())
-    unsupported = [ln for ln in lines if "NOT SUPPORTED" in ln]
-    return Result(ctx.name, _status(rc), lines=lines, detail=unsupported[0] if unsupported else "")
+    return Result(ctx.name, _status(rc), lines=summary_lines_of(ctx.text()))
 
 
 RUNNERS = {"env": stage_env, "build": stage_build, "tests": stage_tests,

@@ -1,8 +1,9 @@
 """scripts/gpu_ppo_step.py (gpu_check stage ppo) on the CPU: ``--device cpu --tiny`` runs the
 whole loop for both archs in their own processes and prints every summary line, so the script
-cannot rot before a GPU runs it; its FLOP count and report read the trainer's metrics as
-documented."""
+cannot rot before a GPU runs it; an error building the Qwen3 trainer fails the run (no "not
+supported" escape); its FLOP count and report read the trainer's metrics as documented."""
 
+import json
 import os
 import subprocess
 import sys
@@ -29,14 +30,31 @@ def test_tiny_cpu_run_prints_every_summary_line():
              if ln.startswith("SUMMARY: ")]
     for kind in KINDS:
         assert any(ln.startswith(f"ppo llama-tiny {kind}: ") for ln in lines), (kind, lines)
-    qwen3 = [ln for ln in lines if ln.startswith("ppo qwen3-tiny")]
-    # the SWITCH of the script's docstring: one NOT SUPPORTED line until hybridrl loads Qwen3
-    assert len(qwen3) == len(KINDS) or (len(qwen3) == 1 and "NOT SUPPORTED" in qwen3[0]), qwen3
+    for kind in KINDS:  # hybridrl supports Qwen3: every line, as for the llama
+        assert any(ln.startswith(f"ppo qwen3-tiny {kind}: ") for ln in lines), (kind, lines)
+    assert not any("NOT SUPPORTED" in ln or "FAILED" in ln for ln in lines), lines
     steps = [ln for ln in lines if " step: " in ln]
     assert steps and all(ln.endswith("metrics finite: True") for ln in steps)
     memory = next(ln for ln in lines if ln.startswith("ppo llama-tiny memory: "))
     assert "plan --memory train_actor" in memory  # the planner ran on this job's config
     assert "hybridrl plan --memory --model " in proc.stdout  # the command, to rerun by hand
+
+
+def test_a_qwen3_trainer_error_fails_the_run(tmp_path, monkeypatch):
+    import hybridrl.trainer.ppo as ppo
+
+    class Refuses:
+        def __init__(self, *args, **kwargs):
+            raise ValueError("architecture 'Qwen3ForCausalLM' is not supported; supported: ...")
+
+    def write_config_only(folder, size, device):  # no transformers: the trainer never loads it
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / "config.json").write_text(json.dumps(gps.hf_config("qwen3", size)))
+
+    monkeypatch.setattr(ppo, "PPOTrainer", Refuses)
+    monkeypatch.setattr(gps, "write_qwen3", write_config_only)
+    with pytest.raises(ValueError, match="is not supported"):  # raised: the process exits 1
+        gps.run_one("qwen3", "tiny", "cpu", 2, 1.0)
 
 
 def _history(step_s):
