@@ -48,7 +48,8 @@ class ModelConfig:
     recompute_num_layers: int = knob(1, "Full recompute: layers per chunk (uniform) or per "
                                      "stage (block).")
     sequence_parallel: bool = knob(False, "Split activations outside TP regions along the "
-                                   "sequence (needs parallel.tp > 1 and transformer-engine).")
+                                   "sequence (needs parallel.tp > 1; TE spec on GPU, the "
+                                   "local spec's SP norms on CPU).")
 
     def __post_init__(self) -> None:
         check_choice("model.dtype", self.dtype, DTYPES)

@@ -125,7 +125,7 @@ VERL_RULES: tuple[VerlRule, ...] = (
     _set(f"{ARR}.actor.megatron.use_distributed_optimizer", "actor.use_distributed_optimizer",
          "critic.use_distributed_optimizer", note="megatron's DistributedOptimizer (both roles)"),
     _set(f"{ARR}.actor.megatron.sequence_parallel", "model.sequence_parallel",
-         note="needs transformer-engine (GPU) and tp > 1"),
+         note="needs tp > 1"),
     _set(f"{ARR}.actor.{_OTC}.recompute_granularity", "model.recompute_granularity"),
     _set(f"{ARR}.actor.{_OTC}.recompute_method", "model.recompute_method"),
     _set(f"{ARR}.actor.{_OTC}.recompute_num_layers", "model.recompute_num_layers"),

@@ -9,8 +9,8 @@ Contract:
     ``full`` (whole layers, ``recompute_method`` ``uniform``: chunks of ``recompute_num_layers``
     layers; ``block``: the first ``recompute_num_layers`` layers of each stage);
   * ``sequence_parallel``: activations outside TP regions split over the TP group along the
-    sequence; needs tp > 1 and transformer-engine's layer spec (megatron's local spec, the CPU
-    path, does not support it);
+    sequence; needs tp > 1; on the local spec (the CPU path) its norms carry megatron's
+    ``sequence_parallel`` attribute (hybridrl.models.local_spec.SequenceParallelNorm);
   * fusions (RoPE, bias-activation, masked softmax, persistent layer norm, gradient-accumulation
     fusion) are on exactly when the TE spec is used (GPU), off on the local spec;
   * ``deallocate_pipeline_outputs`` is always on: a stage frees the data of the activations it
@@ -28,10 +28,6 @@ def check_activation_knobs(model_cfg, tp_size: int, pp_size: int, num_layers: in
     if model_cfg.sequence_parallel and tp_size == 1:
         raise ValueError("model.sequence_parallel needs parallel.tp > 1 (it splits the sequence "
                          "over the tensor-parallel group); got tp=1")
-    if model_cfg.sequence_parallel and not use_te:
-        raise ValueError("model.sequence_parallel needs transformer-engine's layer spec (CUDA "
-                         "with transformer_engine installed); megatron's local spec, used here, "
-                         "does not support it")
     per_stage = num_layers // pp_size
     if (model_cfg.recompute_granularity == "full"
             and not 1 <= model_cfg.recompute_num_layers <= per_stage):

@@ -96,16 +96,24 @@ class ShardedModel:
 
 
 class ValueHead(torch.nn.Module):
-    """Scalar value per token, replicated on every TP rank; called like megatron's output layer."""
+    """Scalar value per token, replicated on every TP rank; called like megatron's output layer.
+    With sequence parallelism (``sp_group``: the TP group) it first gathers the sequence; every
+    TP rank then computes the same values, so the backward keeps its own slice of the grad."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, std: float, seed: int):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, std: float, seed: int,
+                 sp_group=None):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))  # [1, H]
         generator = torch.Generator().manual_seed(seed)  # the same head for every layout
         torch.nn.init.normal_(self.weight, mean=0.0, std=std, generator=generator)
-        self.sequence_parallel = False
+        self.sequence_parallel, self.sp_group = False, sp_group
 
     def forward(self, hidden_SBH: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sp_group is not None:  # [S/tp, B, H] -> [S, B, H]
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden_SBH = gather_from_sequence_parallel_region(
+                hidden_SBH, tensor_parallel_output_grad=False, group=self.sp_group)
         return torch.nn.functional.linear(hidden_SBH, self.weight), None  # [S, B, 1]
 
 
@@ -206,7 +214,8 @@ def build_model(
     zero_vocab_padding(module, spec.vocab_size, vocab, groups)
     if role in VALUE_ROLES and groups.is_last_stage:
         module.output_layer = ValueHead(spec.hidden_size, config.params_dtype,
-                                        config.init_method_std, seed)
+                                        config.init_method_std, seed,
+                                        groups.tp if config.sequence_parallel else None)
     if not use_te:
         from hybridrl.models.local_spec import make_output_layer_lean
 

@@ -23,6 +23,14 @@ What megatron-core assumes and what is patched (see docs/models.md):
    ``Tensor.cuda`` is the identity on CPU-only torch.
 4. megatron's optimizers accept only parameters whose ``type()`` is 'torch.cuda.*Tensor' (and
    clip_grads asserts it): inside ``cuda_type_names()`` a CPU tensor reports its CUDA twin's name.
+5. Sequence parallelism: megatron's tensor-parallel layers and mappings gather / reduce-scatter
+   along the sequence (first) dim with ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` into
+   [s, b, h] buffers placed on ``torch.cuda.current_device()``; gloo takes 1-D tensors only. Both
+   modules get the CPU proxy and flattening wrappers of the two collectives (``_flat``: a
+   contiguous tensor gathered or scattered along dim 0 is the same bytes as its flat view). The
+   block's final norm (``transformer_block.LayerNormImpl``, megatron's torch norm on CPU, which
+   refuses sequence parallelism) becomes ``local_spec.SequenceParallelNorm``: the same torch
+   norm, its weight marked ``sequence_parallel`` when the config says so.
 """
 
 from __future__ import annotations
@@ -44,7 +52,10 @@ PATCHED_MODULES = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
 )
+SP_COLLECTIVES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers")
 _CPU = torch.device("cpu")
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand")
 
@@ -174,8 +185,28 @@ def install() -> bool:
         if not isinstance(module.torch, _CpuTorch):
             proxy = proxy or _CpuTorch()
             module.torch = proxy
+    for name in SP_COLLECTIVES:  # gloo: 1-D all_gather_into_tensor / reduce_scatter_tensor
+        module = importlib.import_module(name)
+        if not getattr(module.dist_all_gather_func, "flat", False):
+            module.dist_all_gather_func = _flat(torch.distributed.all_gather_into_tensor)
+            module.dist_reduce_scatter_func = _flat(torch.distributed.reduce_scatter_tensor)
+    from megatron.core.transformer import transformer_block
+
+    from hybridrl.models.local_spec import SequenceParallelNorm
+
+    transformer_block.LayerNormImpl = SequenceParallelNorm
     _install_rng_tracker()
     return True
+
+
+def _flat(collective):
+    """``collective(output, input)`` along dim 0 on the flat views (gloo takes 1-D only)."""
+    def call(output, input_, group=None, async_op=False, **kwargs):
+        return collective(output.view(-1), input_.contiguous().view(-1), group=group,
+                          async_op=async_op, **kwargs)
+
+    call.flat = True
+    return call
 
 
 def _tensor_stays_put(self, *args, **kwargs):

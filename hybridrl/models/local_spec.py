@@ -25,6 +25,12 @@ Contract:
     projection: megatron's arithmetic, fewer Python calls.
   * ``LeanTransformerLayer``: norm -> attention -> residual add -> norm -> MLP -> residual add,
     with megatron's bias/dropout/residual semantics (dropout skipped when its probability is 0).
+  * ``SequenceParallelNorm`` for the layers' two norms (and, via hybridrl.models.cpu_compat, the
+    block's final norm): megatron's torch RMSNorm, whose weight carries megatron's
+    ``sequence_parallel`` attribute when ``config.sequence_parallel`` (megatron's
+    ``finalize_model_grads`` then all-reduces its gradient over TP, each rank having seen only
+    its slice of the sequence); megatron's ``WrappedTorchNorm`` itself refuses sequence
+    parallelism. With it off the module is ``WrappedTorchNorm``'s, unchanged.
   ``make_output_layer_lean(gpt_model)`` gives the output layer (built by GPTModel, not by the
   spec) the lean linear forward. Each lean forward runs only when nothing needs megatron's own (no sequence parallelism,
   recompute, offloading, fp8/fp4, CUDA graphs, gradient-accumulation fusion, inference context,
@@ -287,12 +293,31 @@ def make_output_layer_lean(gpt_model) -> bool:
     return True
 
 
+class SequenceParallelNorm:
+    """megatron's torch RMSNorm that allows sequence parallelism (see the module docstring)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        if not config.sequence_parallel:
+            return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
+        if config.normalization != "RMSNorm":
+            raise ValueError("model.sequence_parallel on the local spec needs RMSNorm, got "
+                             f"{config.normalization}")
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True  # grads all-reduced over TP (finalize_model_grads)
+        return norm
+
+
 def local_layer_spec(qk_layernorm: bool = False):
     """megatron's local GPT layer spec (RMSNorm; ``qk_layernorm``: per-head q/k RMSNorm, as
     Qwen3 has) with this module's lean subclasses."""
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm",
                                                     qk_layernorm=qk_layernorm)
     spec.module = LeanTransformerLayer
+    spec.submodules.input_layernorm = SequenceParallelNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
     attention = spec.submodules.self_attention
     attention.module = LeanSelfAttention
     attention.submodules.core_attention = SDPACoreAttention

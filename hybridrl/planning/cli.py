@@ -299,7 +299,7 @@ def _fill(p: argparse.ArgumentParser) -> None:
                    help="padded tokens of one training micro-batch (ppo_max_token_len_per_gpu)")
     m.add_argument("--seq-len", type=int, default=4096, help="prompt + response tokens")
     m.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
-    m.add_argument("--sp", action="store_true", help="sequence parallel (TE)")
+    m.add_argument("--sp", action="store_true", help="sequence parallel (tp > 1)")
     m.add_argument("--offload", default="", help="comma list of params,grads,optim kept in "
                    "host memory outside their phases (actor, critic; params: reference too)")
     m.add_argument("--rollout-seqs", type=int, default=8192,

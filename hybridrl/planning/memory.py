@@ -122,8 +122,6 @@ class MemoryJob:
                              f"= {self.tp * self.pp}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sp needs --tp > 1 (sequence parallel splits over the TP group)")
-        if self.sequence_parallel and self.spec == "local":
-            raise ValueError("--sp needs transformer-engine's spec; the local spec has no SP")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got "
                              f"{self.mem_fraction_static}")
