@@ -202,10 +202,11 @@ def _layer_elements_per_token(job: MemoryJob) -> tuple[float, float]:
 
 
 def activation_bytes(job: MemoryJob, stage: int, in_flight: int | None = None,
-                     tokens: int | None = None) -> int:
+                     tokens: int | None = None, role: str = "actor") -> int:
     """Activation bytes one rank of ``stage`` holds at its peak (see the module docstring);
     ``in_flight`` overrides the number of micro-batches whose activations are alive, ``tokens``
-    the micro-batch's padded tokens (default ``max_tokens_per_gpu``)."""
+    the micro-batch's padded tokens (default ``max_tokens_per_gpu``); the critic's last stage has
+    a value head, no vocabulary logits."""
     tokens = tokens or job.max_tokens_per_gpu
     layers = job.shape.layers // job.pp
     act_item = job.itemsize
@@ -213,7 +214,7 @@ def activation_bytes(job: MemoryJob, stage: int, in_flight: int | None = None,
     per_layer = tokens * (act * act_item + fp32 * 4)
     in_flight = in_flight or max(job.pp - stage, 1)
     rep = job.shape.hidden / job.tp if job.sequence_parallel else job.shape.hidden
-    logits = logits_bytes(job, tokens) if stage == job.pp - 1 else 0
+    logits = logits_bytes(job, tokens) if stage == job.pp - 1 and role != "critic" else 0
     if job.recompute == "full":  # layer inputs kept; at the backward's start the logits are
         inputs = tokens * rep * act_item * layers * in_flight  # alive, later one layer's
         return int(inputs + max(logits, per_layer))  # recomputed activations
@@ -318,7 +319,8 @@ def _stage_phases(job: MemoryJob, stage: int, gen: dict) -> tuple[dict, int]:
     if job.critic:
         out["train_critic"] = {
             **_resident(job, stage, {"critic": full}),
-            "activations": activation_bytes(job, stage, tokens=job.critic_tokens_per_gpu)}
+            "activations": activation_bytes(job, stage, tokens=job.critic_tokens_per_gpu,
+                                            role="critic")}
     roles = ["actor"] + (["reference"] if job.ref else []) + (["critic"] if job.critic else [])
     forwards = [{**_resident(job, stage, {r: {"params"}}),
                  "activations": forward_only_bytes(job, stage, r)} for r in roles]

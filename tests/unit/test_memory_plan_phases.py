@@ -127,3 +127,12 @@ def test_reshard_traffic_splits_the_received_bytes_by_node(capsys):
     rep = _json(["--config", CONFIG], capsys)["reshard_traffic"]
     assert rep["strategy"] == "zero_redundancy"
     assert rep["inter_node_bytes"] == got["inter_node_bytes"]
+
+
+def test_the_critic_has_no_vocabulary_logits():
+    from hybridrl.planning.memory import activation_bytes
+
+    job = MemoryJob(PRESETS["llama-3.1-70b"], world=256, tp=8, pp=4, gen_tp=4)
+    last, logits = job.pp - 1, logits_bytes(job, job.max_tokens_per_gpu)
+    assert activation_bytes(job, last) - activation_bytes(job, last, role="critic") == logits
+    assert activation_bytes(job, 0) == activation_bytes(job, 0, role="critic")
