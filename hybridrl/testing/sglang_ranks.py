@@ -8,7 +8,8 @@ OUT`` runs, on every rank of a torchrun-launched world (so the environment is to
   then spawns one process (multiprocessing ``spawn``, as SGLang starts its schedulers) that runs
   SGLang's ``init_distributed_environment`` on ``tcp://127.0.0.1:<nccl_port>`` with a store timeout
   of ``STORE_TIMEOUT_S``: seconds taken, error, and the environment the child and every rank saw.
-- ``models``: SGLang's real Llama / tied Llama / Qwen2 at gen tp 1, 2 and 4 (train tp 2 pp 2,
+- ``models``: SGLang's real Llama / tied Llama / Qwen2 / Qwen3 (q/k norms, explicit head_dim)
+  / Llama with llama3 rope scaling at gen tp 1, 2 and 4 (train tp 2 pp 2,
   hybridrl's reshard from megatron shards), pushed by the adapter (``sglang_backend()``'s real
   serializer and request class) through SGLang's scheduler-side updater with sessions and the
   direct loader (``hybridrl.testing.sglang_real``), against the same model after its own
@@ -30,7 +31,9 @@ import types
 
 STORE_TIMEOUT_S = 20
 SPAWN_WAIT_S = 240
-ARCHS = ("llama", "llama_tied", "qwen2")
+ARCHS = ("llama", "llama_tied", "qwen2", "qwen3", "llama3")
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def _scheduler_init(port: int, conn) -> None:
@@ -111,21 +114,28 @@ def case_start(rank: int, port_base: int, model_path: str) -> dict:
 
 
 def _shape(arch: str):
+    from hybridrl.reshard.specs import LlamaShape
     from tests.unit.test_sglang_contract import SHAPES
 
-    return SHAPES[{"llama": "Llama", "llama_tied": "Llama-tied", "qwen2": "Qwen2"}[arch]]
+    if arch == "qwen3":  # q/k norms, head_dim 16 != hidden / heads
+        return LlamaShape(hidden=64, ffn=96, heads=8, num_query_groups=4, layers=2, vocab=1000,
+                          head_dim=16, qk_norm=True)
+    return SHAPES[{"llama": "Llama", "llama3": "Llama", "llama_tied": "Llama-tied",
+                   "qwen2": "Qwen2"}[arch]]
 
 
 def _hf_config(arch: str, root: str, write: bool = False):
     """The HF config of ``arch``'s test shape; written to ``root/arch`` (the model path)."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     shape = _shape(arch)
-    cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}.get(arch, LlamaConfig)
+    extra = {"qwen3": {"head_dim": shape.head_dim},
+             "llama3": {"rope_scaling": LLAMA3_ROPE}}.get(arch, {})
     cfg = cls(hidden_size=shape.hidden, intermediate_size=shape.ffn,
               num_attention_heads=shape.heads, num_key_value_heads=shape.num_query_groups,
               num_hidden_layers=shape.layers, vocab_size=shape.vocab,
-              tie_word_embeddings=shape.tied, torch_dtype="float32")
+              tie_word_embeddings=shape.tied, torch_dtype="float32", **extra)
     if write:
         cfg.save_pretrained(os.path.join(root, arch))
     return cfg
@@ -136,6 +146,7 @@ def case_model(rank: int, arch: str, tp_size: int, port_base: int, root: str) ->
     import torch.distributed as dist
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
 
     from hybridrl.parallel.layout import TrainLayout
     from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, train_placement
@@ -154,13 +165,24 @@ def case_model(rank: int, arch: str, tp_size: int, port_base: int, root: str) ->
         tp=tp_size, pp=1, grouping="hybridflow"), ENGINE_VOCAB_PAD, "sglang")
     all_members = gen_tp_groups(gen)
     members = next(m for m in all_members if rank in m)
+    from sglang.srt.arg_groups.boundary_reduction import model_boundary_reduction
+
+    # SGLang's resolution (which cannot run on CPU) picks the layer-boundary reduction of the
+    # model; Qwen3's layers read it at construction
+    extra = {"boundary_reduction": model_boundary_reduction(hf_cfg)} if arch == "qwen3" else {}
     real.publish({"model_path": path, "tp_size": tp_size, "load_format": "dummy",
-                  "dtype": "float32", "skip_tokenizer_init": True})
+                  "dtype": "float32", "skip_tokenizer_init": True, **extra})
     tp = real.tp_coordinator(tp_size)
-    cls = Qwen2ForCausalLM if arch == "qwen2" else LlamaForCausalLM
+    cls = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}.get(arch, LlamaForCausalLM)
     pushed, reference = cls(hf_cfg, quant_config=None), cls(hf_cfg, quant_config=None)
     real.nan_fill(pushed)
     hf = make_hf(shape, seed=7)
+    if shape.qk_norm:  # the oracle's HF tensors have no q/k norms: add them
+        gen_ = torch.Generator().manual_seed(8)
+        for L in range(shape.layers):
+            for n in ("q", "k"):
+                hf[f"model.layers.{L}.self_attn.{n}_norm.weight"] = torch.randn(
+                    shape.head_dim, generator=gen_)
     reference.load_weights(list(hf.items()))
     groups = [dist.new_group(m, backend="gloo") if len(m) > 1 else None for m in all_members]
     bridge = real.SchedulerRank(pushed, tp, members, groups[all_members.index(members)])
@@ -175,6 +197,11 @@ def case_model(rank: int, arch: str, tp_size: int, port_base: int, root: str) ->
                                  rollout=_rollout(port_base, timeout_s=120.0), backend=backend)
     b, a, _ = plan.train.coords[rank]
     named = megatron_shards(shape, hf, 2, b, 2, a, plan.train.vocab_chunk, pad_value=PAD)
+    for local in range(shape.layers // 2) if shape.qk_norm else ():  # replicated on each rank
+        for n in ("q", "k"):
+            L = a * (shape.layers // 2) + local
+            named[f"decoder.layers.{local}.self_attention.{n}_layernorm.weight"] = \
+                hf[f"model.layers.{L}.self_attn.{n}_norm.weight"].clone()
     sync_engine(plan, rank, shape, named, handle, torch.float32)
     handle.release()
     flush_error = None

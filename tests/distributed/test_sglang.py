@@ -23,8 +23,9 @@ import torch
 from hybridrl.testing.dist import run_on_ranks
 
 BUCKET_MB = 0.02
-ROLLOUT = types.SimpleNamespace(engine_kwargs={"mem_fraction_static": 0.5},
-                                engine_start_timeout_s=120.0, engine_port_base=30000)
+ROLLOUT = types.SimpleNamespace(engine_kwargs={"mem_fraction_static": 0.25},
+                                engine_start_timeout_s=120.0, engine_port_base=30000,
+                                mem_fraction_static=0.5, timeout_s=120.0, deterministic=False)
 
 
 def _setup(rank, world, t, p):
@@ -106,7 +107,8 @@ def test_engines_placed_per_gen_tp_group(results):
         assert args["gpu_id_step"] == members[1] - members[0]
         assert args["port"] == 30000 + 16 * members[0] and args["nccl_port"] == args["port"] + 1
         assert args["load_format"] == "dummy" and args["enable_memory_saver"]
-        assert args["mem_fraction_static"] == 0.5 and args["dtype"] == "float32"
+        assert args["mem_fraction_static"] == 0.25 and args["dtype"] == "float32"  # kwargs win
+        assert args["enable_deterministic_inference"] is False  # opt-in
     ports = [results[s]["engine"]["args"]["port"] for s in srcs]
     assert len(set(ports)) == 2
 

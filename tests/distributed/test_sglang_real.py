@@ -6,7 +6,8 @@ torchrun's: ``TORCHELASTIC_USE_AGENT_STORE=True``), one launch for every case
   ``init_distributed_environment``; it connects within seconds (with the agent-store flag the
   scheduler waits for a store nobody hosts: the short store timeout fails the start), and the
   trainer's NCCL/CUDA variables and start method come back unchanged on every rank;
-- SGLang's Llama, tied Llama and Qwen2 at gen tp 1, 2, 4 (train tp 2 pp 2; gen tp 4 needs a
+- SGLang's Llama, tied Llama, Qwen2, Qwen3 (q/k norms, head_dim 16 != hidden/heads) and Llama
+  with llama3 rope scaling at gen tp 1, 2, 4 (train tp 2 pp 2; gen tp 4 needs a
   grouping in SGLang's GPU order): the reshard pushed through the adapter into SGLang's
   scheduler-side updater (sessions, direct loader) leaves every parameter bitwise equal to
   ``load_weights`` on the HF tensors; a failed ``flush_cache`` fails the sync on every rank;
@@ -56,7 +57,7 @@ def test_engine_starts_under_torchrun_without_the_agent_store(ranks):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
-@pytest.mark.parametrize("arch", ["llama", "llama_tied", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "llama_tied", "qwen2", "qwen3", "llama3"])
 def test_push_through_sglangs_updater_equals_load_weights(ranks, arch, tp_size):
     for r, res in enumerate(ranks):
         case = res["models"][(arch, tp_size)]
