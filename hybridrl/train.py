@@ -92,7 +92,6 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", message=pattern)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     die_with_parent()  # a SIGKILLed torchrun takes its workers along
-    handle_sigterm(rank)  # SIGTERM: one line and status 143, like Ctrl-C
     try:
         from hybridrl.config.loader import load_config, resolve_config_name
 
@@ -130,6 +129,9 @@ def main(argv=None) -> int:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"),
                           RANK="0", WORLD_SIZE="1")
     timeout_s = cfg.trainer.collective_timeout_s
+    # SIGTERM: one line and 143, like Ctrl-C; not earlier: a rank waiting to report a config
+    # error (``_fail``) is then simply ended by torchrun, silently, as before
+    handle_sigterm(rank)
     init_distributed("gloo" if cfg.trainer.device == "cpu" else None, timeout_s=timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     status = _run(cfg, build_groups, train, gen, rank, timeout_s)

@@ -248,7 +248,8 @@ def test_resume_gives_the_uninterrupted_step(world1, root):
     assert len(resumed) == 1 and "resumed from" in world1["resume"]["lines"][0]
     assert resumed[0] == full[2]
     folder = f"{root[0]}/resume"
-    names = sorted(os.listdir(folder))
+    assert os.path.isfile(f"{folder}/.hybridrl.lock")  # the run-folder lock (run_lock.py)
+    names = sorted(n for n in os.listdir(folder) if n != ".hybridrl.lock")
     # the first start's config.yaml (total_steps 2) is kept beside the resumed one's
     assert len(names) == 5 and names[0] == "checkpoints" and names[1].startswith("config-")
     assert names[2:] == ["config.yaml", "metrics.jsonl", "run.json"], names
