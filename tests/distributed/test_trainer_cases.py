@@ -141,6 +141,7 @@ def _offload(rank, world, overrides):
     """Run to the end with offload flags set, recording which model bytes sit on the device
     while the engine generates and while each model updates (measured from the storages)."""
     trainer, _ = _trainer(rank, world, overrides)
+    trainer.memory.enter("all")  # the engine started with everything away: all back, measured
     full, seen = trainer.memory.resident_bytes(), {}
     generate, update = trainer.worker.generate_partitioned, trainer._update
 
