@@ -7,6 +7,8 @@ the synthetic data folder) and removing its own probe file. Checked:
 - the run folder (``trainer.output_dir: the run folder '<path>' cannot be created or written
   (...)``), ``trainer.checkpoint_dir`` when set and ``data.synthetic.dir`` when the data is
   generated can be created and written (a folder under a regular file, no permission, ...);
+- with ``rollout.engine=sglang``, ``model.path``'s config.json has no yarn
+  ``rope_scaling.attention_factor`` (SGLang 0.5.21 ignores it: another model would be rolled out);
 - every ``model.path``-like folder that is set exists and its ``config.json`` parses; its
   ``*.safetensors`` files are whole and their tensor shapes are config.json's (headers only,
   ``hybridrl.models.hf_files``: the line names the file and the tensor);
@@ -63,6 +65,27 @@ def _weight_problems(folder: str, hf_config: dict, key: str) -> list[str]:
     return safetensors_problems(folder, spec, critic=key != "model.path")
 
 
+def _sglang_rope_problems(config: Path, hf_config: dict) -> list[str]:
+    """yarn's attention_factor, which SGLang 0.5.21 would silently ignore (its yarn reads
+    ``attn_factor`` as a multiplier of its own mscale; transformers and hybridrl take
+    ``attention_factor`` as the whole factor): the rolled-out model would differ."""
+    from hybridrl.config.hf_model import parse_rope_scaling
+
+    try:
+        scaling = parse_rope_scaling(hf_config)
+    except ValueError:  # the model builder names what is unsupported
+        return []
+    if scaling is None or scaling.attention_factor is None:
+        return []
+    where = next(w for w in ("rope_scaling", "rope_parameters")
+                 if isinstance(hf_config.get(w), dict) and "attention_factor" in hf_config[w])
+    return [f"model.path: {str(config)!r} sets {where}.attention_factor="
+            f"{scaling.attention_factor}, which rollout.engine=sglang does not support: SGLang "
+            "ignores attention_factor (it reads attn_factor as a multiplier of its own yarn "
+            "scale), so it would generate with another model than the one trained; use "
+            "rollout.engine=builtin"]
+
+
 def _tokenizer_problems(tok: str, key: str) -> list[str]:
     """A tokenizer JSON file that does not parse, named."""
     out = []
@@ -89,6 +112,8 @@ def _model_problems(cfg) -> list[str]:
                 problems.append(f"{key}: {str(config)!r} is not valid JSON ({err})")
             else:
                 problems += [f"{key}: {p}" for p in _weight_problems(folder, hf_config, key)]
+                if key == "model.path" and cfg.rollout.engine == "sglang":
+                    problems += _sglang_rope_problems(config, hf_config)
     tok = cfg.model.tokenizer_path or cfg.model.path
     if tok and tok not in ("char", "builtin:char") and Path(tok).is_dir() and not any(
             (Path(tok) / f).is_file() for f in TOKENIZER_FILES):
