@@ -18,17 +18,20 @@ Contract:
   SGLang: ``factor`` as given (only a missing one is ``max_position_embeddings /
   original_max_position_embeddings``); transformers 4.4x-4.5x replaced ``factor`` by that ratio
   whenever ``original_max_position_embeddings`` was set, which builds another model.
-  ``RopeScaling.to_hf()`` is the ``rope_scaling`` dict written back into an exported config.json.
+  yarn's ``original_max_position_embeddings`` is None when the config has none (the RoPE then
+  uses ``max_position_embeddings``, as transformers does). ``RopeScaling.to_hf()`` is the
+  ``rope_scaling`` dict written back into an exported config.json: only keys the source had.
   The frequencies themselves are ``hybridrl.models.rope.inv_freq``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3"}
+MODEL_TYPES = MappingProxyType({"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                                "Qwen3ForCausalLM": "qwen3"})  # read-only
 ROPE_TYPES = ("default", "llama3", "yarn")
 
 
@@ -107,10 +110,13 @@ def _parse_one(cfg: dict, where: str) -> RopeScaling | None:
             raise ValueError(f"config.json {where}.high_freq_factor={high} must exceed "
                              f"low_freq_factor={low}")
         return RopeScaling("llama3", factor, low, high, int(original))
-    # transformers fills a missing original context with max_position_embeddings
-    original = params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
-    if params.get("factor") is None and original and cfg.get("max_position_embeddings"):
-        factor = cfg["max_position_embeddings"] / original  # transformers 5's rule
+    # kept as written: a missing original context stays None (models/rope.py then uses
+    # max_position_embeddings, as transformers does), so to_hf() never adds the key; transformers
+    # 4.4x-4.5x would read an added original == max as factor = max / original = 1
+    original = params.get("original_max_position_embeddings")
+    context = original or cfg.get("max_position_embeddings")
+    if params.get("factor") is None and context and cfg.get("max_position_embeddings"):
+        factor = cfg["max_position_embeddings"] / context  # transformers 5's rule
     else:
         factor = _number(params, "factor", where, rope_type)
     opt = {k: (None if params.get(k) is None else _number(params, k, where, rope_type))

@@ -51,8 +51,10 @@ def test_inv_freq_equals_transformers_bit_for_bit(case):
     got, factor = inv_freq(hd, theta, parsed, max_pos)
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert factor == want_factor
-    # what transformers writes back parses to the same scaling
-    assert parse_rope_scaling(hf.to_dict()) == parsed
+    # what transformers writes back gives the same frequencies (transformers 5 writes a missing
+    # yarn original context out as max_position_embeddings; hybridrl keeps it None)
+    again, again_factor = inv_freq(hd, theta, parse_rope_scaling(hf.to_dict()), max_pos)
+    assert torch.equal(again, got) and again_factor == factor
 
 
 def test_megatron_llama3_defaults_differ_where_the_config_does():
@@ -108,3 +110,28 @@ def test_default_rope_is_none_and_to_hf_round_trips():
                              "truncate": False, "beta_fast": 8}):
         parsed = parse_rope_scaling({"rope_scaling": scaling})
         assert parse_rope_scaling({"rope_scaling": parsed.to_hf()}) == parsed
+
+
+def test_missing_yarn_original_context_is_not_exported():
+    """A yarn config without original_max_position_embeddings keeps it None: the RoPE uses
+    max_position_embeddings (as transformers does) and the export does not add the key
+    (transformers 4.45-4.5x would then replace factor by max / original = 1)."""
+    from hybridrl.models.spec import LlamaSpec
+
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+           "vocab_size": 100, "max_position_embeddings": 256, "rope_scaling": yarn}
+    parsed = parse_rope_scaling(cfg)
+    assert parsed.original_max_position_embeddings is None
+    assert parsed.to_hf() == yarn
+    exported = LlamaSpec.from_hf_config(cfg).to_hf_config()["rope_scaling"]
+    assert "original_max_position_embeddings" not in exported
+    explicit = parse_rope_scaling({**cfg, "rope_scaling": {**yarn,
+                                                           "original_max_position_embeddings": 256}})
+    assert torch.equal(inv_freq(16, 1e4, parsed, 256)[0], inv_freq(16, 1e4, explicit, 256)[0])
+    # a missing factor is still max / original (transformers 5), with or without the key
+    assert parse_rope_scaling({**cfg, "rope_scaling": {"rope_type": "yarn",
+                                                       "original_max_position_embeddings": 64}}
+                              ).factor == 4.0
+    assert parse_rope_scaling({**cfg, "rope_scaling": {"rope_type": "yarn"}}).factor == 1.0
