@@ -6,6 +6,7 @@ parent process, against the single-process transformers model:
 - per-token log-probs (fp32, atol 1e-5) and entropy (a full-vocab softmax reference);
 - one optimizer step (PPO-shaped loss with an entropy bonus, clipping active) at (2,2,2) and at
   (1,1,1): the exported parameters equal each other and the transformers + torch AdamW step;
+  also for Qwen3 (q/k norm gradients summed over TP);
   megatron's distributed optimizer (the default) and its plain optimizer give the same step, each
   DP rank holds 1/dp of the optimizer state, and a save/load of the optimizer resumes bit-exactly;
 - critic values at (2,2,2) = final hidden state @ head, gradients reach every parameter;
@@ -33,7 +34,14 @@ TOL = 1e-5
 
 
 def _save_tiny(folder, *, tie: bool, arch: str = "llama", seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -41,6 +49,8 @@ def _save_tiny(folder, *, tie: bool, arch: str = "llama", seed: int = 0):
                   max_position_embeddings=64, tie_word_embeddings=tie, rms_norm_eps=1e-5)
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    elif arch == "qwen3":  # per-head q/k norms [head_dim], replicated on every TP rank
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kwargs))
     else:
         model = LlamaForCausalLM(LlamaConfig(**kwargs))
     with torch.no_grad():  # larger than the default init, so the test sees real differences
@@ -130,6 +140,7 @@ def suite(tmp_path_factory):
     untied = _save_tiny(str(root / "untied"), tie=False)
     tied = _save_tiny(str(root / "tied"), tie=True, seed=1)
     qwen2 = _save_tiny(str(root / "qwen2"), tie=False, arch="qwen2", seed=2)
+    qwen3 = _save_tiny(str(root / "qwen3"), tie=False, arch="qwen3", seed=3)
     batch = cases_mod.make_batch(0, N_SEQS, SEQ, VOCAB)
     common = dict(batch=batch, n_micro=N_MICRO)
     w8 = [
@@ -153,6 +164,8 @@ def suite(tmp_path_factory):
         dict(kind="train", tp=2, pp=2, folder=untied, out=str(root / "step222_overlap"),
              overlap=True, **common),  # 14: overlapped grad reduce-scatter and param gather
         dict(kind="nonfinite", tp=2, pp=2, folder=untied, **common),  # 15
+        dict(kind="train", tp=2, pp=2, folder=qwen3, out=str(root / "step222_qwen3"),
+             **common),  # 16: q/k norm gradients summed over TP
     ]
     w4 = [dict(kind="logprobs", tp=2, pp=2, folder=untied, **common),
           dict(kind="logprobs", tp=2, pp=2, folder=untied, role="reference", **common)]
@@ -166,13 +179,15 @@ def suite(tmp_path_factory):
              batch=batch, n_micro=N_MICRO * 2, dtype="bf16"),
         dict(kind="builtin", tp=1, pp=1),
         dict(kind="load_error", tp=1, pp=1, folder=_without_lm_head(untied, str(root / "no_head"))),
+        dict(kind="train", tp=1, pp=1, folder=qwen3, out=str(root / "step111_qwen3"),
+             batch=batch, n_micro=N_MICRO * 2),  # 5
     ]
     res = {8: run_on_ranks(cases_mod.run_cases, 8, w8, timeout=400, preload=("megatron.core",)),
            4: run_on_ranks(cases_mod.run_cases, 4, w4, timeout=200, preload=("megatron.core",)),
            2: run_on_ranks(cases_mod.run_cases, 2, w2, timeout=200, preload=("megatron.core",)),
            1: run_on_ranks(cases_mod.run_cases, 1, w1, timeout=200, preload=("megatron.core",))}
-    return dict(root=root, untied=untied, tied=tied, qwen2=qwen2, batch=batch, cases={8: w8, 4: w4, 2: w2, 1: w1},
-                res=res)
+    return dict(root=root, untied=untied, tied=tied, qwen2=qwen2, qwen3=qwen3, batch=batch,
+                cases={8: w8, 4: w4, 2: w2, 1: w1}, res=res)
 
 
 def _case_results(suite, world, index):
@@ -216,6 +231,30 @@ def test_optimizer_step_222_equals_111_and_transformers(suite):
     assert metrics111["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
     assert metrics222["loss"] == pytest.approx(metrics111["loss"], abs=1e-6)
     assert all(r["metrics"] == metrics222 for r in _case_results(suite, 8, 4))
+
+
+@pytest.mark.slow
+def test_optimizer_step_222_equals_111_qwen3_qk_norms(suite):
+    """Qwen3 at tp 2: each TP rank's q_layernorm / k_layernorm gradient covers only its own
+    heads, so megatron's finalize_model_grads must sum it over TP (by parameter name); the
+    updated norms equal the 1-rank step and transformers' (1e-5; without the TP sum they differ
+    by 2e-3, the grad norm by 4e-5 relative). Other tensors: 1e-4 (Adam's first update
+    lr·g/(|g| + eps) amplifies summation-order rounding where a gradient is near 0; 2e-5 seen
+    on the embedding at (2,1,1))."""
+    step222 = _read_folder(suite["root"] / "step222_qwen3")
+    step111 = _read_folder(suite["root"] / "step111_qwen3")
+    source = _read_folder(suite["qwen3"])
+    ref, ref_norm = _hf_train_step(suite["qwen3"], suite["batch"])
+    norms = [n for n in step222 if n.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))]
+    assert len(norms) == 8 and set(step222) == set(step111) == set(source)
+    for name, tensor in step222.items():
+        tol = TOL if name in norms else 10 * TOL
+        torch.testing.assert_close(tensor, step111[name], atol=tol, rtol=0, msg=name)
+        torch.testing.assert_close(tensor, ref[name], atol=tol, rtol=0, msg=name)
+    assert min(float((step222[n] - source[n]).abs().max()) for n in norms) > 50 * TOL  # ~lr
+    m222, m111 = _case_results(suite, 8, 16)[0]["metrics"], _case_results(suite, 1, 5)[0]["metrics"]
+    assert m222["grad_norm"] == pytest.approx(m111["grad_norm"], rel=1e-5)
+    assert m222["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
 
 
 def _by_stage(results):
