@@ -5,11 +5,12 @@ Contract:
   layers, tied, megatron's ``make_vocab_size_divisible_by``, Qwen2's q/k/v bias, Qwen3's per-head
   q/k norms); ``from_hf_config`` reads an HF config.json dict of a supported family (Llama incl.
   3.x, Qwen2/2.5, Qwen3: ``hybridrl.config.hf_model``; anything else, an unsupported feature or
-  a missing size is one ValueError naming the key and the file). ``PRESETS`` holds the real
-  config.json sizes of llama-3.1-8b/70b, qwen2.5-7b/72b, qwen3-8b/32b and the Llama 2 family
-  as llama2-7b/13b/34b/70b; ``preset(name)`` refuses the old ``llama-7b``... names with a line
-  naming the new ones; ``preset_of_folder(path)`` is the preset a folder name such as
-  ``Llama-3.1-70B-Instruct`` stands for.
+  a missing size is one ValueError naming the key and the file). ``PRESETS`` (read-only) holds
+  the real config.json sizes of llama-3.1-8b/70b, llama-3.2-1b/3b (tied), qwen2.5-7b/72b,
+  qwen3-8b/32b and the Llama 2 family as llama2-7b/13b/34b/70b; ``preset(name)`` refuses the old
+  ``llama-7b``... names with a line naming the new ones; ``preset_of_folder(path)`` is the
+  preset a folder name such as ``Llama-3.1-70B-Instruct`` stands for (Llama 3 and 3.3 names map
+  to the 3.1 preset of the same shape).
 - ``build_specs(shape, naming)`` returns one ``ParamSpec`` per logical megatron parameter, named as
   megatron-core's GPTModel names it with GLOBAL layer indices (``naming="local"``: the local layer
   spec's ``input_layernorm``/``pre_mlp_layernorm``; ``"te"``: the TE-fused ``layer_norm_weight``).
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import MappingProxyType
 
 from hybridrl.config.hf_model import check_hf_features, hf_architecture
 
@@ -151,6 +153,8 @@ def _presets() -> dict[str, LlamaShape]:
     return {
         "llama-3.1-8b": S(4096, 14336, 32, 8, 32, 128256),
         "llama-3.1-70b": S(8192, 28672, 64, 8, 80, 128256),
+        "llama-3.2-1b": S(2048, 8192, 32, 8, 16, 128256, head_dim=64, tied=True),
+        "llama-3.2-3b": S(3072, 8192, 24, 8, 28, 128256, head_dim=128, tied=True),
         "qwen2.5-7b": S(3584, 18944, 28, 4, 28, 152064, qkv_bias=True),
         "qwen2.5-72b": S(8192, 29568, 64, 8, 80, 152064, qkv_bias=True),
         "qwen3-8b": S(4096, 12288, 32, 8, 36, 151936, head_dim=128, qk_norm=True),
@@ -162,18 +166,23 @@ def _presets() -> dict[str, LlamaShape]:
     }
 
 
-PRESETS = _presets()
-RENAMED_PRESETS = {f"llama-{size}": f"llama2-{size}" for size in ("7b", "13b", "34b", "70b")}
+PRESETS = MappingProxyType(_presets())  # read-only: no module state to mutate
+RENAMED_PRESETS = MappingProxyType({f"llama-{size}": f"llama2-{size}"
+                                    for size in ("7b", "13b", "34b", "70b")})
+SAME_SHAPE = MappingProxyType({"llama-3.3-70b": "llama-3.1-70b",  # a folder name -> its preset
+                               "llama-3-8b": "llama-3.1-8b", "llama-3-70b": "llama-3.1-70b"})
 
 
 def preset_of_folder(path: str) -> str | None:
-    """The preset a model folder's name stands for (``.../Llama-3.1-70B-Instruct`` ->
-    ``llama-3.1-70b``, ``Qwen/Qwen3-8B`` -> ``qwen3-8b``), or None."""
+    """The preset a model folder's name stands for (``.../Llama-3.1-70B-Instruct`` and
+    ``Llama-3.3-70B-Instruct`` -> ``llama-3.1-70b``, ``Llama-3.2-1B`` -> ``llama-3.2-1b``,
+    ``Qwen/Qwen3-8B`` -> ``qwen3-8b``), or None."""
     name = path.rstrip("/").rsplit("/", 1)[-1].lower()
     for prefix in ("meta-",):
         name = name.removeprefix(prefix)
     for suffix in ("-instruct", "-chat", "-base"):
         name = name.removesuffix(suffix)
+    name = SAME_SHAPE.get(name, name)
     return name if name in PRESETS else None
 
 
@@ -283,15 +292,15 @@ def _layer_specs(s: LlamaShape, layer: int, naming: str) -> list[ParamSpec]:
     def spec(suffix, kind, shape, cut, unit=1):
         return ParamSpec(p + suffix, p + suffix, kind, shape, cut, layer=layer, unit=unit)
 
-    bias = [spec("self_attention.linear_qkv.bias", "qkv", (s.num_query_groups * group_rows,), 0,
-                 unit=group_rows)] if s.qkv_bias else []
-    bias += [spec(f"self_attention.{n}_layernorm.weight", "norm", (s.head_dim,), 0)
-             for n in ("q", "k")] if s.qk_norm else []
+    qkv_extras = [spec("self_attention.linear_qkv.bias", "qkv", (s.num_query_groups * group_rows,),
+                       0, unit=group_rows)] if s.qkv_bias else []  # Qwen2
+    qkv_extras += [spec(f"self_attention.{n}_layernorm.weight", "norm", (s.head_dim,), 0)
+                   for n in ("q", "k")] if s.qk_norm else []  # Qwen3
     return [
         spec(ln1, "norm", (H,), 0),
         spec("self_attention.linear_qkv.weight", "qkv",
              (s.num_query_groups * group_rows, H), 0, unit=group_rows),
-        *bias,
+        *qkv_extras,
         spec("self_attention.linear_proj.weight", "row", (H, s.heads * s.head_dim), 1),
         spec(ln2, "norm", (H,), 0),
         spec("mlp.linear_fc1.weight", "fc1", (2, s.ffn, H), 1),

@@ -132,12 +132,12 @@ class BuiltinEngine:
         hd = spec.head_dim
         self.rope_factor = 1.0  # multiplies cos and sin (yarn's attention factor)
         if spec.rope_scaling is None:
-            self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2,
-                                                                    dtype=torch.float64) / hd))
+            freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
         else:  # transformers' fp32 frequencies, then the same float64 tables as above
             freq, self.rope_factor = inv_freq(hd, spec.rope_theta, spec.rope_scaling,
                                               spec.max_position_embeddings or spec.max_seq_len)
-            self.inv_freq = freq.double()
+        # [hd/2] fp64, computed on the CPU, kept on the engine's device (no copy per forward)
+        self.inv_freq = freq.double().to(self.device)
 
     # ----------------------------------------------------------------------------- weights
     @property
@@ -224,7 +224,7 @@ class BuiltinEngine:
 
     def _rope_tables(self, pos_BS: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, 1, S, D] of the positions, once per forward (shared by every layer)."""
-        freqs_BSd = pos_BS.double().unsqueeze(-1) * self.inv_freq.to(pos_BS.device)
+        freqs_BSd = pos_BS.double().unsqueeze(-1) * self.inv_freq  # positions on self.device
         emb_BSD = torch.cat((freqs_BSd, freqs_BSd), dim=-1).unsqueeze(1)  # [B, 1, S, D]
         if self.rope_factor != 1.0:
             return ((emb_BSD.cos() * self.rope_factor).to(dtype),

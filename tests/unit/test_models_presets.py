@@ -19,6 +19,8 @@ _LLAMA31 = {"architectures": ["LlamaForCausalLM"], "attention_bias": False,
                              "original_max_position_embeddings": 8192, "rope_type": "llama3"},
             "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
             "use_cache": True, "vocab_size": 128256}
+_LLAMA32 = {**_LLAMA31, "eos_token_id": 128001, "tie_word_embeddings": True,
+            "rope_scaling": {**_LLAMA31["rope_scaling"], "factor": 32.0}}
 _QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
            "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
            "initializer_range": 0.02, "max_position_embeddings": 32768, "model_type": "qwen2",
@@ -42,12 +44,15 @@ def _sizes(hidden, ffn, heads, kv, layers, **extra):
 REAL = {  # the published config.json of each preset's model (Instruct variants)
     "llama-3.1-8b": {**_LLAMA31, **_sizes(4096, 14336, 32, 8, 32)},
     "llama-3.1-70b": {**_LLAMA31, **_sizes(8192, 28672, 64, 8, 80)},
+    "llama-3.2-1b": {**_LLAMA32, **_sizes(2048, 8192, 32, 8, 16, head_dim=64)},
+    "llama-3.2-3b": {**_LLAMA32, **_sizes(3072, 8192, 24, 8, 28, head_dim=128)},
     "qwen2.5-7b": {**_QWEN25, **_sizes(3584, 18944, 28, 4, 28, max_window_layers=28)},
     "qwen2.5-72b": {**_QWEN25, **_sizes(8192, 29568, 64, 8, 80, max_window_layers=80)},
     "qwen3-8b": {**_QWEN3, **_sizes(4096, 12288, 32, 8, 36, max_window_layers=36)},
     "qwen3-32b": {**_QWEN3, **_sizes(5120, 25600, 64, 8, 64, max_window_layers=64)},
 }
-BILLIONS = {"llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "qwen2.5-7b": 7.62,
+BILLIONS = {"llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "llama-3.2-1b": 1.24,
+            "llama-3.2-3b": 3.21, "qwen2.5-7b": 7.62,
             "qwen2.5-72b": 72.71, "qwen3-8b": 8.19, "qwen3-32b": 32.76, "llama2-7b": 6.74,
             "llama2-70b": 68.98}
 
@@ -117,3 +122,28 @@ def test_the_256_gpu_config_plans_its_named_model(capsys):
     assert main(["--memory", "--config", "configs/llama70b_256gpu.yaml", "--world", "256",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"] == "llama-3.1-70b"
+
+
+@pytest.mark.parametrize("folder,name", [
+    ("/ckpt/meta-llama/Llama-3.1-70B-Instruct", "llama-3.1-70b"),
+    ("/ckpt/meta-llama/Llama-3.3-70B-Instruct", "llama-3.1-70b"),  # the 3.1 70B shape
+    ("Meta-Llama-3-8B-Instruct/", "llama-3.1-8b"),
+    ("meta-llama/Llama-3.2-1B-Instruct", "llama-3.2-1b"),
+    ("Llama-3.2-3B", "llama-3.2-3b"),
+    ("Qwen/Qwen3-8B", "qwen3-8b"),
+    ("Llama-3.2-11B-Vision-Instruct", None),
+    ("my-model", None),
+])
+def test_preset_of_folder_names(folder, name):
+    from hybridrl.reshard.specs import preset_of_folder
+
+    assert preset_of_folder(folder) == name
+
+
+def test_preset_tables_are_read_only():
+    from hybridrl.config.hf_model import MODEL_TYPES
+    from hybridrl.reshard.specs import RENAMED_PRESETS
+
+    for table in (PRESETS, RENAMED_PRESETS, MODEL_TYPES):
+        with pytest.raises(TypeError):
+            table["x"] = None

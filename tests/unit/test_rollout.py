@@ -260,3 +260,31 @@ def test_worker_moves_qkv_biases_into_either_engine():
     # ... and sglang gets past the worker's checks too (this machine then lacks SGLang)
     with pytest.raises(ImportError, match="rollout.engine=sglang needs SGLang"):
         _worker_on_one_rank("sglang", qkv_bias=True)
+
+
+def test_rope_frequencies_live_on_the_engine_device_and_logprobs_are_unchanged():
+    """inv_freq is on the engine's device from construction (no host-to-device copy per
+    forward; the meta device makes that visible on a CPU-only machine), and the log-probs equal,
+    bit for bit, those of the former per-forward copy."""
+    from hybridrl.config.hf_model import RopeScaling
+
+    yarn = RopeScaling("yarn", 4.0, original_max_position_embeddings=16)
+    for scaling in (None, yarn):
+        spec = EngineSpec(32, 48, 4, 2, 8, 2, VOCAB, CHUNK, rope_scaling=scaling,
+                          max_position_embeddings=64)
+        freq = BuiltinEngine(spec, device="meta").inv_freq
+        assert freq.device.type == "meta" and freq.dtype == torch.float64
+    engine = engine_from_hf(tiny_hf(seed=3))
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
+    new = engine.generate(PROMPTS, params)
+    host_freq = engine.inv_freq.cpu()
+
+    def per_forward_copy(pos_BS, dtype):  # the former _rope_tables
+        freqs_BSd = pos_BS.double().unsqueeze(-1) * host_freq.to(pos_BS.device)
+        emb_BSD = torch.cat((freqs_BSd, freqs_BSd), dim=-1).unsqueeze(1)
+        return emb_BSD.cos().to(dtype), emb_BSD.sin().to(dtype)
+
+    engine._rope_tables = per_forward_copy
+    old = engine.generate(PROMPTS, params)
+    assert torch.equal(new.response_ids, old.response_ids)
+    assert torch.equal(new.logprobs, old.logprobs)
