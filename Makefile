@@ -19,6 +19,11 @@ $(STAMP): $(BUILD_INPUTS)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	$(PY) -m pip install -q --no-deps sglang==0.5.21  # source for the SGLang contract tests (TEST_PIN)
+	# SGLang's pure-Python import-time dependencies (pins as sglang 0.5.21 lists them; none needs
+	# CUDA): its real modules import on CPU in tests/*/test_sglang_real.py (docs/rollout.md)
+	$(PY) -m pip install -q orjson psutil pybase64 msgspec "pyzmq>=25.1.2" ipython aiohttp dill \
+		sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf openai==2.6.1 partial_json_parser \
+		uvloop setproctitle triton
 	touch $@
 
 lint: .venv
