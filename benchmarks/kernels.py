@@ -5,7 +5,8 @@ Python time-step loop; KL: eager torch forward + backward; whitening: eager torc
 and the compiled op's achieved bandwidth (minimal bytes moved / time), on cuda also as a fraction
 of --peak-gbs (default 4800, the H200's HBM3e). Times are the minimum over --repeat alternating
 runs of both sides after one warm-up (a slow reference stops repeating after ~2 s); the header
-prints the machine's load average, since a shared machine skews timings. The compiled ops must be
+prints the machine's load average, since a shared machine skews timings, and on cpu the SIMD
+path the KL kernels took ("avx512", "avx2" or "baseline"; HYBRIDRL_CPU_ISA forces one). The compiled ops must be
 built (``pip install --no-build-isolation -e .``); otherwise the script says so and exits.
 
     python -m benchmarks.kernels --sizes 256x512,1024x1024 --device cpu
@@ -127,8 +128,10 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     only = set(args.only.split(","))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    isa = f", KL path {ops.kl_cpu_isa()}" if args.device == "cpu" else ""
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"dtype {args.dtype}, min of {args.repeat} alternating runs, load average {load:.1f}")
+          f"dtype {args.dtype}, min of {args.repeat} alternating runs, load average {load:.1f}"
+          f"{isa}")
     for size in args.sizes.split(","):
         B, T = (int(s) for s in size.lower().split("x"))
         if "gae" in only:

@@ -35,17 +35,16 @@ HR_HD acc_t clamp_val(acc_t x, acc_t lo, acc_t hi) {
   return x < lo ? lo : (x > hi ? hi : x);
 }
 
-// exp for |x| <= 20 (k3's clamped argument). CUDA: the accurate libdevice expf (not __expf).
-// CPU, float: a branch-free Cody-Waite reduction + degree-7 Taylor polynomial (<= 2 ulp) that
-// the compiler vectorizes (std::exp does not vectorize without -ffast-math).
-HR_HD float exp_clamped(float x) {
-#if defined(__CUDA_ARCH__)
-  return expf(x);
-#else
+// p = e^x / 2^n for |x| <= 20 and n = round(x / ln 2): a branch-free Cody-Waite reduction
+// r = x - n ln 2 (|r| <= 0.35) and the degree-7 Taylor polynomial of e^r. F is float or a float
+// SIMD vector (csrc/cpu/kl_spans.h; by reference, so no vector crosses a call ABI), so the
+// scalar and vector exps are one formula.
+template <typename F>
+HR_HD void exp_reduced(const F& x, F& n, F& p) {
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
-  const float n = (x * 1.44269504f + shifter) - shifter;  // round(x / ln 2)
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // x - n ln2, |r| <= 0.35
-  float p = 1.0f / 5040.0f;
+  n = (x * 1.44269504f + shifter) - shifter;
+  const F r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  p = F{} + 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
@@ -53,6 +52,17 @@ HR_HD float exp_clamped(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
+}
+
+// exp for |x| <= 20 (k3's clamped argument). CUDA: the accurate libdevice expf (not __expf).
+// CPU, float: exp_reduced(x) * 2^n, 2^n built in the exponent bits (<= 2 ulp of exp; std::exp
+// does not vectorize without -ffast-math).
+HR_HD float exp_clamped(float x) {
+#if defined(__CUDA_ARCH__)
+  return expf(x);
+#else
+  float n, p;
+  exp_reduced(x, n, p);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, |n| <= 29
   return p * __builtin_bit_cast(float, bits);
 #endif

@@ -5,6 +5,12 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <string>
+
+namespace hybridrl {
+std::string kl_cpu_isa();  // csrc/cpu/kl_cpu.cpp
+}  // namespace hybridrl
+
 TORCH_LIBRARY(hybridrl, m) {
   // Per-token KL estimate of code fwd_kind (0 k1, 1 abs, 2 k2, 3 k3); bwd_kind is the estimator
   // whose gradient autograd uses (k2 for the straight-through "+" kinds).
@@ -17,6 +23,9 @@ TORCH_LIBRARY(hybridrl, m) {
       " -> (Tensor, Tensor)");
   // (values - mean) * rsqrt(unbiased var + 1e-8), statistics over mask != 0 of the whole tensor.
   m.def("masked_whiten(Tensor values, Tensor mask) -> Tensor");
+  // Name of the SIMD path of the CPU KL kernels: "avx512", "avx2" or "baseline" (SSE2 / NEON);
+  // HYBRIDRL_CPU_ISA, read once at the first KL call, forces one.
+  m.def("kl_cpu_isa() -> str", &hybridrl::kl_cpu_isa);
 }
 
 extern "C" PyMODINIT_FUNC PyInit__C(void) {

@@ -7,6 +7,10 @@ Contract:
   op, so the ops trace under torch.compile; the autograd kernels of ``kl_forward`` and
   ``kl_backward`` are C++ (csrc/cpu/kl_autograd.cpp, kl_grad_autograd.cpp), so the op runs in
   a loss and is twice differentiable.
+- ``kl_cpu_isa()`` names the SIMD path the compiled CPU KL kernels run: "avx512", "avx2" or
+  "baseline" (SSE2 on x86-64, NEON on aarch64), the best this CPU has unless the environment
+  variable ``HYBRIDRL_CPU_ISA`` (read once, at the first KL call) forces one; None when the
+  compiled CPU kernels are not in use.
 - ``compiled_available(op, device_type)`` says whether a compiled kernel exists for that device;
   when it does not, ``warn_fallback`` emits one warning per device type and callers use the
   pure-torch references of ``hybridrl.kernels.reference``. The environment variable
@@ -20,6 +24,7 @@ Op schemas (see csrc/ops.cpp):
       function of logprob - ref_logprob)
   gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam) -> (Tensor, Tensor)
   masked_whiten(Tensor values, Tensor mask) -> Tensor
+  kl_cpu_isa() -> str
 """
 
 from __future__ import annotations
@@ -64,6 +69,16 @@ def _compiled_available(op: str, device_type: str) -> bool:
         return False
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"hybridrl::{op}", key)
+
+
+def kl_cpu_isa() -> str | None:
+    """"avx512", "avx2" or "baseline": the SIMD path of the compiled CPU KL kernels; else None.
+
+    Raises ValueError when HYBRIDRL_CPU_ISA names a path this CPU cannot run.
+    """
+    if not _compiled_available("kl_forward", "cpu"):
+        return None
+    return torch.ops.hybridrl.kl_cpu_isa()
 
 
 @functools.cache
