@@ -4,6 +4,9 @@ Contract: the loops are thin; each capability is a module of its own that the lo
 
 - ``ppo``: ``PPOTrainer``, one PPO/GRPO step = reshard, rollout, reward, forwards, advantages,
   updates, guard, metrics, checkpoint (docs/trainer.md).
+- ``updates``: the PPO updates of a step (epochs, mini-batches, micro-batches per DP rank, the
+  actor and critic losses).
+- ``dynamic_sampling``: DAPO's generation rounds until enough prompt groups are informative.
 - ``sft``: ``SFTTrainer``, the supervised warm start (``hybridrl.sft``'s loop).
 - ``startup``: the checks every rank runs before any collective (one line per problem).
 - ``guards``: the step guard (non-finite values, the KL guard's rollback).

@@ -26,7 +26,7 @@ Contract:
      global whitening moments: the whole-batch numbers;
   5. ``actor.ppo_epochs`` (``critic.ppo_epochs``) passes over mini-batches of
      ``ppo_mini_batch_size * rollout.n`` sequences; each DP rank takes its share as fixed-size or
-     token-budget micro-batches; the loss uses global normalizers (``compute_agg_normalizers``);
+     token-budget micro-batches; the loss uses global normalizers (``hybridrl.trainer.updates``);
   6. step guard (``hybridrl.trainer.guards``): non-finite rewards/advantages skip the updates (the
      rows are named); non-finite losses, grad norms, KL or parameters on any rank, or a KL over
      ``trainer.kl_guard.max_kl``, restore actor, critic, optimizers and KL controller to their
@@ -47,35 +47,27 @@ Contract:
 
 from __future__ import annotations
 
-import functools
 import math
 import time
-from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridrl.algos.agg import compute_agg_normalizers
 from hybridrl.algos.dist_advantages import compute_advantage_dp, needs_groups
 from hybridrl.algos.kl_control import apply_kl_in_reward, build_kl_controller
-from hybridrl.algos.losses import actor_loss, value_loss
 from hybridrl.checkpoint.checkpointer import Checkpointer
 from hybridrl.checkpoint.folder import capture_state, restore_state
 from hybridrl.checkpoint.run_identity import run_id
 from hybridrl.data.batching import (
     inverse_order,
-    plan_dp_micro_batches,
     plan_micro_batches,
-    split_mini_batches,
 )
 from hybridrl.data.build import build_loaders, build_tokenizer
 from hybridrl.data.tokenizer import CharTokenizer, vocab_size
-from hybridrl.models.build import DDPOptions
 from hybridrl.models.forward import broadcast_from_last_stage, run_microbatches
 from hybridrl.models.hf_io import build_from_config
-from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
+from hybridrl.models.train_step import ModelOptimizer, OptimConfig
 from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
 from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
 from hybridrl.rewards.scoring import build_reward_scorer
@@ -85,11 +77,10 @@ from hybridrl.rollout.worker import RolloutWorker, reshard_metrics
 from hybridrl.trainer import dynamic_sampling
 from hybridrl.trainer.guards import StepGuard
 from hybridrl.trainer.metrics_log import build_metrics_log
-from hybridrl.trainer.on_policy import GAP_METRICS, old_or_current, skip_old_forward
+from hybridrl.trainer.on_policy import GAP_METRICS, skip_old_forward
 from hybridrl.trainer.phase_memory import PhaseMemory
+from hybridrl.trainer.updates import actor_loss_fn, critic_loss_fn, ddp_options, ppo_updates
 from hybridrl.trainer.validation import validate_actor
-
-SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
 
 
 class PPOTrainer:
@@ -228,66 +219,18 @@ class PPOTrainer:
         return self._forward(model, rb, "logprobs", r.log_prob_micro_batch_size_per_gpu,
                              r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
 
-    # ------------------------------------------------------------------ losses
+    # ------------------------------------------------------------------ updates
     def _actor_loss(self, outputs, batch, *, norm, k):
-        a, dev = self.cfg.actor, outputs["logprobs"].device
-        idx = batch["resp_index"]
-        ent = gather_response(outputs["entropy"], idx) if "entropy" in outputs else None
-        logp = gather_response(outputs["logprobs"], idx)
-        loss, metrics = actor_loss(
-            old_or_current(None if self.on_policy else batch["old_log_probs"].to(dev), logp), logp,
-            batch["advantages"].to(dev), batch["response_mask"].to(dev),
-            policy_loss=a.policy_loss, entropy_BT=ent, entropy_coeff=a.entropy_coeff,
-            ref_log_prob=batch["ref_log_probs"].to(dev) if "ref_log_probs" in batch else None,
-            use_kl_loss=a.use_kl_loss, kl_loss_type=a.kl_loss_type, kl_loss_coef=a.kl_loss_coef,
-            loss_agg_mode=a.loss_agg_mode, norm=norm, clip_ratio_low=a.clip_ratio_low,
-            clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-            rollout_log_prob=batch["rollout_log_probs"].to(dev) if a.rollout_is else None,
-            rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap)
-        return _undo_megatron_mean(loss, metrics, k)
+        return actor_loss_fn(self.cfg.actor, self.on_policy, outputs, batch, norm=norm, k=k)
 
     def _critic_loss(self, outputs, batch, *, norm, k):
-        c, dev = self.cfg.critic, outputs["values"].device
-        vpreds = gather_response(outputs["values"], batch["resp_index"])
-        loss, metrics = value_loss(vpreds, batch["returns"].to(dev), batch["values"].to(dev),
-                                   batch["response_mask"].to(dev), c.cliprange_value,
-                                   c.loss_agg_mode, norm)
-        return _undo_megatron_mean(loss, metrics, k)
+        return critic_loss_fn(self.cfg.critic, outputs, batch, norm=norm, k=k)
 
     def _update(self, model, opt, role_cfg, rb, tensors, loss_method, prefix) -> dict:
-        """PPO epochs over mini-batches of one model; metrics averaged over its optimizer steps."""
-        n, dp = self.cfg.rollout.n, self.groups.dp_size
-        mini = role_cfg.ppo_mini_batch_size * n
-        acc = defaultdict(list)
-        parts, lens = self.partition
-        local = {g: j for j, g in enumerate(rb.rows)}
-        for _ in range(role_cfg.ppo_epochs):
-            for rows in split_mini_batches(len(lens), mini):  # consecutive global rows
-                lo, hi = rows[0], rows[-1] + 1
-                if role_cfg.use_dynamic_bsz:  # the same micro-batch count on every DP rank
-                    plans = plan_dp_micro_batches(
-                        lens[lo:hi], dp, role_cfg.ppo_max_token_len_per_gpu,
-                        partition=[[g - lo for g in p if lo <= g < hi] for p in parts])
-                    micro = [[local[lo + j] for j in mb]
-                             for mb in plans[self.groups.dp_rank].micro_batches]
-                else:
-                    share = [j for g, j in local.items() if lo <= g < hi]
-                    size = role_cfg.ppo_micro_batch_size_per_gpu
-                    micro = [share[s:s + size] for s in range(0, len(share), size)]
-                mbs = [rb.microbatch(m, tensors) for m in micro]
-                norm = compute_agg_normalizers(  # on the model's device: NCCL takes no CPU tensors
-                    [mb["response_mask"].to(model.device) for mb in mbs],
-                    self.groups.dp if dp > 1 else None,
-                    loss_scale_factor=self.cfg.rollout.response_length)  # verl: a constant L
-                loss_fn = functools.partial(loss_method, norm=norm, k=len(mbs))
-                for key, value in train_step(model, opt, mbs, loss_fn,
-                                             temperature=self.temperature).items():
-                    acc[key].append(value)
-        opt.gather_params()  # the next reader (reshard, guard, save) needs whole weights
-        out = {(k if "/" in k else f"{prefix}/{k}"): float(np.mean(v)) for k, v in acc.items()}
-        if "actor/ppo_kl" in acc:
-            out["actor/ppo_kl_max"] = float(max(abs(v) for v in acc["actor/ppo_kl"]))
-        return out
+        return ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix,
+                           partition=self.partition, groups=self.groups, n=self.cfg.rollout.n,
+                           loss_scale=self.cfg.rollout.response_length,
+                           temperature=self.temperature)
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
@@ -430,19 +373,4 @@ class PPOTrainer:
         self.ckpt.wait()
         self.log.close()
         return history
-
-
-def ddp_options(role_cfg) -> DDPOptions:
-    """How megatron's DDP and optimizer hold a trained role (its config section)."""
-    return DDPOptions(use_distributed_optimizer=role_cfg.use_distributed_optimizer,
-                      overlap_grad_reduce=role_cfg.overlap_grad_reduce,
-                      overlap_param_gather=(role_cfg.overlap_param_gather
-                                            and role_cfg.use_distributed_optimizer))
-
-
-def _undo_megatron_mean(loss, metrics: dict, k: int):
-    """megatron divides each micro-batch loss by k; the global normalizers already count every
-    micro-batch, so scale the loss (and the aggregated metrics) back by k."""
-    metrics = {key: v * k if key in SHARE_METRICS else v for key, v in metrics.items()}
-    return loss * k, metrics
 

@@ -71,8 +71,8 @@ class SFTTrainer:
     """The SFT loop (see the module docstring)."""
 
     def __init__(self, cfg, groups, *, print_fn=print):
-        from hybridrl.trainer.ppo import ddp_options
         from hybridrl.trainer.progress import Progress
+        from hybridrl.trainer.updates import ddp_options
 
         s = cfg.sft
         s.check_dp(groups.dp_size)
