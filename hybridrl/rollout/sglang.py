@@ -51,7 +51,12 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.rollout.base import GenerationOutput, SamplingParams, as_prompt_lists
-from hybridrl.rollout.sglang_compat import LOAD_FORMAT, has_weight_update_session, import_sglang
+from hybridrl.rollout.sglang_compat import (
+    LOAD_FORMAT,
+    has_weight_update_session,
+    import_sglang,
+    not_importable,
+)
 from hybridrl.rollout.sglang_env import engine_start_env, sglang_serializer
 from hybridrl.rollout.sglang_layout import engine_param_shapes
 from hybridrl.rollout.sglang_push import WeightPusher, bounded
@@ -99,9 +104,12 @@ def sglang_backend() -> SGLangBackend:
     from importlib import metadata
 
     sglang = import_sglang()
-    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-    from sglang.srt.utils.common import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    try:  # the top-level package imports with fewer dependencies than these modules
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError as err:
+        raise not_importable(err) from None
 
     # CUDA tensors pickle by device UUID (as the schedulers expect) only while serialized here
     serialize = sglang_serializer(MultiprocessingSerializer.serialize,

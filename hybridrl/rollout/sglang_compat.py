@@ -69,8 +69,14 @@ def import_sglang():
     try:
         import sglang
     except ImportError as err:
-        raise ImportError(
-            f"rollout.engine=sglang needs SGLang, which cannot be imported here "
-            f"({err.__class__.__name__}: {err}); install the GPU extra on a CUDA machine "
-            f"({INSTALL}) or use rollout.engine=builtin") from None
+        raise not_importable(err) from None
     return sglang
+
+
+def not_importable(err: ImportError) -> ImportError:
+    """The one-line error for an installed SGLang whose modules cannot be imported here (a
+    CPU machine without its GPU dependencies, e.g. torchvision)."""
+    return ImportError(
+        f"rollout.engine=sglang needs SGLang, which cannot be imported here "
+        f"({err.__class__.__name__}: {err}); install the GPU extra on a CUDA machine "
+        f"({INSTALL}) or use rollout.engine=builtin")
