@@ -215,18 +215,31 @@ def test_bad_input_is_a_value_error():
         engine.update_weights([("model.nope", torch.zeros(3))])
 
 
-def test_sglang_missing_is_a_clear_import_error():
-    pytest.importorskip("torch")
-    try:
-        import sglang  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("sglang is installed here")
+def test_sglang_missing_is_a_clear_import_error(monkeypatch):
+    """Not installed, or installed but not importable here: one line naming the way out, whether
+    or not this machine has SGLang (both cases are made, not found)."""
+    import sys
+    from importlib import metadata
+
     from hybridrl.rollout.sglang import sglang_backend
 
-    with pytest.raises(ImportError, match="rollout.engine=builtin"):
-        sglang_backend()
+    real_version = metadata.version
+
+    def not_installed(name):
+        if name == "sglang":
+            raise metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    with monkeypatch.context() as m:
+        m.setattr(metadata, "version", not_installed)
+        with pytest.raises(ImportError, match="not installed here.*rollout.engine=builtin"):
+            sglang_backend()
+    with monkeypatch.context() as m:  # installed (the pinned release), but its import fails
+        m.setattr(metadata, "version", lambda name: "0.5.21" if name == "sglang"
+                  else real_version(name))
+        m.setitem(sys.modules, "sglang", None)
+        with pytest.raises(ImportError, match="cannot be imported here.*rollout.engine=builtin"):
+            sglang_backend()
 
 
 def _worker_on_one_rank(engine: str, qkv_bias: bool):
