@@ -29,7 +29,8 @@ Contract (``Checkpointer(trainer)``; every method is collective: every rank call
   only the same run id; the layout is not part of it) and returns the folder resumed from (or
   None). Checkpoints live in ``trainer.resolved_checkpoint_dir``. With
   ``resume=auto`` a checkpoint that fails to load (a truncated or corrupt file is named) is
-  reported as a warning and the previous complete one is tried. The KL guard's ``checkpoint``
+  reported as a warning and the previous complete one is tried (the warnings are printed once
+  one has loaded: when none loads, the error is one line naming the first problem). The KL guard's ``checkpoint``
   mode saves ``global_step_0`` when there is nothing to restore yet.
 - ``after_step()`` (after ``trainer.step`` was advanced): completes finished async saves, rolls
   back to the latest checkpoint when the step guard asked for it (KL guard ``mode=checkpoint``:
@@ -327,7 +328,8 @@ class Checkpointer:
                     more = (f" (and the {len(failed) - 1} older complete checkpoints failed "
                             "too)" if len(failed) > 1 else "")
                     raise StartupError(failed[0] + more) from None
-                tr.log.line(f"hybridrl: warning: {err}; falling back to {plan[1][i]}")
+        for problem, older in zip(failed, plan[1] or []):  # said once a fallback has loaded:
+            tr.log.line(f"hybridrl: warning: {problem}; falling back to {older}")  # else 1 line
         if resumed is not None and tr.rank == 0:  # only now: a failed resume changes nothing
             record_run(t.run_dir, tr.run_id, t.seed)
         k = self.cfg.kl_guard

@@ -15,7 +15,10 @@ from tests.distributed.test_trainer_cases import _clean, _trainer, base_override
 
 
 def _fit(rank, world, overrides, arg):
-    trainer, lines = _trainer(rank, world, overrides)
+    return _fit_trainer(*_trainer(rank, world, overrides))
+
+
+def _fit_trainer(trainer, lines):
     start = time.perf_counter()
     history = trainer.fit()
     return {"metrics": _clean(history), "lines": lines, "step": trainer.step,
@@ -23,20 +26,24 @@ def _fit(rank, world, overrides, arg):
 
 
 def _corrupt_then_fit(rank, world, overrides, arg):
-    """Rank 0 damages ``arg = (file, how)`` (truncate | flip a byte), then every rank fits."""
+    """Rank 0 damages ``arg = (file, how)`` or a list of them (how: truncate | flip a byte), then
+    every rank fits."""
     if rank == 0:
-        path, how = Path(arg[0]), arg[1]
-        data = bytearray(path.read_bytes())
-        if how == "truncate":
-            data = data[: len(data) // 2]
-        else:
-            data[len(data) // 2] ^= 0xFF
-        path.write_bytes(bytes(data))
+        for file, how in [arg] if isinstance(arg[0], str) else arg:
+            path = Path(file)
+            data = bytearray(path.read_bytes())
+            if how == "truncate":
+                data = data[: len(data) // 2]
+            else:
+                data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
     dist.barrier()
+    lines: list[str] = []
     try:
-        return _fit(rank, world, overrides, arg)
+        trainer, lines = _trainer(rank, world, overrides)
+        return _fit_trainer(trainer, lines)
     except ValueError as err:  # StartupError: the checkpoint cannot be resumed
-        return {"error": str(err)}
+        return {"error": str(err), "lines": lines}
 
 
 def _logprobs(rank, world, overrides, arg):

@@ -161,6 +161,9 @@ def world1(root):
         ("truncated", [*base, *ck("keep"), "trainer.total_steps=4", "trainer.resume=path",
                        f"trainer.resume_path={r}/w1_keep/checkpoints/global_step_3"], "corrupt",
          (f"{r}/w1_keep/checkpoints/global_step_3/rank_00000.pt", "truncate")),
+        ("all_corrupt", [*base, *ck("keep"), "trainer.save_freq=1", "trainer.total_steps=4",
+                         "trainer.max_ckpt_to_keep=2"], "corrupt",  # step 3 truncated above
+         [(f"{r}/w1_keep/checkpoints/global_step_2/rank_00000.pt", "flip")]),
         ("step_mode", [*spike, *ck("stepmode")], "spike", [2]),
         ("ckpt_mode", [*spike, *ck("ckptmode"), "trainer.kl_guard.mode=checkpoint",
                        "trainer.save_freq=1"], "spike", [2]),
@@ -177,6 +180,11 @@ def test_keep_and_truncated(world1, root):
     assert any("removed global_step_1" in line for line in world1["keep"]["lines"])
     err = world1["truncated"]["error"]  # an explicit path: no fallback, the file is named
     assert "rank_00000.pt' cannot be read" in err and "bytes, index.json says" in err
+    # resume=auto with every complete checkpoint corrupt: one line (no fallback warnings first)
+    every = world1["all_corrupt"]
+    assert "global_step_3/rank_00000.pt' cannot be read" in every["error"]
+    assert "(and the 1 older complete checkpoints failed too)" in every["error"]
+    assert not [line for line in every["lines"] if "warning" in line], every["lines"]
 
 
 def test_kl_guard_modes(world1):
