@@ -34,6 +34,10 @@ def key_error_on_rank1(data_source, solution_str, ground_truth, extra_info=None,
     if os.environ.get("RANK") == "1":
         return extra_info["no_such_key"]
     return 0.0
+def exit_on_rank1(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    if os.environ.get("RANK") == "1":
+        os._exit(0)  # the process vanishes with status 0, mid-step
+    return 0.0
 def hang(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     import time
     time.sleep(3600)
@@ -399,3 +403,38 @@ def test_launcher_names_a_killed_rank_once(root):
     assert run.returncode == 1 and len(lines) == 1, err[-3000:]
     assert "a rank's process is gone" in lines[0] and "rank 1 has sent no heartbeat" in lines[0]
     assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_launcher_names_a_stopped_rank_and_a_vanished_one_once(root):
+    """Issue 32 items 6 and 7: ``os._exit(0)`` inside a reward function on rank 1 (status 0, no
+    error of its own), and a SIGSTOPped rank 1 (alive, silent): each is one line naming rank 1,
+    shown once, status 1, no traceback, well before the default 600 s collective timeout."""
+    tiny = [*base_overrides(root), "algorithm.adv_estimator=grpo", "rollout.temperature=1.0"]
+    gone = _launch([*tiny, *run_in(f"{root}/vanished"),
+                    f"reward.reward_fn={root}/rewards.py:exit_on_rank1"], root)
+    _, err = gone.communicate(timeout=300)
+    lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
+    assert gone.returncode == 1 and len(lines) == 1, err[-3000:]
+    assert "rank 1" in lines[0] and "heartbeat" in lines[0], lines
+    assert "Traceback" not in err, err[-3000:]
+    start = time.monotonic()
+    run = _launch([*tiny, *run_in(f"{root}/stopped"), "trainer.total_steps=500",
+                   "trainer.collective_timeout_s=10"], root)
+    deadline, seen = time.monotonic() + 240, ""
+    while time.monotonic() < deadline and "step 2/" not in seen:
+        seen += run.stdout.readline()
+    assert "step 2/" in seen, run.stderr.read()[-2000:] if run.poll() is not None else seen
+    victim = _worker_pid(run.pid, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        _, err = run.communicate(timeout=200)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
+    assert run.returncode == 1 and len(lines) == 1, err[-3000:]
+    assert "rank 1 stopped responding (no heartbeat for" in lines[0], lines
+    assert "Traceback" not in err, err[-3000:]
+    assert time.monotonic() - start < 240
