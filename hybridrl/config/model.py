@@ -50,6 +50,10 @@ class ModelConfig:
     sequence_parallel: bool = knob(False, "Split activations outside TP regions along the "
                                    "sequence (needs parallel.tp > 1; TE spec on GPU, the "
                                    "local spec's SP norms on CPU).")
+    pack_sequences: bool = knob(True, "Training and log-prob forwards (actor, critic, "
+                                "reference, reward model) run micro-batches as packs of whole "
+                                "sequences (THD, cu_seqlens) instead of right-padded rows: no "
+                                "pad token is computed and token budgets count real tokens.")
 
     def __post_init__(self) -> None:
         check_choice("model.dtype", self.dtype, DTYPES)

@@ -17,9 +17,17 @@ rows (``x[idx]``), runs them, and restores the original order with :func:`invers
   longer than the budget cannot fit anywhere: it gets a micro-batch of its own, is listed in
   ``plan.oversized`` and a warning is issued. No other micro-batch ever exceeds the budget.
   ``min_num_micro_batches`` splits the largest micro-batches in halves until there are that many.
+  With ``packed=True`` (``model.pack_sequences``: a micro-batch is one pack of whole
+  sequences, no padding) the budget counts REAL tokens: the sum of the rows' lengths. The plan
+  takes k = ceil(total / budget) micro-batches (at least ``min_num_micro_batches``, at most one
+  per row), splits the rows into k Karmarkar-Karp-balanced packs and raises k until every pack
+  fits; an oversized sequence again runs alone.
 * ``plan_dp_micro_batches(seqlens, dp_size, max_token_len)``: both, with (by default) the same
   number of micro-batches on every rank (pipeline schedules need it); ``partition`` gives the
-  ranks' indices instead of ``plan_dp_partition`` (rows already placed on their DP ranks).
+  ranks' indices instead of ``plan_dp_partition`` (rows already placed on their DP ranks);
+  ``packed`` as above.
+* ``computed_tokens(seqlens, micro_batch, packed)``: tokens a micro-batch's forward computes
+  (``padded_tokens``, or the real tokens of a pack).
 """
 
 from __future__ import annotations
@@ -105,6 +113,26 @@ def padded_tokens(seqlens: Sequence[int], micro_batch: Sequence[int]) -> int:
     return len(micro_batch) * max((int(seqlens[i]) for i in micro_batch), default=0)
 
 
+def computed_tokens(seqlens: Sequence[int], micro_batch: Sequence[int], packed: bool) -> int:
+    """Tokens the forward of ``micro_batch`` computes: a pack's real tokens, else padded."""
+    if packed:
+        return sum(int(seqlens[i]) for i in micro_batch)
+    return padded_tokens(seqlens, micro_batch)
+
+
+def _packs(seqlens: Sequence[int], rows: list[int], max_token_len: int, min_count: int):
+    """The fewest KK-balanced packs of ``rows`` (at least ``min_count``) within the budget."""
+    if not rows:
+        return []
+    lens = [int(seqlens[i]) for i in rows]
+    k = min(max(-(-sum(lens) // max_token_len), min_count, 1), len(rows))
+    while True:
+        parts = [[rows[j] for j in p] for p in karmarkar_karp(lens, k) if p]
+        if k >= len(rows) or max(computed_tokens(seqlens, p, True) for p in parts) <= max_token_len:
+            return parts
+        k += 1
+
+
 def _split_largest(parts: list[list[int]], seqlens: Sequence[int]) -> bool:
     """Split the micro-batch of largest padded size (2+ rows) in two halves; False if none."""
     splittable = [p for p in parts if len(p) > 1]
@@ -118,7 +146,8 @@ def _split_largest(parts: list[list[int]], seqlens: Sequence[int]) -> bool:
 
 
 def plan_micro_batches(
-    seqlens: Sequence[int], max_token_len: int, min_num_micro_batches: int = 1
+    seqlens: Sequence[int], max_token_len: int, min_num_micro_batches: int = 1,
+    packed: bool = False,
 ) -> MicroBatchPlan:
     """Token-budget micro-batches over ``range(len(seqlens))`` (see module docstring).
 
@@ -135,6 +164,11 @@ def plan_micro_batches(
             f"(lengths {[int(seqlens[i]) for i in oversized]}) each run alone in a micro-batch",
             stacklevel=2,
         )
+    if packed:
+        fitting = [i for i, n in enumerate(seqlens) if n <= max_token_len]
+        want = max(min_num_micro_batches - len(oversized), 1)
+        parts = [[i] for i in oversized] + _packs(seqlens, fitting, max_token_len, want)
+        return MicroBatchPlan(sorted((sorted(p) for p in parts), key=lambda p: p[0]), oversized)
     # longest first; each micro-batch takes the longest remaining row and as many of the next
     # (shorter) rows as its padded size allows: the fewest micro-batches, least padding
     order = sorted((i for i, n in enumerate(seqlens) if n <= max_token_len),
@@ -153,7 +187,7 @@ def plan_micro_batches(
 
 def plan_dp_micro_batches(
     seqlens: Sequence[int], dp_size: int, max_token_len: int, same_count: bool = True,
-    partition: Sequence[Sequence[int]] | None = None,
+    partition: Sequence[Sequence[int]] | None = None, packed: bool = False,
 ) -> list[MicroBatchPlan]:
     """Per DP rank, its micro-batches as indices into the global batch.
 
@@ -167,7 +201,8 @@ def plan_dp_micro_batches(
         for idx in ranks:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                local = plan_micro_batches([seqlens[i] for i in idx], max_token_len, min_count)
+                local = plan_micro_batches([seqlens[i] for i in idx], max_token_len, min_count,
+                                           packed=packed)
             out.append(
                 MicroBatchPlan(
                     [[idx[j] for j in mb] for mb in local.micro_batches],

@@ -4,6 +4,11 @@ Contract:
 - A micro-batch is a dict with ``input_ids`` [B, T] (right-padded: every sequence starts at
   position 0; megatron's RoPE uses positions 0..T-1) and optionally ``labels`` [B, T] (default: the
   next token, ``input_ids`` shifted left, last column 0). Any other keys ride along to the loss.
+  A packed micro-batch (``hybridrl.models.packing``) is ``input_ids`` [1, S] plus ``cu_seqlens``:
+  the model gets megatron's ``PackedSeqParams`` (THD) and per-sequence position ids, so each
+  sequence attends over itself alone with RoPE positions from 0; the default label of a
+  sequence's last token is the next sequence's first token (never read: PPO reads response
+  tokens only, through ``resp_index``). Outputs are [1, S].
 - ``model_outputs(model, output, batch)`` turns the last stage's raw output into per-token
   tensors: actor/reference ``{"logprobs": [B, T], "entropy": [B, T]}`` (vocab-parallel, see
   ``vocab_parallel``), critic ``{"values": [B, T]}``. Position t scores ``labels[:, t]``.
@@ -16,7 +21,8 @@ Contract:
   per-position tensors (``SEQUENCE_KEYS``: ``input_ids`` with 0, ``labels``, ``loss_mask``) to a
   multiple of tp (``pad_to_multiple``, pure): megatron's sequence-parallel embedding scatters the
   sequence over the TP ranks. Right padding changes no earlier position (causal attention), and
-  padded positions carry loss mask 0; PPO reads responses through ``resp_index``.
+  padded positions carry loss mask 0; PPO reads responses through ``resp_index``. A pack is
+  padded at its tail only, the pad joining its last sequence (``packing.extend_tail``).
 - ``broadcast_from_last_stage(obj, groups)`` hands a picklable result to every stage.
 - ``left_align`` / ``undo_left_align`` turn left-padded rows (verl's prompt layout) into rows that
   start at position 0 and map per-token outputs back.
@@ -32,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.models.build import VALUE_ROLES, ShardedModel, ensure_megatron_state
+from hybridrl.models.packing import extend_tail, packed_seq_params, positions
 from hybridrl.models.vocab_parallel import vocab_parallel_logprobs_entropy
 
 LossFn = Callable[[dict, dict], tuple[torch.Tensor, dict]]
@@ -113,8 +120,13 @@ def _forward_step(model, loss_fn, options, data_iterator, module):
     batch = next(data_iterator)
     input_ids_BT = batch["input_ids"].to(model.device)
     b, t = input_ids_BT.shape
-    position_ids_BT = torch.arange(t, device=input_ids_BT.device).expand(b, t)
-    output = module(input_ids_BT, position_ids_BT, None)
+    if "cu_seqlens" in batch:  # a pack [1, S]: positions restart at every sequence (THD)
+        cu = extend_tail(batch["cu_seqlens"], t).to(input_ids_BT.device)
+        output = module(input_ids_BT, positions(cu).unsqueeze(0), None,
+                        packed_seq_params=packed_seq_params(cu))
+    else:
+        position_ids_BT = torch.arange(t, device=input_ids_BT.device).expand(b, t)
+        output = module(input_ids_BT, position_ids_BT, None)
     return output, functools.partial(_loss_func, model, batch, loss_fn, options)
 
 

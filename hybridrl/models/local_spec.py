@@ -13,7 +13,10 @@ Contract:
     causal (sq == sk); a given mask is used alone, as megatron does. Attention dropout (0 in
     hybridrl's configs) runs inside megatron's model-parallel RNG fork, as megatron's does.
     Context parallelism, sliding windows and non-vanilla softmax raise ``ValueError`` at
-    construction; packed sequences and attention biases at forward (megatron's module neither).
+    construction; attention biases at forward (megatron's module neither). Packed sequences
+    (``packed_seq_params``, THD, cp 1, no padded cu_seqlens; q/k/v [t, 1, heads, hn] from the lean
+    attention or [t, heads, hn] from megatron's own): each sequence attends over itself alone
+    (``hybridrl.models.packing.varlen_attention``; megatron's DotProductAttention refuses THD).
   * ``LeanColumnParallelLinear`` / ``LeanRowParallelLinear``: ``F.linear`` (native autograd)
     instead of megatron's Python autograd functions, with megatron's TP mappings around it
     (column: backward all-reduce of the input gradient, optional output gather; row: forward
@@ -32,11 +35,12 @@ Contract:
     its slice of the sequence); megatron's ``WrappedTorchNorm`` itself refuses sequence
     parallelism. With it off the module is ``WrappedTorchNorm``'s, unchanged.
   ``make_output_layer_lean(gpt_model)`` gives the output layer (built by GPTModel, not by the
-  spec) the lean linear forward. Each lean forward runs only when nothing needs megatron's own (no sequence parallelism,
-  recompute, offloading, fp8/fp4, CUDA graphs, gradient-accumulation fusion, inference context,
-  packed sequences, cross attention, MoE, partial or interleaved RoPE, q/k norms other than
-  torch's RMSNorm, output gates);
-  otherwise the module calls megatron's forward unchanged.
+  spec) the lean linear forward. Each lean forward runs only when nothing needs megatron's own
+  (no sequence parallelism, recompute, offloading, fp8/fp4, CUDA graphs, gradient-accumulation
+  fusion, inference context, packed sequences other than plain THD (the lean attention takes
+  those: RoPE angles at each token's position inside its own sequence, ``packing.positions``),
+  cross attention, MoE, partial or interleaved RoPE, q/k norms other than torch's RMSNorm,
+  output gates); otherwise the module calls megatron's forward unchanged.
 - Numerics: tests/unit/test_models_local_spec.py checks each module against megatron's original
   (outputs and gradients, fp32 and bf16, GQA, masks, TP head slices); tests/distributed/
   test_models.py checks whole models against transformers.
@@ -44,6 +48,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -63,6 +68,8 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
+
+from hybridrl.models.packing import MASK_MAX_TOKENS, block_causal_mask, positions, varlen_attention
 
 
 def _needs_megatron(config) -> bool:
@@ -97,13 +104,16 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = (1.0 / math.sqrt(config.kv_channels) if softmax_scale is None
                               else softmax_scale)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self._mask = None  # (cu_seqlens, block-diagonal causal mask or None) of the last pack
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np*hn]."""
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPACoreAttention supports neither packed sequences nor attention "
-                             "biases (megatron's DotProductAttention neither)")
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention supports no attention bias (megatron's "
+                             "DotProductAttention neither)")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b, heads, hn = query.shape
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
@@ -122,6 +132,29 @@ class SDPACoreAttention(MegatronModule):
         else:
             out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, **kwargs)
         return out_BNSD.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)  # [sq, b, np*hn]
+
+    def _packed(self, query, key, value, params):
+        """THD: q [t, (1,) np, hn], k/v [t, (1,) ng, hn] -> [t, 1, np*hn], each sequence alone."""
+        if params.qkv_format != "thd" or params.cu_seqlens_q_padded is not None:
+            raise ValueError("SDPACoreAttention takes packed sequences as qkv_format='thd' "
+                             f"without padded cu_seqlens, got {params.qkv_format!r}")
+        if query.dim() == 3:  # megatron's own SelfAttention squeezes the batch dimension
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        t, _, heads, hn = query.shape
+        cu = params.cu_seqlens_q
+        cached = self._mask
+        if cached is None or cached[0] is not cu:  # one mask per pack, shared by the calls
+            cached = self._mask = (cu, block_causal_mask(cu, query.device)
+                                   if int(cu[-1]) <= MASK_MAX_TOKENS and len(cu) > 2 else None)
+        q_BNSD = query.permute(1, 2, 0, 3)
+        k_BGSD, v_BGSD = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
+        dropout = self.dropout_p if self.training else 0.0
+        rng = (tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0.0
+               else contextlib.nullcontext())
+        with rng:
+            out_BNSD = varlen_attention(q_BNSD, k_BGSD, v_BGSD, cu, self.softmax_scale,
+                                        dropout, mask=cached[1])
+        return out_BNSD.permute(2, 0, 1, 3).reshape(t, 1, heads * hn)  # [t, 1, np*hn]
 
 
 class LeanColumnParallelLinear(ColumnParallelLinear):
@@ -171,6 +204,14 @@ class LeanRowParallelLinear(RowParallelLinear):
         return (output + self.bias if self.bias is not None else output), None
 
 
+def _lean_packing(params) -> bool:
+    """True when the lean forward can take ``packed_seq_params``: none, or plain THD."""
+    return params is None or (params.qkv_format == "thd" and params.cu_seqlens_q_padded is None
+                              and params.cu_seqlens_kv_padded is None
+                              and params.cu_seqlens_kv is params.cu_seqlens_q
+                              and (params.cp_group is None or params.cp_group.size() == 1))
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = torch.chunk(x, 2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -197,13 +238,16 @@ class LeanSelfAttention(SelfAttention):
             or self.num_query_groups_per_partition * self.world_size != cfg.num_query_groups)
         self._rope = None  # (rotary tensor, dtype, cos, sin)
 
-    def _cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype):
-        """cos/sin of megatron's rotary tensor [s, 1, 1, hn] as [s, 1, 1, 1, hn] in ``dtype``."""
+    def _cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype, packed=None):
+        """cos/sin of megatron's rotary tensor [s, 1, 1, hn] as [s, 1, 1, 1, hn] in ``dtype``;
+        for a pack, row t holds the angle of token t's position inside its own sequence."""
+        cu = None if packed is None else packed.cu_seqlens_q
         cached = self._rope
-        if cached is None or cached[0] is not freqs or cached[1] != dtype:
-            f = freqs.unsqueeze(3)
-            cached = self._rope = (freqs, dtype, f.cos().to(dtype), f.sin().to(dtype))
-        return cached[2], cached[3]
+        if cached is None or cached[0] is not freqs or cached[1] != dtype or cached[2] is not cu:
+            f = freqs if cu is None else freqs[positions(cu).to(freqs.device)]
+            f = f.unsqueeze(3)
+            cached = self._rope = (freqs, dtype, cu, f.cos().to(dtype), f.sin().to(dtype))
+        return cached[3], cached[4]
 
     def forward(self, hidden_states, attention_mask, key_value_states=None,
                 inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
@@ -213,7 +257,7 @@ class LeanSelfAttention(SelfAttention):
         if (not self.lean or key_value_states is not None or inference_context is not None
                 or inference_params is not None or rotary_pos_cos is not None
                 or rotary_pos_sin is not None or rotary_pos_cos_sin is not None
-                or attention_bias is not None or packed_seq_params is not None
+                or attention_bias is not None or not _lean_packing(packed_seq_params)
                 or sequence_len_offset is not None or isinstance(rotary_pos_emb, tuple)
                 or (rotary_pos_emb is not None and rotary_pos_emb.shape[-1] != hn)
                 or self.config._cpu_offloading_context is not None):
@@ -232,12 +276,13 @@ class LeanSelfAttention(SelfAttention):
             qk_SBGKD = torch.cat([self.q_layernorm(qk_SBGKD[:, :, :, :per_group]),
                                   self.k_layernorm(qk_SBGKD[:, :, :, per_group:])], dim=3)
         if rotary_pos_emb is not None:
-            cos, sin = self._cos_sin(rotary_pos_emb, qk_SBGKD.dtype)
+            cos, sin = self._cos_sin(rotary_pos_emb, qk_SBGKD.dtype, packed_seq_params)
             qk_SBGKD = qk_SBGKD * cos + _rotate_half(qk_SBGKD) * sin
         query = qk_SBGKD[:, :, :, :per_group].reshape(s, b, groups * per_group, hn)
         key, value = qk_SBGKD[:, :, :, per_group], mixed_SBGKD[:, :, :, per_group + 1]
         context = self.core_attention(query, key, value, attention_mask,
-                                      attn_mask_type=self.attn_mask_type)
+                                      attn_mask_type=self.attn_mask_type,
+                                      packed_seq_params=packed_seq_params)
         return self.linear_proj(context)
 
 
@@ -265,14 +310,18 @@ class LeanTransformerLayer(TransformerLayer):
     def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None,
                 rotary_pos_emb=None, **kwargs):
         kwargs.pop("dynamic_inference_decode_only", None)
-        if (not self.lean or context is not None or context_mask is not None
-                or any(v is not None for v in kwargs.values())
+        packed = kwargs.pop("packed_seq_params", None)
+        if packed is not None:
+            kwargs["packed_seq_params"] = packed  # megatron's forward gets it back
+        if (not self.lean or not _lean_packing(packed) or context is not None or context_mask is not None
+                or any(v is not None for k, v in kwargs.items() if k != "packed_seq_params")
                 or hasattr(self, "cudagraph_manager")):
             return super().forward(hidden_states, attention_mask, context, context_mask,
                                    rotary_pos_emb, **kwargs)
         attention = self.self_attention(self.input_layernorm(hidden_states),
                                         attention_mask=attention_mask,
-                                        rotary_pos_emb=rotary_pos_emb)
+                                        rotary_pos_emb=rotary_pos_emb,
+                                        packed_seq_params=packed)
         hidden_states = self._residual(attention, hidden_states)
         mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
         output = self._residual(mlp, hidden_states)

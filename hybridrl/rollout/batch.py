@@ -12,13 +12,18 @@ Contract:
   right-padded (prompt then response, starting at position 0 as megatron's RoPE needs, T = the
   longest prompt + response among the rows), ``resp_index`` [b, R] = the output positions that
   score each response token (prompt_len - 1 + j: position t scores token t + 1),
-  ``response_mask`` [b, R], plus ``tensors[k][idx]`` for each given [N, R] tensor.
+  ``response_mask`` [b, R], ``seq_lens`` [b] (real tokens of each row), plus ``tensors[k][idx]``
+  for each given [N, R] tensor. With ``packed=True`` the rows are one pack
+  (``hybridrl.models.packing``): ``input_ids`` [1, S] (S = the sum of the rows' lengths, no pad
+  token), ``cu_seqlens`` [b + 1], and ``resp_index`` [b, R] points into the pack (row b's start
+  + prompt_len - 1 + j, clamped to its last token, so a masked column never reads another
+  sequence): losses read both layouts alike through ``gather_response``.
 - ``batch_metrics(rb, tensors, max_response_length, step_s, world, dp_group, device)``:
   response/prompt lengths, advantage/return means, |engine - actor| log-prob gap (mean, max),
   tokens and tokens/s per rank; with ``dp_group`` every value is over the whole batch (sums,
   counts, max and min all-reduced over the DP ranks' shards, on ``device``).
 - ``gather_response(out_bT, resp_index_bR)`` picks the response columns [b, R] out of a per-token
-  model output [b, T].
+  model output [b, T], or out of a pack's [1, S].
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hybridrl.models.packing import pack_sequences
 
 
 @dataclasses.dataclass
@@ -59,10 +66,12 @@ class RolloutBatch:
         return [len(p) + int(r) for p, r in zip(self.prompt_ids, self.response_lengths)]
 
     def microbatch(self, idx: list[int], tensors: dict[str, torch.Tensor] | None = None,
-                   pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+                   pad_token_id: int = 0, packed: bool = False) -> dict[str, torch.Tensor]:
         """The megatron micro-batch of rows ``idx`` (see the module docstring)."""
         if not idx:
             raise ValueError("a micro-batch needs at least one row, got 0")
+        if packed:
+            return self._packed(idx, tensors)
         rows = torch.as_tensor(idx, dtype=torch.long)
         R = self.response_ids.shape[1]
         lens = [len(self.prompt_ids[i]) + int(self.response_mask[i].sum()) for i in idx]
@@ -76,14 +85,35 @@ class RolloutBatch:
             input_ids_bT[b, len(p): len(p) + len(r)] = r
             resp_index_bR[b] = (len(p) - 1 + torch.arange(R)).clamp(max=T - 1)
         out = {"input_ids": input_ids_bT, "resp_index": resp_index_bR,
-               "response_mask": self.response_mask[rows]}
+               "response_mask": self.response_mask[rows],
+               "seq_lens": torch.tensor(lens, dtype=torch.long)}
+        for key, value in (tensors or {}).items():
+            out[key] = value[rows]
+        return out
+
+    def _packed(self, idx: list[int], tensors: dict[str, torch.Tensor] | None) -> dict:
+        """Rows ``idx`` as one pack [1, S] (see the module docstring)."""
+        rows = torch.as_tensor(idx, dtype=torch.long)
+        R = self.response_ids.shape[1]
+        seqs = [torch.cat([torch.tensor(self.prompt_ids[i], dtype=torch.long),
+                           self.response_ids[i, : int(self.response_mask[i].sum())]])
+                for i in idx]
+        input_ids_1S, cu = pack_sequences(seqs)
+        starts, lens = cu[:-1].long(), (cu[1:] - cu[:-1]).long()
+        plen = torch.tensor([len(self.prompt_ids[i]) for i in idx], dtype=torch.long)
+        resp_index_bR = (starts + plen - 1).unsqueeze(1) + torch.arange(R)  # [b, R]
+        resp_index_bR = torch.minimum(resp_index_bR, (starts + lens - 1).unsqueeze(1))
+        out = {"input_ids": input_ids_1S, "cu_seqlens": cu, "resp_index": resp_index_bR,
+               "response_mask": self.response_mask[rows], "seq_lens": lens}
         for key, value in (tensors or {}).items():
             out[key] = value[rows]
         return out
 
 
 def gather_response(out_bT: torch.Tensor, resp_index_bR: torch.Tensor) -> torch.Tensor:
-    """Response columns [b, R] of a per-token output [b, T]."""
+    """Response columns [b, R] of a per-token output [b, T] (or of a pack's [1, S])."""
+    if out_bT.shape[0] == 1 and resp_index_bR.shape[0] > 1:  # a pack: every row reads the same
+        out_bT = out_bT.expand(resp_index_bR.shape[0], -1)
     return out_bT.gather(1, resp_index_bR.to(out_bT.device))
 
 

@@ -59,10 +59,7 @@ from hybridrl.algos.kl_control import apply_kl_in_reward, build_kl_controller
 from hybridrl.checkpoint.checkpointer import Checkpointer
 from hybridrl.checkpoint.folder import capture_state, restore_state
 from hybridrl.checkpoint.run_identity import run_id
-from hybridrl.data.batching import (
-    inverse_order,
-    plan_micro_batches,
-)
+from hybridrl.data.batching import inverse_order
 from hybridrl.data.build import build_loaders, build_tokenizer
 from hybridrl.data.tokenizer import CharTokenizer, vocab_size
 from hybridrl.models.forward import broadcast_from_last_stage, run_microbatches
@@ -77,6 +74,7 @@ from hybridrl.rollout.worker import RolloutWorker, reshard_metrics
 from hybridrl.trainer import dynamic_sampling
 from hybridrl.trainer.guards import StepGuard
 from hybridrl.trainer.metrics_log import build_metrics_log
+from hybridrl.trainer.microbatches import TokenTally, forward_parts, sp_multiple
 from hybridrl.trainer.on_policy import GAP_METRICS, skip_old_forward
 from hybridrl.trainer.phase_memory import PhaseMemory
 from hybridrl.trainer.updates import actor_loss_fn, critic_loss_fn, ddp_options, ppo_updates
@@ -127,6 +125,7 @@ class PPOTrainer:
         self.dist_scorer = DistributedScorer(self.scorer, self.tokenizer, cfg.reward,
                                              cfg.rollout.response_length)
         self.partition = None  # this step's (rows per DP rank, global sequence lengths)
+        self.tally = TokenTally()  # tokens of the step's forwards (perf/pad_fraction)
         self.step, self.run_id, self.temperature = 0, run_id(cfg), cfg.rollout.temperature or 1.0
         self.log = build_metrics_log(cfg, self.rank, print_fn)  # the run folder's sinks
         ref_offload = {"params"} if cfg.ref.param_offload else set()
@@ -186,14 +185,11 @@ class PPOTrainer:
 
         Column j is the output at the position that predicts response token j (``shift=0``), or
         at response token j itself (``shift=1``: a reward model reads the whole sequence)."""
-        mine = list(range(len(rb)))
-        if dynamic:
-            parts = plan_micro_batches([rb.seq_lengths[i] for i in mine], max_tokens).micro_batches
-            parts = [[mine[j] for j in p] for p in parts]
-        else:
-            parts = [mine[s:s + micro] for s in range(0, len(mine), micro)]
-        mbs = [rb.microbatch(p) for p in parts]
-        outs = run_microbatches(model, mbs, with_entropy=False, temperature=self.temperature)
+        mine, packed = list(range(len(rb))), self.cfg.model.pack_sequences
+        parts = forward_parts(rb.seq_lengths, micro, dynamic, max_tokens, packed)
+        mbs = [rb.microbatch(p, packed=packed) for p in parts]
+        with self.tally.count(mbs, sp_multiple(model)):
+            outs = run_microbatches(model, mbs, with_entropy=False, temperature=self.temperature)
         local = None
         if self.groups.is_last_stage:
             cols = [gather_response(o[key], (mb["resp_index"] + shift).clamp(
@@ -230,7 +226,8 @@ class PPOTrainer:
         return ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix,
                            partition=self.partition, groups=self.groups, n=self.cfg.rollout.n,
                            loss_scale=self.cfg.rollout.response_length,
-                           temperature=self.temperature)
+                           temperature=self.temperature, packed=self.cfg.model.pack_sequences,
+                           tally=self.tally)
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
@@ -310,6 +307,7 @@ class PPOTrainer:
         batch = batch_metrics(rb, tensors, self.cfg.rollout.response_length, timing["timing_s/step"],
                               self.world, self._gloo_dp())
         batch = {k: v for k, v in batch.items() if not (self.on_policy and k in GAP_METRICS)}
+        batch.update(self.tally.pop_metrics(self._gloo_dp()))  # perf/pad_fraction, tokens_per_s
         return {**metrics, **batch, **timing, **reshard_metrics(sync)}
 
     # ------------------------------------------------------------------ KL guard

@@ -2,13 +2,15 @@
 
 Contract:
 - ``ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix, *, partition, groups, n,
-  loss_scale, temperature)`` runs ``role_cfg.ppo_epochs`` passes over mini-batches of
-  ``role_cfg.ppo_mini_batch_size * n`` consecutive global rows; this DP rank takes its rows of
-  each (``partition`` = (rows per DP rank, global sequence lengths), the step's
-  ``plan_rollout_partition``) as fixed-size micro-batches of ``ppo_micro_batch_size_per_gpu``
-  sequences or, with ``use_dynamic_bsz``, token-budget micro-batches of the same count on every
-  DP rank. The loss uses the global normalizers of the mini-batch (``compute_agg_normalizers``
-  over ``groups.dp``, verl's constant ``loss_scale``). One optimizer step per mini-batch
+  loss_scale, temperature, packed, tally)`` runs ``role_cfg.ppo_epochs`` passes over
+  mini-batches of ``role_cfg.ppo_mini_batch_size * n`` consecutive global rows; this DP rank
+  takes its rows of each (``partition`` = (rows per DP rank, global sequence lengths), the
+  step's ``plan_rollout_partition``) as fixed-size micro-batches of
+  ``ppo_micro_batch_size_per_gpu`` sequences or, with ``use_dynamic_bsz``, token-budget
+  micro-batches of the same count on every DP rank (``packed``: each micro-batch one pack of
+  whole sequences, budgets in real tokens, ``hybridrl.models.packing``; ``tally``, a
+  ``TokenTally``, counts their tokens). The loss uses the global normalizers of the mini-batch
+  (``compute_agg_normalizers`` over ``groups.dp``, verl's constant ``loss_scale``). One optimizer step per mini-batch
   (``hybridrl.models.train_step``); the weights are gathered whole afterwards (the next reader
   needs them). Returns the metrics averaged over the optimizer steps, ``<prefix>/<name>`` (keys
   with a ``/`` kept as they are), plus ``actor/ppo_kl_max`` when the actor's KL is reported.
@@ -34,6 +36,7 @@ from hybridrl.data.batching import plan_dp_micro_batches, split_mini_batches
 from hybridrl.models.build import DDPOptions
 from hybridrl.models.train_step import train_step
 from hybridrl.rollout.batch import gather_response
+from hybridrl.trainer.microbatches import TokenTally, sp_multiple
 from hybridrl.trainer.on_policy import old_or_current
 
 SHARE_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "critic/vf_loss")
@@ -77,7 +80,8 @@ def critic_loss_fn(c, outputs, batch, *, norm, k):
 
 
 def ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix: str, *, partition, groups,
-                n: int, loss_scale: int, temperature: float) -> dict:
+                n: int, loss_scale: int, temperature: float, packed: bool = False,
+                tally: TokenTally | None = None) -> dict:
     """PPO epochs over mini-batches of one model (see module doc)."""
     dp = groups.dp_size
     mini = role_cfg.ppo_mini_batch_size * n
@@ -90,18 +94,21 @@ def ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix: str, *, 
             if role_cfg.use_dynamic_bsz:  # the same micro-batch count on every DP rank
                 plans = plan_dp_micro_batches(
                     lens[lo:hi], dp, role_cfg.ppo_max_token_len_per_gpu,
-                    partition=[[g - lo for g in p if lo <= g < hi] for p in parts])
+                    partition=[[g - lo for g in p if lo <= g < hi] for p in parts],
+                    packed=packed)
                 micro = [[local[lo + j] for j in mb] for mb in plans[groups.dp_rank].micro_batches]
             else:
                 share = [j for g, j in local.items() if lo <= g < hi]
                 size = role_cfg.ppo_micro_batch_size_per_gpu
                 micro = [share[s:s + size] for s in range(0, len(share), size)]
-            mbs = [rb.microbatch(m, tensors) for m in micro]
+            mbs = [rb.microbatch(m, tensors, packed=packed) for m in micro]
             norm = compute_agg_normalizers(  # on the model's device: NCCL takes no CPU tensors
                 [mb["response_mask"].to(model.device) for mb in mbs],
                 groups.dp if dp > 1 else None, loss_scale_factor=loss_scale)  # verl: a constant L
             loss_fn = functools.partial(loss_method, norm=norm, k=len(mbs))
-            for key, value in train_step(model, opt, mbs, loss_fn, temperature=temperature).items():
+            with (tally or TokenTally()).count(mbs, sp_multiple(model)):
+                step = train_step(model, opt, mbs, loss_fn, temperature=temperature)
+            for key, value in step.items():
                 acc[key].append(value)
     opt.gather_params()  # the next reader (reshard, guard, save) needs whole weights
     out = {(k if "/" in k else f"{prefix}/{k}"): float(np.mean(v)) for k, v in acc.items()}

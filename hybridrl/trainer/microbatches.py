@@ -1,0 +1,74 @@
+"""The micro-batches of a step's model forwards, and the tally of the tokens they compute.
+
+Contract:
+- ``forward_parts(seq_lens, micro, dynamic, max_tokens, packed)``: this rank's rows
+  (``range(len(seq_lens))``) as micro-batches for a forward-only pass (old / reference
+  log-probs, values, reward model): ``micro`` rows each, or with ``dynamic`` the token-budget
+  plan of ``hybridrl.data.batching.plan_micro_batches`` (``packed``: the budget counts real
+  tokens).
+- ``sp_multiple(model)``: the multiple a micro-batch's length is padded to before the forward
+  (tp under sequence parallelism, else 1; ``hybridrl.models.forward.pad_to_multiple``).
+- ``TokenTally``: ``with tally.count(mbs, multiple):`` around a forward (or forward-backward)
+  over micro-batches adds their real and computed tokens (``hybridrl.models.packing.
+  token_counts``) and the seconds it took. ``pop_metrics(dp_group)`` returns the step's
+  ``perf/pad_fraction`` (share of the computed tokens that are padding: 1 - real / computed,
+  summed over the DP ranks) and ``perf/tokens_per_s`` (real tokens of all DP ranks / the
+  slowest DP rank's seconds inside the counted forwards) and starts over; {} when nothing was
+  counted. Every rank of a DP replica counts the same micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.data.batching import plan_micro_batches
+from hybridrl.models.packing import token_counts
+
+
+def forward_parts(seq_lens: list[int], micro: int, dynamic: bool, max_tokens: int,
+                  packed: bool) -> list[list[int]]:
+    """Row indices of each forward-only micro-batch (see the module docstring)."""
+    if dynamic:
+        return plan_micro_batches(seq_lens, max_tokens, packed=packed).micro_batches
+    rows = list(range(len(seq_lens)))
+    return [rows[s:s + micro] for s in range(0, len(rows), micro)]
+
+
+def sp_multiple(model) -> int:
+    """tp under sequence parallelism (the forward pads T to it), else 1."""
+    sp = getattr(model.config, "sequence_parallel", False)
+    return model.groups.tp_size if sp and model.groups.tp_size > 1 else 1
+
+
+class TokenTally:
+    """Real and computed tokens of a step's forwards, and their seconds."""
+
+    def __init__(self) -> None:
+        self.real = self.computed = 0
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def count(self, microbatches, multiple: int = 1):
+        real, computed = token_counts(microbatches, multiple)
+        t0 = time.perf_counter()
+        yield
+        self.seconds += time.perf_counter() - t0
+        self.real += real
+        self.computed += computed
+
+    def pop_metrics(self, dp_group=None) -> dict[str, float]:
+        sums = torch.tensor([float(self.real), float(self.computed)], dtype=torch.float64)
+        peak = torch.tensor([self.seconds], dtype=torch.float64)
+        if dp_group is not None:
+            dist.all_reduce(sums, group=dp_group)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dp_group)
+        self.__init__()
+        real, computed = sums.tolist()
+        if computed <= 0:
+            return {}
+        return {"perf/pad_fraction": 1.0 - real / computed,
+                "perf/tokens_per_s": real / max(float(peak[0]), 1e-9)}

@@ -1,0 +1,124 @@
+"""Packed sequences, pure parts: the pack and its positions, the packed token-budget plan,
+the rollout batch's packed micro-batch, and the varlen attention against per-sequence SDPA."""
+
+import random
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridrl.data.batching import (
+    computed_tokens,
+    padded_tokens,
+    plan_dp_micro_batches,
+    plan_micro_batches,
+)
+from hybridrl.models import packing
+from hybridrl.rollout.batch import RolloutBatch, gather_response
+
+
+def test_pack_positions_and_tail():
+    ids, cu = packing.pack_sequences([torch.tensor([5]), torch.tensor([1, 2, 3]),
+                                      torch.tensor([7, 8])])
+    assert ids.tolist() == [[5, 1, 2, 3, 7, 8]] and cu.tolist() == [0, 1, 4, 6]
+    assert cu.dtype == torch.int32
+    assert packing.positions(cu).tolist() == [0, 0, 1, 2, 0, 1]
+    wide = packing.extend_tail(cu, 8)  # the sequence-parallel pad joins the last sequence
+    assert wide.tolist() == [0, 1, 4, 8] and cu.tolist() == [0, 1, 4, 6]
+    assert packing.positions(wide).tolist() == [0, 0, 1, 2, 0, 1, 2, 3]
+    with pytest.raises(ValueError):
+        packing.extend_tail(cu, 5)
+    with pytest.raises(ValueError):
+        packing.pack_sequences([torch.tensor([1]), torch.tensor([], dtype=torch.long)])
+
+
+def test_block_mask_is_causal_inside_each_sequence():
+    mask = packing.block_causal_mask(torch.tensor([0, 2, 3, 5]))
+    expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0],
+                           [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expect)
+
+
+@pytest.mark.parametrize("lens", [[1], [9], [1, 1, 1], [3, 1, 7, 2], [700, 1, 400]])
+def test_varlen_attention_equals_each_sequence_alone(lens, monkeypatch):
+    """Each path (one sequence, block mask, per-sequence loop) equals SDPA on each sequence."""
+    torch.manual_seed(0)
+    s = sum(lens)
+    q, k, v = torch.randn(1, 4, s, 8), torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    bounds = cu.tolist()
+    expect = torch.cat([F.scaled_dot_product_attention(
+        q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=0.3, enable_gqa=True)
+        for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
+    for limit in (0, 10_000):  # the loop, then the mask
+        monkeypatch.setattr(packing, "MASK_MAX_TOKENS", limit)
+        got = packing.varlen_attention(q, k, v, cu, 0.3)
+        torch.testing.assert_close(got, expect, atol=1e-6, rtol=0)
+
+
+def test_packed_plan_counts_real_tokens():
+    lens = [100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10]  # 200 real tokens
+    padded = plan_micro_batches(lens, 120).micro_batches
+    packed = plan_micro_batches(lens, 120, packed=True).micro_batches
+    assert len(padded) == 2 and len(packed) == 2  # [100] + ten 10s (padded: 100 wide)
+    assert max(padded_tokens(lens, p) for p in padded) <= 120
+    assert all(computed_tokens(lens, p, True) <= 120 for p in packed)
+    assert sorted(i for p in packed for i in p) == list(range(len(lens)))
+    # a budget where padding wastes micro-batches: 16 rows of 30 and one of 120 (600 real)
+    lens = [120] + [30] * 16
+    assert len(plan_micro_batches(lens, 150).micro_batches) == 5
+    assert len(plan_micro_batches(lens, 150, packed=True).micro_batches) == 4
+
+
+def test_packed_plan_random_invariants():
+    rng = random.Random(0)
+    for _ in range(200):
+        lens = [rng.randint(1, 60) for _ in range(rng.randint(1, 30))]
+        budget = rng.randint(20, 200)
+        want = rng.randint(1, 5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = plan_micro_batches(lens, budget, want, packed=True)
+        flat = sorted(i for p in plan.micro_batches for i in p)
+        assert flat == list(range(len(lens)))
+        assert plan.oversized == [i for i, n in enumerate(lens) if n > budget]
+        for p in plan.micro_batches:
+            assert computed_tokens(lens, p, True) <= budget or (len(p) == 1 and p[0] in plan.oversized)
+        assert len(plan.micro_batches) >= min(want, len(lens))
+        assert len(plan.micro_batches) >= -(-sum(min(n, budget) for n in lens) // budget)
+
+
+def test_packed_dp_plans_have_one_count():
+    lens = [random.Random(1).randint(1, 50) for _ in range(40)]
+    plans = plan_dp_micro_batches(lens, 4, 90, packed=True)
+    assert len({len(p.micro_batches) for p in plans}) == 1
+
+
+def _batch():
+    prompts = [[4], [5, 6, 7], [8, 9]]
+    resp = torch.tensor([[0, 0, 0], [11, 12, 0], [13, 14, 15]])
+    mask = (resp > 0).long()
+    return RolloutBatch(prompts, resp, mask, torch.zeros(3, 3), [0, 1, 2], [None] * 3,
+                        ["x"] * 3, [{}] * 3)
+
+
+def test_packed_microbatch_reads_the_same_columns_as_the_padded_one():
+    rb = _batch()
+    pad = rb.microbatch([0, 1, 2])
+    pk = rb.microbatch([0, 1, 2], packed=True)
+    assert pk["input_ids"].tolist() == [[4, 5, 6, 7, 11, 12, 8, 9, 13, 14, 15]]
+    assert pk["cu_seqlens"].tolist() == [0, 1, 6, 11]
+    assert pk["seq_lens"].tolist() == pad["seq_lens"].tolist() == [1, 5, 5]
+    # a per-token output equal to each token's id, in both layouts: the response columns that
+    # the mask keeps read the same tokens (position t scores token t + 1: read ids shifted)
+    nxt_pad = torch.roll(pad["input_ids"], -1, 1)
+    nxt_pk = torch.roll(pk["input_ids"], -1, 1)
+    m = pad["response_mask"].bool()
+    assert torch.equal(gather_response(nxt_pad, pad["resp_index"])[m],
+                       gather_response(nxt_pk, pk["resp_index"])[m])
+    assert torch.equal(gather_response(nxt_pk, pk["resp_index"])[m], rb.response_ids[m])
+    seq_of = torch.repeat_interleave(torch.arange(3), torch.tensor([1, 5, 5]))
+    assert torch.equal(seq_of[pk["resp_index"]], torch.arange(3)[:, None].expand(3, 3))
+    assert packing.token_counts([pad]) == (11, 15) and packing.token_counts([pk]) == (11, 11)
+    assert packing.token_counts([pk], multiple=4) == (11, 12)
