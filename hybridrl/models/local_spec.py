@@ -69,7 +69,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from hybridrl.models.packing import MASK_MAX_TOKENS, block_causal_mask, positions, varlen_attention
+from hybridrl.models.packing import block_causal_mask, positions, use_mask, varlen_attention
 
 
 def _needs_megatron(config) -> bool:
@@ -144,8 +144,8 @@ class SDPACoreAttention(MegatronModule):
         cu = params.cu_seqlens_q
         cached = self._mask
         if cached is None or cached[0] is not cu:  # one mask per pack, shared by the calls
-            cached = self._mask = (cu, block_causal_mask(cu, query.device)
-                                   if int(cu[-1]) <= MASK_MAX_TOKENS and len(cu) > 2 else None)
+            cached = self._mask = (cu, block_causal_mask(cu, query.device) if use_mask(cu)
+                                   else None)
         q_BNSD = query.permute(1, 2, 0, 3)
         k_BGSD, v_BGSD = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
         dropout = self.dropout_p if self.training else 0.0

@@ -17,10 +17,11 @@ Contract:
   ``varlen_attention`` and the lean RoPE (``hybridrl.models.local_spec``).
 - ``varlen_attention(q, k, v, cu_seqlens, scale, dropout_p)``: causal attention of each
   sequence over itself alone; q [1, np, S, hn], k/v [1, ng, S, hn] (GQA when np > ng) ->
-  [1, np, S, hn]. A pack of one sequence is one causal SDPA call; packs up to
-  ``MASK_MAX_TOKENS`` tokens one SDPA call with a block-diagonal causal mask; longer packs one
-  causal SDPA call per sequence (the mask would cost S^2; measured in docs/models.md). All three
-  are exact: a token's softmax runs over the keys of its own sequence only.
+  [1, np, S, hn]. A pack of one sequence is one causal SDPA call; a pack of many short
+  sequences (``use_mask``: S^2 <= ``MASK_COST_RATIO`` x n) one SDPA call with a block-diagonal
+  causal mask (``block_causal_mask``, or the given ``mask``); otherwise one causal SDPA call per
+  sequence (the mask costs S^2; measured in docs/models.md). All three are exact: a token's
+  softmax runs over the keys of its own sequence only.
 - ``token_counts(micro_batches, multiple)`` -> (real, computed): the real tokens of micro-batches
   (packed: ``cu_seqlens[-1]``; padded: ``seq_lens`` when given, else the non-pad count is
   unknown and every token is real) and the tokens the forward computes (``input_ids.numel()``
@@ -32,7 +33,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-MASK_MAX_TOKENS = 1024  # above this a [S, S] mask costs more than one SDPA call per sequence
+# one masked SDPA call over the pack when S^2 <= MASK_COST_RATIO x (number of sequences): the
+# [S, S] mask costs ~5e-5 ms x S^2, a call per sequence ~0.2 ms (fwd + bwd, one CPU thread,
+# 4 heads x 16; docs/models.md)
+MASK_COST_RATIO = 4000
+
+
+def use_mask(cu_seqlens: torch.Tensor) -> bool:
+    """True when one block-masked SDPA call beats one call per sequence (several sequences)."""
+    n = len(cu_seqlens) - 1
+    return n > 1 and int(cu_seqlens[-1]) ** 2 <= MASK_COST_RATIO * n
 
 
 def pack_sequences(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +103,7 @@ def varlen_attention(q_BNSD, k_BGSD, v_BGSD, cu_seqlens, scale: float,
     if len(bounds) == 2:  # one sequence: plain causal attention
         return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=total > 1,
                                               **kwargs)
-    if total <= MASK_MAX_TOKENS:
+    if mask is not None or use_mask(cu_seqlens):
         if mask is None:
             mask = block_causal_mask(cu_seqlens, q_BNSD.device)
         return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, attn_mask=mask, **kwargs)

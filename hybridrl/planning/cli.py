@@ -172,7 +172,7 @@ def memory_report(args: argparse.Namespace) -> dict:
     the reshard's transient (its buckets in flight beyond the engine's weights, which it fills)
     from the auto strategy (zero_redundancy when the shards nest)."""
     from hybridrl.planning.memory import MemoryJob, plan_memory
-    from hybridrl.planning.report import job_from_config
+    from hybridrl.planning.report import job_from_config, padding_line
 
     cfg = None
     if args.config:  # the layouts and knobs of a run config; the model: --model or its own
@@ -211,9 +211,10 @@ def memory_report(args: argparse.Namespace) -> dict:
     job = dataclasses.replace(job, reshard_bytes=transient)
     knobs = {k: v for k, v in dataclasses.asdict(job).items() if k != "shape"}
     knobs["offload"] = sorted(job.offload)
+    padding = {} if cfg is None else {"padding": padding_line(cfg, job.dp)}
     return {"model": args.model, "world": args.world, "tp": args.tp, "pp": args.pp,
             "gen_tp": args.gen_tp, "gen_pp": args.gen_pp, "job": knobs, **plan_memory(job),
-            "reshard_traffic": traffic}
+            "reshard_traffic": traffic, **padding}
 
 
 def _reshard_terms(args: argparse.Namespace, shape: LlamaShape) -> tuple[int, dict]:

@@ -45,7 +45,8 @@ Contract:
   sequences it holds at once (the engine runs the rest in waves; the job does not fit when not
   even one sequence does). ``pipeline_bubble`` is (p-1)/(m+p-1) of 1F1B with m micro-batches
   per pipeline per mini-batch (``micro_batches``, ``critic_micro_batches``; absent when 0),
-  ``bubble_warning`` when one exceeds 25 %. It also gives the host memory a KL-guard snapshot
+  ``bubble_warning`` when one exceeds 25 % (``bubble_report(pp, micro_batches)``, which the
+  trainer's start-up line shares). It also gives the host memory a KL-guard snapshot
   takes per rank (the optimizer shards of actor and critic).
 """
 
@@ -254,6 +255,18 @@ def bubble_fraction(pp: int, micro_batches: int) -> float:
     return (pp - 1) / (micro_batches + pp - 1)
 
 
+def bubble_report(pp: int, micro_batches: dict[str, int]) -> dict:
+    """``pipeline_bubble`` {role: fraction} of the roles with micro-batches (> 0) and, when one
+    exceeds ``BUBBLE_WARN``, ``bubble_warning`` (the roles, their idle share and counts)."""
+    bubbles = {role: bubble_fraction(pp, m) for role, m in micro_batches.items() if m}
+    out: dict = {"pipeline_bubble": bubbles} if bubbles else {}
+    over = [f"{r} {f:.0%} idle ({micro_batches[r]} micro-batches per pipeline, pp {pp})"
+            for r, f in bubbles.items() if f > BUBBLE_WARN]
+    if over:
+        out["bubble_warning"] = ", ".join(over)
+    return out
+
+
 def _gen_bytes(job: MemoryJob) -> dict[str, int]:
     """Engine weights and the KV cache budget of one rank of a generation replica."""
     s = job.shape
@@ -359,16 +372,8 @@ def plan_memory(job: MemoryJob) -> dict:
            "gen_concurrent_seqs": concurrent, "gen_seqs_per_replica": gen["seqs_per_replica"],
            "mem_fraction_static": job.mem_fraction_static,
            "kl_guard_snapshot_host_bytes": snapshot, "dp": job.dp}
-    bubbles = {role: bubble_fraction(job.pp, m) for role, m in
-               (("actor", job.micro_batches), ("critic", job.critic_micro_batches)) if m}
-    if bubbles:
-        out["pipeline_bubble"] = bubbles
-        over = {r: f for r, f in bubbles.items() if f > BUBBLE_WARN}
-        if over:
-            out["bubble_warning"] = ", ".join(
-                f"{r} {f:.0%} idle ({m} micro-batches per pipeline, pp {job.pp})"
-                for (r, f), m in zip(over.items(), [job.micro_batches if r == "actor" else
-                                                    job.critic_micro_batches for r in over]))
+    out.update(bubble_report(job.pp, {"actor": job.micro_batches,
+                                      "critic": job.critic_micro_batches}))
     if totals[worst] > cap:
         out["overflow"] = {"phase": worst, "bytes": int(totals[worst] - cap)}
     elif concurrent < 1:

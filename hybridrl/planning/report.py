@@ -13,25 +13,80 @@ Contract:
   (``ppo_mini_batch_size`` x ``rollout.n`` sequences, over ``dp`` ranks) in micro-batches of
   ``ppo_micro_batch_size_per_gpu`` sequences, or with ``use_dynamic_bsz`` as many full-length
   sequences as ``ppo_max_token_len_per_gpu`` holds (the worst case: every row at full length).
+  With ``mean_len`` (packed sequences, ``model.pack_sequences``) a token-budget micro-batch is
+  a pack of real tokens: ceil(sequences x mean_len / budget).
 - ``format_report(rep, title)``: one row per phase (parts in GB, worst pipeline stage), the KV
-  pool, the pipeline bubble (a WARNING line above 25 %), the snapshot's host bytes, where the
-  reshard's bytes travel (``reshard_traffic``, when the report has it), the verdict.
+  pool, the pipeline bubble (``bubble_lines``: a WARNING line above 25 %), the padding line
+  (``rep["padding"]``, from a run config), the snapshot's host bytes, where the reshard's bytes
+  travel (``reshard_traffic``, when the report has it), the verdict.
+- ``padding_line(cfg, dp)``: what the training forwards pad; packed, the packs per pipeline
+  and their bubble when the mean sequence is half the longest (packs follow the real tokens:
+  fewer micro-batches, a larger bubble). ``pipeline_lines(cfg, dp)``: what the trainer prints
+  at start-up: micro-batches per pipeline (full-length sequences), bubble, padding.
 """
 
 from __future__ import annotations
 
 import math
 
-from hybridrl.planning.memory import GB, MemoryJob
+from hybridrl.planning.memory import GB, MemoryJob, bubble_report
 from hybridrl.reshard.specs import LlamaShape
 
 
-def micro_batches_per_pipeline(role_cfg, n: int, dp: int, seq_len: int) -> int:
+def micro_batches_per_pipeline(role_cfg, n: int, dp: int, seq_len: int,
+                               mean_len: float | None = None) -> int:
     """Micro-batches one pipeline runs per mini-batch of ``role_cfg`` (see the docstring)."""
     seqs = max(role_cfg.ppo_mini_batch_size * n // dp, 1)
+    if mean_len is not None and role_cfg.use_dynamic_bsz:  # packs: real tokens / budget
+        return max(math.ceil(seqs * mean_len / role_cfg.ppo_max_token_len_per_gpu), 1)
     per_micro = (max(role_cfg.ppo_max_token_len_per_gpu // seq_len, 1) if role_cfg.use_dynamic_bsz
                  else role_cfg.ppo_micro_batch_size_per_gpu)
     return math.ceil(seqs / per_micro)
+
+
+def _roles(cfg) -> dict:
+    return {"actor": cfg.actor, **({"critic": cfg.critic} if cfg.use_critic else {})}
+
+
+def bubble_lines(rep: dict) -> list[str]:
+    """The bubble of ``bubble_report`` (or a memory plan) as text, a WARNING line above 25 %."""
+    lines = []
+    if "pipeline_bubble" in rep:
+        lines.append("pipeline bubble (1F1B, one mini-batch): " + ", ".join(
+            f"{role} {f:.0%}" for role, f in rep["pipeline_bubble"].items()))
+    if "bubble_warning" in rep:
+        lines.append(f"WARNING: pipeline bubble above 25 %: {rep['bubble_warning']}; raise "
+                     "ppo_mini_batch_size or lower the token budget / pp")
+    return lines
+
+
+def padding_line(cfg, dp: int) -> str:
+    """What the training forwards pad (``model.pack_sequences``) and, packed, how many packs a
+    mini-batch makes when the mean sequence is half the longest."""
+    seq = cfg.data.max_prompt_length + cfg.rollout.response_length
+    if not cfg.model.pack_sequences:
+        return ("padding: model.pack_sequences=false: each micro-batch is padded to its longest "
+                "row (at a mean length half the maximum, about half the computed tokens)")
+    tail = (f"; sequence-parallel tail pad < {cfg.parallel.tp} tokens per pack"
+            if cfg.model.sequence_parallel and cfg.parallel.tp > 1 else "")
+    half = {r: micro_batches_per_pipeline(c, cfg.rollout.n, dp, seq, mean_len=seq / 2)
+            for r, c in _roles(cfg).items()}
+    bubble = bubble_report(cfg.parallel.pp, half)["pipeline_bubble"]
+    return (f"padding: none (model.pack_sequences: packs of whole sequences, budgets count real "
+            f"tokens{tail}); at a mean length half the maximum a mini-batch makes "
+            + ", ".join(f"{r} {m} packs per pipeline (bubble {bubble[r]:.0%})"
+                        for r, m in half.items()))
+
+
+def pipeline_lines(cfg, dp: int) -> list[str]:
+    """The start-up lines of a run: micro-batches per pipeline of one mini-batch (full-length
+    sequences), the 1F1B bubble (``bubble_lines``), the padding (``padding_line``)."""
+    seq = cfg.data.max_prompt_length + cfg.rollout.response_length
+    full = {r: micro_batches_per_pipeline(c, cfg.rollout.n, dp, seq)
+            for r, c in _roles(cfg).items()}
+    head = ("micro-batches per pipeline per mini-batch (full-length sequences): "
+            + ", ".join(f"{r} {m}" for r, m in full.items()) + f" (pp {cfg.parallel.pp})")
+    return [head, *bubble_lines(bubble_report(cfg.parallel.pp, full)), padding_line(cfg, dp)]
 
 
 def _mem_fraction_static(rollout) -> float:
@@ -82,12 +137,9 @@ def format_report(rep: dict, title: str) -> str:
                  f"(mem_fraction_static {rep['mem_fraction_static']:g}): "
                  f"{rep['gen_concurrent_seqs']} of {rep['gen_seqs_per_replica']} sequences of "
                  "a replica at once")
-    if "pipeline_bubble" in rep:
-        lines.append("pipeline bubble (1F1B, one mini-batch): " + ", ".join(
-            f"{role} {f:.0%}" for role, f in rep["pipeline_bubble"].items()))
-    if "bubble_warning" in rep:
-        lines.append(f"WARNING: pipeline bubble above 25 %: {rep['bubble_warning']}; raise "
-                     "ppo_mini_batch_size or lower the token budget / pp")
+    lines += bubble_lines(rep)
+    if "padding" in rep:
+        lines.append(rep["padding"])
     lines.append(f"KL-guard snapshot: {rep['kl_guard_snapshot_host_bytes'] / GB:.2f} GB of host "
                  "memory per rank per step")
     if "reshard_traffic" in rep:

@@ -65,6 +65,7 @@ from hybridrl.data.tokenizer import CharTokenizer, vocab_size
 from hybridrl.models.forward import broadcast_from_last_stage, run_microbatches
 from hybridrl.models.hf_io import build_from_config
 from hybridrl.models.train_step import ModelOptimizer, OptimConfig
+from hybridrl.planning.report import pipeline_lines
 from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
 from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
 from hybridrl.rewards.scoring import build_reward_scorer
@@ -128,6 +129,8 @@ class PPOTrainer:
         self.tally = TokenTally()  # tokens of the step's forwards (perf/pad_fraction)
         self.step, self.run_id, self.temperature = 0, run_id(cfg), cfg.rollout.temperature or 1.0
         self.log = build_metrics_log(cfg, self.rank, print_fn)  # the run folder's sinks
+        for line in pipeline_lines(cfg, groups.dp_size):  # micro-batches, bubble, padding
+            self.log.startup(f"hybridrl: {line}")
         ref_offload = {"params"} if cfg.ref.param_offload else set()
         self.memory = PhaseMemory({
             "actor": (self.actor, self.actor_opt, cfg.actor.offload_parts),

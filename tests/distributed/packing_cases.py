@@ -1,6 +1,7 @@
 """Rank-side bodies of the packed-vs-padded tests (module level for the forkserver ranks).
 
-One case = one layout (tp, pp, optional sequence parallelism). On every rank it builds the same
+One case = one layout (tp, pp, optional sequence parallelism; ``loop``: attention by one SDPA
+call per sequence instead of the block-diagonal mask these short packs get). On every rank it builds the same
 synthetic rollout batch (sequence lengths 1..14, empty responses, a sequence of ONE token), takes
 this DP rank's contiguous rows in micro-batches that include a micro-batch of one sequence, and
 runs each of actor and critic twice from the same HF checkpoint (``folder``; the critic's
@@ -21,6 +22,10 @@ import functools
 
 import numpy as np
 import torch
+
+from hybridrl.models import packing
+
+MASK_COST_RATIO = packing.MASK_COST_RATIO  # the library's choice, restored after a "loop" case
 
 N_SEQS, R = 8, 8
 PROMPT_LENS = [1, 3, 6, 2, 5, 1, 4, 6]
@@ -91,6 +96,7 @@ def _mode(groups, case, rb, tensors, parts, packed: bool) -> dict:
 
 
 def packed_vs_padded(groups, case: dict) -> dict:
+    packing.MASK_COST_RATIO = 0 if case.get("loop") else MASK_COST_RATIO  # loop: SDPA per seq
     rb, tensors = make_rollout()
     parts = _parts(groups.dp_size, groups.dp_rank)
     padded = _mode(groups, case, rb, tensors, parts, packed=False)

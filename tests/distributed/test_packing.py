@@ -1,7 +1,8 @@
 """Packed micro-batches give the padded path's numbers, on gloo ranks (``model.pack_sequences``).
 
-Two launches: world 4 runs (t,p,d) = (2,2,1), (1,2,2) and (2,2,1) with sequence parallelism
-(the pack padded at its tail, megatron's own attention path with THD) in ONE process group;
+Two launches: world 4 runs (t,p,d) = (2,2,1), (1,2,2), (2,2,1) with sequence parallelism
+(the pack padded at its tail, megatron's own attention path with THD) and (1,2,2) with one SDPA
+call per sequence (instead of the block-diagonal mask) in ONE process group;
 world 1 runs (1,1,1). Each case (tests/distributed/packing_cases.py) runs actor and critic
 from the same seeded weights once with right-padded and once with packed micro-batches (one of
 them a single sequence; one sequence of ONE token; empty responses) and compares on the rank:
@@ -37,14 +38,14 @@ def results(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("packing") / "llama")
     model.save_pretrained(folder)
     w4 = [dict(tp=2, pp=2, folder=folder), dict(tp=1, pp=2, folder=folder),
-          dict(tp=2, pp=2, sp=True, folder=folder)]
+          dict(tp=2, pp=2, sp=True, folder=folder), dict(tp=1, pp=2, loop=True, folder=folder)]
     pre = ("megatron.core",)
     return {4: run_on_ranks(packing_cases.run_cases, 4, w4, timeout=400, preload=pre),
             1: run_on_ranks(packing_cases.run_cases, 1, [dict(tp=1, pp=1, folder=folder)],
                             timeout=200, preload=pre)}
 
 
-CASES = [(4, 0), (4, 1), (4, 2), (1, 0)]
+CASES = [(4, 0), (4, 1), (4, 2), (4, 3), (1, 0)]
 
 
 @pytest.mark.slow

@@ -104,6 +104,32 @@ def test_pipeline_bubble_and_its_warning(capsys):
     out = capsys.readouterr().out
     assert "pipeline bubble (1F1B, one mini-batch): actor 43%, critic 60%" in out
     assert "WARNING: pipeline bubble above 25 %" in out and "engine_start" in out
+    # packed (the default): no padding; packs follow the real tokens: at half-length sequences
+    # 16 x 1536 / 16384 -> 2 actor packs (bubble 3/5), 32768 budget -> 1 critic pack (3/4)
+    assert ("padding: none (model.pack_sequences: packs of whole sequences, budgets count real "
+            "tokens; sequence-parallel tail pad < 8 tokens per pack); at a mean length half the "
+            "maximum a mini-batch makes actor 2 packs per pipeline (bubble 60%), critic 1 packs "
+            "per pipeline (bubble 75%)") in out
+    assert rep["padding"].startswith("padding: none")
+
+
+def test_trainer_start_up_lines_share_the_plan_s_bubble():
+    """What PPOTrainer prints at start-up (hybridrl.planning.report.pipeline_lines)."""
+    from hybridrl.config import load_config
+    from hybridrl.planning.report import pipeline_lines
+
+    cfg = load_config([CONFIG])
+    lines = pipeline_lines(cfg, 8)
+    assert lines[0] == ("micro-batches per pipeline per mini-batch (full-length sequences): "
+                        "actor 4, critic 2 (pp 4)")
+    assert lines[1] == "pipeline bubble (1F1B, one mini-batch): actor 43%, critic 60%"
+    assert lines[2].startswith("WARNING: pipeline bubble above 25 %: actor 43% idle")
+    assert lines[3].startswith("padding: none")
+    padded = load_config([CONFIG], ["model.pack_sequences=false", "parallel.pp=1",
+                                    "parallel.dp=32"])
+    lines = pipeline_lines(padded, 32)
+    assert not any(x.startswith("WARNING") for x in lines)  # pp 1: no bubble
+    assert lines[-1].startswith("padding: model.pack_sequences=false")
 
 
 def test_reshard_traffic_splits_the_received_bytes_by_node(capsys):

@@ -33,6 +33,12 @@ def test_pack_positions_and_tail():
         packing.pack_sequences([torch.tensor([1]), torch.tensor([], dtype=torch.long)])
 
 
+def test_mask_only_for_many_short_sequences():
+    assert not packing.use_mask(torch.tensor([0, 64]))  # one sequence: plain causal SDPA
+    assert packing.use_mask(torch.tensor([0, 5, 10, 15]))
+    assert not packing.use_mask(torch.tensor([0, 500, 1000]))
+
+
 def test_block_mask_is_causal_inside_each_sequence():
     mask = packing.block_causal_mask(torch.tensor([0, 2, 3, 5]))
     expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0],
@@ -51,8 +57,8 @@ def test_varlen_attention_equals_each_sequence_alone(lens, monkeypatch):
     expect = torch.cat([F.scaled_dot_product_attention(
         q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=0.3, enable_gqa=True)
         for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
-    for limit in (0, 10_000):  # the loop, then the mask
-        monkeypatch.setattr(packing, "MASK_MAX_TOKENS", limit)
+    for ratio in (0, 10**9):  # the loop, then the mask (one sequence: one causal call)
+        monkeypatch.setattr(packing, "MASK_COST_RATIO", ratio)
         got = packing.varlen_attention(q, k, v, cu, 0.3)
         torch.testing.assert_close(got, expect, atol=1e-6, rtol=0)
 
