@@ -43,6 +43,8 @@ def suite(quick: bool) -> list[tuple[str, list[str]]]:
         ("rollout_bytes", ["benchmarks/rollout_bytes.py"] + (["--worlds", "2", "4"] if quick
                                                             else [])),
         ("throughput", ["benchmarks/throughput.py", "--steps", "4" if quick else "10"]),
+        ("packing", ["benchmarks/packing.py", "--rounds", "1" if quick else "3"]
+         + (["--seqs", "32"] if quick else [])),
         ("trl_compare", ["benchmarks/trl_compare.py"] + (["--steps", "2", "--rounds", "1"] if quick
                                                            else [])),
     ]

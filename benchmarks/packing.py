@@ -1,0 +1,195 @@
+"""Packed vs padded micro-batches on a length-varied PPO batch: the training phases of one step.
+
+    .venv/bin/python benchmarks/packing.py [--worlds 1 2] [--rounds 3] [--seqs 64]
+
+The workload: ``--seqs`` sequences of a GAE PPO step, prompts 16-64 tokens (uniform), responses
+from a lognormal (median 48 tokens, sigma 0.7: the 5-95 % range spans 10x, 10 to 150 tokens,
+clipped to [1, 400]); a builtin llama (hidden 128, 4 layers, GQA 4/2 heads, SwiGLU 352, vocab
+512, fp32). The training phases of one step, exactly the trainer's code paths
+(``hybridrl.trainer.microbatches.forward_parts`` + ``RolloutBatch.microbatch`` +
+``run_microbatches`` for the forwards, ``hybridrl.trainer.updates.ppo_updates`` for the updates):
+old log-probs (actor), reference log-probs, values (critic), the critic update and the actor
+update (two mini-batches, one epoch, the trainer's losses). Three sides, each from the same
+weights, in ONE process group per world (1 rank: dp 1; 2 ranks: dp 2, the rows split by
+``plan_rollout_partition`` as the trainer does):
+
+- ``packed``: ``model.pack_sequences`` on, token budgets in real tokens;
+- ``padded-dynamic``: right-padded rows, the same token budgets counted in padded tokens (rows
+  bucketed by length: the best padded setting, verl's ``use_dynamic_bsz``);
+- ``padded-fixed``: right-padded micro-batches of ``--micro`` sequences (verl's default way).
+
+Rounds alternate the order of the sides; printed per side: the median over rounds of the wall
+seconds of the training phases (rank 0; the first round is a warm-up and left out), the pad
+fraction (``perf/pad_fraction``: padding share of the computed tokens), real tokens per second,
+micro-batches per step, and every side's ratio to ``packed``. One torch thread per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIDES = ("packed", "padded-dynamic", "padded-fixed")
+MODEL = dict(hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
+             ffn_hidden_size=352, vocab_size=512, max_position_embeddings=512)
+
+
+def workload(n: int, seed: int = 0):
+    """(prompt lengths, response lengths) of the length-varied batch."""
+    import numpy as np
+
+    g = np.random.default_rng(seed)
+    prompts = g.integers(16, 65, size=n).tolist()
+    resp = np.clip(np.round(g.lognormal(np.log(48), 0.7, size=n)), 1, 400).astype(int).tolist()
+    return prompts, resp
+
+
+def _rollout(n, rows, resp_width):
+    import torch
+
+    from hybridrl.rollout.batch import RolloutBatch
+
+    prompts, resp = workload(n)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, MODEL["vocab_size"], (n, resp_width), generator=g)
+    mask = (torch.arange(resp_width)[None, :] < torch.tensor(resp)[:, None]).long()
+    p_ids = [torch.randint(3, MODEL["vocab_size"], (p,), generator=g).tolist() for p in prompts]
+    full = RolloutBatch(p_ids, ids * mask, mask, torch.zeros(n, resp_width), list(range(n)),
+                        [None] * n, ["x"] * n, [{}] * n)
+    tensors = {"advantages": torch.randn(n, resp_width, generator=g),
+               "returns": torch.randn(n, resp_width, generator=g),
+               "old_log_probs": -torch.rand(n, resp_width, generator=g) * 3 - 4}
+    tensors["values"] = tensors["returns"] * 0.5
+    idx = torch.tensor(rows)
+    rb = RolloutBatch([full.prompt_ids[i] for i in rows], full.response_ids[idx],
+                      full.response_mask[idx], full.rollout_logprobs[idx], rows, [None] * len(rows),
+                      ["x"] * len(rows), [{}] * len(rows), rows=rows)
+    return rb, {k: v[idx] for k, v in tensors.items()}, [p + r for p, r in zip(prompts, resp)]
+
+
+def _side_cfg(side, args):
+    import dataclasses
+
+    from hybridrl.config.roles import ActorConfig, CriticConfig
+
+    dynamic = side != "padded-fixed"
+    common = dict(ppo_mini_batch_size=args.seqs // 2, ppo_epochs=1, use_dynamic_bsz=dynamic,
+                  ppo_max_token_len_per_gpu=args.budget, ppo_micro_batch_size_per_gpu=args.micro)
+    return (dataclasses.replace(ActorConfig(), **common),
+            dataclasses.replace(CriticConfig(), **common))
+
+
+def _one_side(side, models, rb, tensors, partition, groups, args):
+    """Seconds and token tally of the training phases of one step on this rank."""
+    import functools
+
+    from hybridrl.models.forward import run_microbatches
+    from hybridrl.trainer.microbatches import TokenTally, forward_parts
+    from hybridrl.trainer.updates import actor_loss_fn, critic_loss_fn, ppo_updates
+
+    packed = side == "packed"
+    actor_cfg, critic_cfg = _side_cfg(side, args)
+    tally = TokenTally()
+    dynamic = side != "padded-fixed"
+    t0 = time.perf_counter()
+    counts = []
+    for model in (models["actor"], models["reference"], models["critic"]):  # the 3 forwards
+        parts = forward_parts(rb.seq_lengths, args.micro, dynamic, 2 * args.budget, packed)
+        mbs = [rb.microbatch(p, packed=packed) for p in parts]
+        counts.append(len(mbs))
+        with tally.count(mbs):
+            run_microbatches(model, mbs, with_entropy=False)
+    common = dict(partition=partition, groups=groups, n=1, loss_scale=rb.response_ids.shape[1],
+                  temperature=1.0, packed=packed, tally=tally)
+    ppo_updates(models["critic"], models["critic_opt"], critic_cfg, rb, tensors,
+                functools.partial(critic_loss_fn, critic_cfg), "critic", **common)
+    ppo_updates(models["actor"], models["actor_opt"], actor_cfg, rb, tensors,
+                functools.partial(actor_loss_fn, actor_cfg, False), "actor", **common)
+    seconds = time.perf_counter() - t0
+    metrics = tally.pop_metrics(groups.gloo_dp if groups.dp_size > 1 else None)
+    return seconds, metrics, counts[0]
+
+
+def run_rank(rank, world, args):
+    import warnings
+
+    import torch
+
+    from hybridrl.config.model import ModelConfig
+    from hybridrl.models.hf_io import build_from_config
+    from hybridrl.models.train_step import ModelOptimizer, OptimConfig
+    from hybridrl.parallel.groups import build_groups
+    from hybridrl.parallel.layout import TrainLayout
+    from hybridrl.rollout.partition import plan_rollout_partition
+
+    warnings.filterwarnings("ignore")
+    groups = build_groups(TrainLayout(world=world, tp=1, pp=1))
+    mc = ModelConfig(**MODEL)
+    models = {role: build_from_config(mc, groups, role, seed=3)
+              for role in ("actor", "reference", "critic")}
+    models["actor_opt"] = ModelOptimizer(models["actor"], OptimConfig(lr=1e-7))
+    models["critic_opt"] = ModelOptimizer(models["critic"], OptimConfig(lr=1e-7))
+    _, resp = workload(args.seqs)
+    lens = [p + r for p, r in zip(*workload(args.seqs))]
+    parts = plan_rollout_partition(lens, groups.dp_size, args.seqs // 2)
+    rb, tensors, _ = _rollout(args.seqs, parts[groups.dp_rank], max(resp))
+    out = {s: [] for s in SIDES}
+    for r in range(args.rounds + 1):
+        order = SIDES if r % 2 == 0 else SIDES[::-1]
+        for side in order:
+            torch.manual_seed(0)
+            seconds, metrics, micro = _one_side(side, models, rb, tensors, (parts, lens), groups,
+                                                args)
+            if r:  # round 0 warms up
+                out[side].append((seconds, metrics, micro))
+    return out
+
+
+def _report(world, res, args):
+    prompts, resp = workload(args.seqs)
+    lens = sorted(p + r for p, r in zip(prompts, resp))
+    print(f"\nworld {world} (dp {world}, tp 1, pp 1), fp32, {args.seqs} sequences, lengths "
+          f"{lens[0]}-{lens[-1]} (median {lens[len(lens) // 2]}, real tokens {sum(lens)}), "
+          f"training phases = old + ref + values forwards, critic + actor updates")
+    rank0 = res[0]
+    base = statistics.median(s for s, _, _ in rank0["packed"])
+    print(f"{'side':<15} {'micro-batch mode':<34} {'step s':>7} {'pad %':>6} "
+          f"{'tok/s':>8} {'fwd mbs':>7} {'x packed':>9}")
+    for side in SIDES:
+        rows = rank0[side]
+        sec = statistics.median(s for s, _, _ in rows)
+        m = rows[-1][1]
+        mode = (f"micro {args.micro} seqs" if side == "padded-fixed" else
+                f"budget {args.budget} {'real' if side == 'packed' else 'padded'} tok "
+                f"(fwd {2 * args.budget})")
+        print(f"{side:<15} {mode:<34} {sec:>7.2f} {100 * m['perf/pad_fraction']:>6.1f} "
+              f"{m['perf/tokens_per_s']:>8.0f} {rows[-1][2]:>7d} {sec / base:>8.2f}x")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=2048,
+                        help="ppo_max_token_len_per_gpu (log-prob forwards: twice it)")
+    parser.add_argument("--micro", type=int, default=8, help="padded-fixed: sequences each")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from hybridrl.testing.dist import run_on_ranks
+
+    print(f"packed vs padded training phases; load {os.getloadavg()[0]:.1f}")
+    for world in args.worlds:
+        res = run_on_ranks(run_rank, world, args, timeout=3000, preload=("megatron.core",))
+        _report(world, res, args)
+
+
+if __name__ == "__main__":
+    main()
