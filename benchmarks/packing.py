@@ -1,6 +1,8 @@
 """Packed vs padded micro-batches on a length-varied PPO batch: the training phases of one step.
 
     .venv/bin/python benchmarks/packing.py [--worlds 1 2] [--rounds 3] [--seqs 64]
+    .venv/bin/python benchmarks/packing.py --attention   # the varlen attention's two paths
+    .venv/bin/python benchmarks/packing.py --pipeline    # pp 2: variable vs fixed pack shapes
 
 The workload: ``--seqs`` sequences of a GAE PPO step, prompts 16-64 tokens (uniform), responses
 from a lognormal (median 48 tokens, sigma 0.7: the 5-95 % range spans 10x, 10 to 150 tokens,
@@ -19,9 +21,13 @@ weights, in ONE process group per world (1 rank: dp 1; 2 ranks: dp 2, the rows s
 - ``padded-fixed``: right-padded micro-batches of ``--micro`` sequences (verl's default way).
 
 Rounds alternate the order of the sides; printed per side: the median over rounds of the wall
-seconds of the training phases (rank 0; the first round is a warm-up and left out), the pad
-fraction (``perf/pad_fraction``: padding share of the computed tokens), real tokens per second,
-micro-batches per step, and every side's ratio to ``packed``. One torch thread per rank.
+and the process CPU seconds of the training phases (rank 0; CPU time is robust to a shared
+machine's load; the first round is a warm-up and left out), the pad fraction
+(``perf/pad_fraction``: padding share of the computed tokens), real tokens per second of the
+last round (``perf/tokens_per_s``), micro-batches of a log-prob forward, and every side's ratio
+to ``packed``. One torch thread per rank. ``--pipeline``: at pp 2 (2 ranks), the 1F1B
+forward-backward over the packs as they are (``variable_seq_lengths``: megatron exchanges each
+activation's shape first) vs the same packs padded at the tail to the longest (one fixed shape).
 """
 
 from __future__ import annotations
@@ -98,7 +104,7 @@ def _one_side(side, models, rb, tensors, partition, groups, args):
     actor_cfg, critic_cfg = _side_cfg(side, args)
     tally = TokenTally()
     dynamic = side != "padded-fixed"
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     counts = []
     for model in (models["actor"], models["reference"], models["critic"]):  # the 3 forwards
         parts = forward_parts(rb.seq_lengths, args.micro, dynamic, 2 * args.budget, packed)
@@ -112,9 +118,9 @@ def _one_side(side, models, rb, tensors, partition, groups, args):
                 functools.partial(critic_loss_fn, critic_cfg), "critic", **common)
     ppo_updates(models["actor"], models["actor_opt"], actor_cfg, rb, tensors,
                 functools.partial(actor_loss_fn, actor_cfg, False), "actor", **common)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     metrics = tally.pop_metrics(groups.gloo_dp if groups.dp_size > 1 else None)
-    return seconds, metrics, counts[0]
+    return seconds, cpu, metrics, counts[0]
 
 
 def run_rank(rank, world, args):
@@ -145,10 +151,9 @@ def run_rank(rank, world, args):
         order = SIDES if r % 2 == 0 else SIDES[::-1]
         for side in order:
             torch.manual_seed(0)
-            seconds, metrics, micro = _one_side(side, models, rb, tensors, (parts, lens), groups,
-                                                args)
+            row = _one_side(side, models, rb, tensors, (parts, lens), groups, args)
             if r:  # round 0 warms up
-                out[side].append((seconds, metrics, micro))
+                out[side].append(row)
     return out
 
 
@@ -159,18 +164,108 @@ def _report(world, res, args):
           f"{lens[0]}-{lens[-1]} (median {lens[len(lens) // 2]}, real tokens {sum(lens)}), "
           f"training phases = old + ref + values forwards, critic + actor updates")
     rank0 = res[0]
-    base = statistics.median(s for s, _, _ in rank0["packed"])
-    print(f"{'side':<15} {'micro-batch mode':<34} {'step s':>7} {'pad %':>6} "
-          f"{'tok/s':>8} {'fwd mbs':>7} {'x packed':>9}")
+
+    def med(side, i):
+        return statistics.median(row[i] for row in rank0[side])
+
+    base_wall, base_cpu = med("packed", 0), med("packed", 1)
+    print(f"{'side':<15} {'micro-batch mode':<34} {'wall s':>7} {'CPU s':>6} {'pad %':>6} "
+          f"{'tok/s':>6} {'fwd mbs':>7} {'wall x':>7} {'CPU x':>6}")
     for side in SIDES:
-        rows = rank0[side]
-        sec = statistics.median(s for s, _, _ in rows)
-        m = rows[-1][1]
+        wall, cpu = med(side, 0), med(side, 1)
+        m = rank0[side][-1][2]
         mode = (f"micro {args.micro} seqs" if side == "padded-fixed" else
                 f"budget {args.budget} {'real' if side == 'packed' else 'padded'} tok "
                 f"(fwd {2 * args.budget})")
-        print(f"{side:<15} {mode:<34} {sec:>7.2f} {100 * m['perf/pad_fraction']:>6.1f} "
-              f"{m['perf/tokens_per_s']:>8.0f} {rows[-1][2]:>7d} {sec / base:>8.2f}x")
+        print(f"{side:<15} {mode:<34} {wall:>7.2f} {cpu:>6.2f} "
+              f"{100 * m['perf/pad_fraction']:>6.1f} {m['perf/tokens_per_s']:>6.0f} "
+              f"{rank0[side][-1][3]:>7d} {wall / base_wall:>6.2f}x {cpu / base_cpu:>5.2f}x")
+
+
+def pipeline_rank(rank, world, args):
+    """pp = 2: the packs as they are (variable shapes) vs padded at the tail to the longest."""
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+
+    from hybridrl.config.model import ModelConfig
+    from hybridrl.data.batching import plan_micro_batches
+    from hybridrl.models.forward import run_microbatches
+    from hybridrl.models.hf_io import build_from_config
+    from hybridrl.parallel.groups import build_groups
+    from hybridrl.parallel.layout import TrainLayout
+
+    warnings.filterwarnings("ignore")
+    groups = build_groups(TrainLayout(world=world, tp=1, pp=2))
+    model = build_from_config(ModelConfig(**MODEL), groups, "actor", seed=3)
+    _, resp = workload(args.seqs)
+    rb, _, _ = _rollout(args.seqs, list(range(args.seqs)), max(resp))
+    parts = plan_micro_batches(rb.seq_lengths, args.budget // 2, packed=True).micro_batches
+    packs = [rb.microbatch(p, packed=True) for p in parts]
+    longest = max(mb["input_ids"].shape[1] for mb in packs)
+    fixed = [dict(mb, input_ids=F.pad(mb["input_ids"], (0, longest - mb["input_ids"].shape[1])))
+             for mb in packs]  # the pad joins each pack's last sequence (packing.extend_tail)
+
+    def loss(out, batch):
+        return -out["logprobs"].mean(), {}
+
+    out = {"variable": [], "fixed": []}
+    for r in range(args.rounds + 1):
+        for name, mbs in (("variable", packs), ("fixed", fixed)):
+            model.config.variable_seq_lengths = name == "variable"
+            t0 = time.perf_counter()
+            torch.manual_seed(0)
+            run_microbatches(model, mbs, loss, forward_only=False)
+            if r:
+                out[name].append(time.perf_counter() - t0)
+    model.config.variable_seq_lengths = True
+    return {"packs": len(packs), "real": sum(int(mb["cu_seqlens"][-1]) for mb in packs),
+            "fixed_tokens": longest * len(packs),
+            **{k: statistics.median(v) for k, v in out.items()}}
+
+
+def pipeline_report(args) -> None:
+    from hybridrl.testing.dist import run_on_ranks
+
+    res = run_on_ranks(pipeline_rank, 2, args, timeout=1800, preload=("megatron.core",))[0]
+    print(f"\npp 2 (2 ranks), {res['packs']} packs of a {args.budget // 2}-token budget, "
+          f"{res['real']} real tokens, 1F1B forward + backward, median of {args.rounds} rounds:")
+    print(f"variable shapes (variable_seq_lengths, shape handshake): {res['variable']:.2f} s, "
+          f"pad 0 %")
+    pad = 1 - res["real"] / res["fixed_tokens"]
+    print(f"fixed shape (packs padded to the longest, {res['fixed_tokens']} tokens): "
+          f"{res['fixed']:.2f} s, pad {100 * pad:.1f} %; fixed / variable "
+          f"{res['fixed'] / res['variable']:.2f}x")
+
+
+def attention_table() -> None:
+    """Fwd + bwd ms of ``varlen_attention``: block-diagonal mask vs one SDPA per sequence."""
+    import numpy as np
+    import torch
+
+    from hybridrl.models import packing
+
+    torch.set_num_threads(1)
+    ratio, rng = packing.MASK_COST_RATIO, np.random.default_rng(0)
+    print("pack S, sequences | block mask ms | one SDPA per sequence ms (4 q / 2 kv heads of 16)")
+    for total, mean, cap in ((64, 6, 40), (256, 6, 40), (512, 6, 40), (256, 40, 400),
+                             (1024, 40, 400), (4096, 40, 400)):
+        lens = []
+        while sum(lens) < total:
+            lens.append(int(min(max(rng.lognormal(np.log(mean), 0.6), 1), cap)))
+        s, cu = sum(lens), torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        qkv = [torch.randn(1, h, s, 16, requires_grad=True) for h in (4, 2, 2)]
+        ms = []
+        for packing.MASK_COST_RATIO in (10**12, 0):
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                packing.varlen_attention(*qkv, cu, 0.25).sum().backward()
+                best = min(best, time.perf_counter() - t0)
+            ms.append(1e3 * best)
+        print(f"{s}, {len(lens)} | {ms[0]:.2f} | {ms[1]:.2f}")
+    packing.MASK_COST_RATIO = ratio
 
 
 def main(argv=None):
@@ -181,8 +276,16 @@ def main(argv=None):
     parser.add_argument("--budget", type=int, default=2048,
                         help="ppo_max_token_len_per_gpu (log-prob forwards: twice it)")
     parser.add_argument("--micro", type=int, default=8, help="padded-fixed: sequences each")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="only pp 2: variable-shape packs vs packs padded to one shape")
+    parser.add_argument("--attention", action="store_true",
+                        help="only the varlen attention table (mask vs one SDPA per sequence)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.attention:
+        return attention_table()
+    if args.pipeline:
+        return pipeline_report(args)
     from hybridrl.testing.dist import run_on_ranks
 
     print(f"packed vs padded training phases; load {os.getloadavg()[0]:.1f}")

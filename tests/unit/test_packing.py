@@ -128,3 +128,22 @@ def test_packed_microbatch_reads_the_same_columns_as_the_padded_one():
     assert torch.equal(seq_of[pk["resp_index"]], torch.arange(3)[:, None].expand(3, 3))
     assert packing.token_counts([pad]) == (11, 15) and packing.token_counts([pk]) == (11, 11)
     assert packing.token_counts([pk], multiple=4) == (11, 12)
+
+
+def test_token_tally_reports_pad_fraction_and_starts_over():
+    from hybridrl.trainer.microbatches import TokenTally, forward_parts
+
+    rb = _batch()
+    tally = TokenTally()
+    assert tally.pop_metrics() == {}
+    with tally.count([rb.microbatch([0, 1, 2])]):  # 11 real of 15 computed
+        pass
+    with tally.count([rb.microbatch([0, 1, 2], packed=True)], multiple=2):  # 11 of 12
+        pass
+    m = tally.pop_metrics()
+    assert m["perf/pad_fraction"] == pytest.approx(1 - 22 / 27) and m["perf/tokens_per_s"] > 0
+    assert tally.pop_metrics() == {}
+    assert forward_parts([5, 1, 5], 2, False, 0, True) == [[0, 1], [2]]
+    packed = forward_parts([5, 1, 5], 2, True, 6, True)  # <= 6 real tokens each: 2 packs
+    assert len(packed) == 2 and sorted(i for p in packed for i in p) == [0, 1, 2]
+    assert len(forward_parts([5, 1, 5], 2, True, 6, False)) == 3  # padded: 5 wide, one row each
