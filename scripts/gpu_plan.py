@@ -54,7 +54,8 @@ STAGES = (
           "4800 GB/s, goal >= 50% for gae and kl"),
     Stage("models", 65, False, False, "pytest -s tests/gpu/test_models_gpu.py, "
           "test_models_families_gpu.py: NCCL vs transformers (llama, llama 3, qwen3, qwen2.5); "
-          "~1B llama step: tokens/s, MFU, peak vs plan --memory"),
+          "~1B llama step: tokens/s, MFU, peak vs plan --memory; test_packing_gpu.py: packed "
+          "= padded (megatron's THD path on TE)"),
     Stage("engine", 30, False, False, "benchmarks/rollout_engine.py: builtin engine vs "
           "transformers generate, ~30M llama bf16, batch 32, 128 + 128 tokens"),
     Stage("ppo", 75, False, False, "scripts/gpu_ppo_step.py: 3 GRPO steps each of a ~0.5B "

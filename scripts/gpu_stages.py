@@ -213,8 +213,8 @@ def stage_tests(ctx: Context) -> Result:
 
 
 def stage_models(ctx: Context) -> Result:
-    return _pytest(ctx, ["tests/gpu/test_models_gpu.py", "tests/gpu/test_models_families_gpu.py"],
-                   show=True)
+    return _pytest(ctx, ["tests/gpu/test_models_gpu.py", "tests/gpu/test_models_families_gpu.py",
+                         "tests/gpu/test_packing_gpu.py"], show=True)
 
 
 def find_sanitizer() -> str | None:

@@ -83,15 +83,16 @@ def _mode(groups, case, rb, tensors, parts, packed: bool) -> dict:
         res = run_microbatches(model, mbs, with_entropy=True)
         for name in ((key, "entropy") if role == "actor" else (key,)):
             if res:
-                out[name] = torch.cat([gather_response(o[name], mb["resp_index"])
+                out[name] = torch.cat([gather_response(o[name], mb["resp_index"]).cpu()
                                        * mb["response_mask"] for o, mb in zip(res, mbs)])
         opt = ModelOptimizer(model, OptimConfig(lr=1e-3, grad_clip=0.0))
         metrics = train_step(model, opt, mbs, functools.partial(loss, norm=norm, k=len(mbs)))
         out[f"{role}_loss"] = torch.tensor(metrics["loss"])
         out[f"{role}_grad_norm"] = torch.tensor(metrics["grad_norm"])
         params = dict(named_local_parameters(model))
-        out[f"{role}_grads"] = torch.cat([p.main_grad.flatten() for p in params.values()])
-        out[f"{role}_params"] = torch.cat([p.detach().flatten() for p in params.values()])
+        out[f"{role}_grads"] = torch.cat([p.main_grad.flatten() for p in params.values()]).cpu()
+        out[f"{role}_params"] = torch.cat([p.detach().flatten().float()
+                                           for p in params.values()]).cpu()
     return out
 
 
