@@ -232,6 +232,10 @@ def _explain_unknown(key: str, kinds: Mapping[str, str]) -> str:
         return f"unknown key {key!r} (a verl key: {rule.note or ', '.join(rule.ours)})"
     leaves = [k for k, kind in kinds.items() if kind != "section"]
     verl = [r.verl for r in VERL_RULES if r.kind != "refuse"]
+    for name in verl:  # verl's name under hybridrl's section (actor.clip_ratio): say what it is
+        if name.removeprefix("actor_rollout_ref.") == key and rule_for(name).ours:
+            ours = ", ".join(repr(k) for k in rule_for(name).ours)
+            return f"unknown key {key!r}; verl's {name!r} is hybridrl's {ours}"
     close = difflib.get_close_matches(key, leaves + verl, n=1, cutoff=0.6)
     if not close:  # a misspelt section name: compare against sections too
         close = difflib.get_close_matches(key, list(kinds), n=1, cutoff=0.6)

@@ -31,6 +31,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -153,9 +154,14 @@ class _Translator:
             key, text = split_override(source)
             value = parse_value(text)
         except ValueError as err:
-            return self.refuse(source, str(err).split(": ", 1)[-1])
+            said, prefix = str(err), f"override {source!r}"  # said once, not twice
+            return self.refuse(source, said[len(prefix):].lstrip(": ") if said.startswith(prefix)
+                               else said.split(": ", 1)[-1])
         except OmegaConfBaseException as err:
             return self.refuse(source, f"cannot be parsed: {str(err).splitlines()[0]}")
+        except yaml.YAMLError as err:  # OmegaConf parses values as YAML: one line, not YAML's 3
+            return self.refuse(source, "cannot be parsed: "
+                               + "; ".join(x.strip() for x in str(err).splitlines()[:2]))
         rule = rule_for(key)
         if rule is None:
             return self.emit(source, key, value, text)

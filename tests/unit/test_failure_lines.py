@@ -380,3 +380,21 @@ def test_random_reference_resumed_at_another_tp_or_pp_says_so():
                           "model.path) and global_step_8 was written at tp 2 pp 2: at tp 1 pp 1")
     assert reference_notice(meta, {"world": 8, "tp": 2, "pp": 2, "dp": 2}, True, "g") is None
     assert reference_notice(meta, {"world": 4, "tp": 1, "pp": 1, "dp": 4}, False, "g") is None
+
+
+def test_malformed_overrides_are_one_line_naming_the_override_once():
+    for item, said in (("actor.lr", "override 'actor.lr': must look like key=value"),
+                       ("actor.lr=[1,", "override 'actor.lr=[1,': cannot be parsed: while "
+                                        "parsing a flow node")):
+        with pytest.raises(ValueError) as err:
+            load_config([], [item])
+        assert str(err.value).startswith(said) and "\n" not in str(err.value), str(err.value)
+        assert str(err.value).count(f"override {item!r}") == 1
+
+
+def test_a_verl_name_under_a_hybridrl_section_says_what_it_is():
+    with pytest.raises(ValueError) as err:  # was: "did you mean 'actor.clip_ratio_c'?"
+        load_config([], ["actor.clip_ratio=0.2"])
+    assert str(err.value).endswith("unknown key 'actor.clip_ratio'; verl's 'actor_rollout_ref."
+                                   "actor.clip_ratio' is hybridrl's 'actor.clip_ratio_low', "
+                                   "'actor.clip_ratio_high'"), str(err.value)
