@@ -6,6 +6,8 @@ subcommand handler (hybridrl's type for bad user input), print ONE line ``hybrid
 Subcommands:
 - ``layout``: the training layout p x t x d in megatron order and the generation layout
   pg x tg x dg x d (HybridFlow or vanilla grouping): groups and per-rank shards, or ``--json``.
+  ``--gen-world N`` (``parallel.placement=split``): both rank sets, the training layout on the
+  first world - N ranks and the generation replicas (tg consecutive ranks each) on the last N.
 - ``plan``: the reshard dry run (registered by ``hybridrl.planning.cli``).
 - ``export``: a checkpoint's actor or critic as an HF folder (``hybridrl.checkpoint.export``).
 - ``plot``: a PNG of a run's curves from its metrics.jsonl (``hybridrl.plot``, matplotlib).
@@ -98,7 +100,48 @@ def layout_text(train: TrainLayout, gen: GenLayout) -> str:
     return "\n".join(lines)
 
 
+def split_layout_json(train: TrainLayout, gen_world: int, gen_tp: int) -> dict:
+    first = train.world
+    replicas = [list(range(first + i, first + i + gen_tp)) for i in range(0, gen_world, gen_tp)]
+    return {"world": first + gen_world, "order": train.order, "placement": "split",
+            "train_ranks": list(range(first)), "gen_ranks": list(range(first, first + gen_world)),
+            "train": {"tp_size": train.tp, "pp_size": train.pp, "dp_size": train.dp,
+                      "tp": _sorted_groups(train.groups("tp")),
+                      "pp": _sorted_groups(train.groups("pp")),
+                      "dp": _sorted_groups(train.groups("dp"))},
+            "gen": {"tp_size": gen_tp, "pp_size": 1, "replicas": len(replicas), "tp": replicas}}
+
+
+def split_layout_text(train: TrainLayout, gen_world: int, gen_tp: int) -> str:
+    j = split_layout_json(train, gen_world, gen_tp)
+    t, g = j["train_ranks"], j["gen_ranks"]
+    return "\n".join([
+        f"world {j['world']}: split placement, training ranks {t[0]}..{t[-1]}, generation ranks "
+        f"{g[0]}..{g[-1]}",
+        f"  train p x t x d = {train.pp} x {train.tp} x {train.dp} on {train.world} ranks "
+        f"(order {train.order})",
+        f"  gen   tg x replicas = {gen_tp} x {j['gen']['replicas']} on {gen_world} ranks "
+        "(each replica tg consecutive ranks; weights arrive by the split reshard)",
+        "train groups:",
+        _fmt_groups("tp", j["train"]["tp"]),
+        _fmt_groups("pp", j["train"]["pp"]),
+        _fmt_groups("dp", j["train"]["dp"]),
+        "gen groups:",
+        _fmt_groups("tp", j["gen"]["tp"])])
+
+
 def _cmd_layout(args: argparse.Namespace) -> int:
+    if args.gen_world:
+        try:
+            if args.gen_world >= args.world or args.gen_world % args.gen_tp or args.gen_pp != 1:
+                raise ValueError(f"--gen-world {args.gen_world} must be below --world {args.world}"
+                                 f" and a multiple of --gen-tp {args.gen_tp} (gen pp 1)")
+            train = TrainLayout(world=args.world - args.gen_world, tp=args.tp, pp=args.pp)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        print(json.dumps(split_layout_json(train, args.gen_world, args.gen_tp)) if args.json
+              else split_layout_text(train, args.gen_world, args.gen_tp))
+        return 0
     try:
         train = TrainLayout(world=args.world, tp=args.tp, pp=args.pp)
         gen = GenLayout(train, tp=args.gen_tp, pp=args.gen_pp, grouping=args.grouping)
@@ -121,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--gen-tp", type=int, default=1, help="generation tensor-parallel size tg")
     lay.add_argument("--gen-pp", type=int, default=1, help="generation pipeline-parallel size pg")
     lay.add_argument("--grouping", choices=["hybridflow", "vanilla"], default="hybridflow")
+    lay.add_argument("--gen-world", type=int, default=0,
+                     help="split placement: the last N ranks generate (0 = colocated)")
     lay.add_argument("--json", action="store_true", help="print one JSON object")
     lay.set_defaults(func=_cmd_layout)
     from hybridrl.planning.cli import add_parser as add_plan_parser

@@ -8,7 +8,8 @@ config makes every rank exit with status 2 together (rank 0 prints the problem, 
 override one per line; no traceback, no hang; another rank prints its own error, with its rank,
 only if it is still running 3 s later: one that rank 0 did not hit). Then it initializes
 torch.distributed (gloo on CPU, NCCL on CUDA), builds the training and generation groups, builds
-the ``PPOTrainer`` and runs it.
+the ``PPOTrainer`` and runs it (``parallel.placement=split``: the last ``parallel.gen.world``
+ranks serve generation instead, ``hybridrl.trainer.split_run``).
 Start-up checks (``hybridrl.trainer.startup``: folders writable, model/tokenizer files, data
 sources known) also run on every rank before any collective. Process groups time out after
 ``trainer.collective_timeout_s``; the line then names the ranks that did not arrive and their
@@ -68,7 +69,7 @@ def build_layout(cfg, world: int):
     from hybridrl.parallel.layout import GenLayout, TrainLayout
 
     p = cfg.parallel
-    train = TrainLayout(world=world, tp=p.tp, pp=p.pp, order=p.order)
+    train = TrainLayout(world=p.train_world(world), tp=p.tp, pp=p.pp, order=p.order)
     gen = GenLayout(train, tp=p.gen.tp, pp=p.gen.pp, grouping=p.gen.grouping) if p.nested else None
     return train, gen
 
@@ -153,11 +154,17 @@ def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
     board.start_heartbeat()  # a stopped or dead rank is named (hybridrl.parallel.phases)
     reporter, started = FailureReporter(rank, board.store), False
     try:
-        from hybridrl.trainer.ppo import PPOTrainer
+        if cfg.parallel.split:  # generation ranks apart (hybridrl/trainer/split_run.py)
+            from hybridrl.trainer.split_run import fit_split
 
-        trainer = PPOTrainer(cfg, build_groups(train, gen, timeout_s=timeout_s))
-        trainer.phases, started = board, True
-        trainer.fit()
+            started = True
+            fit_split(cfg, train, timeout_s, phases=board)
+        else:
+            from hybridrl.trainer.ppo import PPOTrainer
+
+            trainer = PPOTrainer(cfg, build_groups(train, gen, timeout_s=timeout_s))
+            trainer.phases, started = board, True
+            trainer.fit()
         board.stop_heartbeat()
     except (Exception, KeyboardInterrupt) as err:  # the entrypoint reports all in one line
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun stopping the others: report

@@ -7,7 +7,8 @@ Contract (``Checkpointer(trainer)``; every method is collective: every rank call
   parameters and Adam moments as flat ranges of canonically named parameters, the distributed
   optimizer's 1/dp shard, nothing written twice) and its RNG states (torch, numpy, python, CUDA,
   megatron's RNG tracker). Rank 0 adds ``trainer_state.pt`` (step, KL controller, data
-  position, step guard, layout-free optimizer scalars incl. ``lr_scale``), ``index.json`` (what
+  position, step guard, layout-free optimizer scalars incl. ``lr_scale``; with
+  ``rollout.async_steps=1`` the batch in flight, ``hybridrl.trainer.overlap``), ``index.json`` (what
   every file holds, sizes, CRC-32) and ``meta.json`` (run id, layout, each model's HF config,
   tokenizer path). First every rank agrees the state is finite (else ``RuntimeError``, nothing
   written). With ``trainer.async_save`` (``auto``: on when the models are on CUDA) the state is
@@ -17,7 +18,7 @@ Contract (``Checkpointer(trainer)``; every method is collective: every rank call
   Completed checkpoints beyond ``trainer.max_ckpt_to_keep`` (oldest first) are deleted.
 - ``load(path)`` restores a checkpoint written at ANY (tp, pp, dp) and world size: main
   parameters, optimizer state (model weights rebuilt from the main parameters), KL controller,
-  data position, step, guard counters. RNG states are restored per global rank when the layout
+  data position, step, guard counters, the batch in flight. RNG states are restored per global rank when the layout
   and world are unchanged (bitwise continuation); otherwise each rank keeps its fresh seeding
   (sampling is seeded per step and row, so the numbers do not depend on it) and a notice says
   so. Roles (critic or not) and model shapes must match (``ValueError`` naming them). A
@@ -146,6 +147,9 @@ class Checkpointer:
         trainer_state = {"step": tr.step, "guard": tr.guard.state_dict(),
                          "kl_ctrl": tr.kl_ctrl.state_dict(), "loader": tr.loader.state_dict(),
                          "optim_extra": extras}
+        overlap = getattr(tr, "overlap", None)  # the batch in flight (rollout.async_steps=1)
+        if overlap is not None and overlap.on:
+            trainer_state["overlap"] = overlap.state_dict()
         meta = {"format": FORMAT, "run_id": tr.run_id, "step": tr.step, **self.layout(),
                 "roles": {r: m.spec.to_hf_config(m.dtype) for r, m, _ in self.roles()},
                 "tokenizer": tr.cfg.model.tokenizer_path or tr.cfg.model.path}
@@ -282,6 +286,8 @@ class Checkpointer:
         tr.loader.load_state_dict(state["loader"])
         tr.step = int(state["step"])
         tr.guard.load_state_dict(state["guard"])
+        if getattr(tr, "overlap", None) is not None:  # hybridrl/trainer/overlap.py
+            tr.overlap.load_state_dict(state.get("overlap"))
         if rng is not None:
             set_rng_state(rng)
         else:

@@ -13,6 +13,7 @@ from hybridrl.config._fields import check_choice, check_non_negative, check_posi
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 GROUPINGS = ("hybridflow", "vanilla")
+PLACEMENTS = ("colocated", "split")
 RESHARD_STRATEGIES = ("auto", "allgather", "vanilla", "zero_redundancy", "p2p")
 
 
@@ -25,10 +26,13 @@ class GenParallelConfig:
     grouping: str = knob("hybridflow", "hybridflow (each training shard nested in its "
                          "generation shard; needs gen.tp to divide tp and gen.pp to divide pp) | "
                          "vanilla (HybridFlow-V).")
+    world: int = knob(0, "placement=split: ranks that only generate (the last gen.world ranks; "
+                      "gen.tp x gen.pp shards replicated over them); 0 with colocated.")
 
     def __post_init__(self) -> None:
         check_positive("parallel.gen.tp", self.tp)
         check_positive("parallel.gen.pp", self.pp)
+        check_non_negative("parallel.gen.world", self.world)
         check_choice("parallel.gen.grouping", self.grouping, GROUPINGS)
 
 
@@ -43,6 +47,9 @@ class ParallelConfig:
     ep: int = knob(1, "Expert-parallel size (must be 1 for now).")
     order: str = knob("tp-cp-ep-dp-pp", "Megatron rank order, leftmost axis varies fastest.")
     gen: GenParallelConfig = section(GenParallelConfig, "Generation (rollout) layout.")
+    placement: str = knob("colocated", "colocated (every rank trains and generates) | split "
+                          "(the last parallel.gen.world ranks generate, the others train; "
+                          "weights move train -> gen each step: docs/reshard.md).")
 
     def __post_init__(self) -> None:
         check_positive("parallel.tp", self.tp)
@@ -56,11 +63,35 @@ class ParallelConfig:
         if sorted(tokens) != sorted(AXES):
             raise ValueError("parallel.order must be a '-'-joined permutation of "
                              f"{', '.join(AXES)}; got {self.order!r}")
+        check_choice("parallel.placement", self.placement, PLACEMENTS)
         gen_model = self.gen.tp * self.gen.pp
-        if (self.tp * self.pp) % gen_model:
+        if self.split:
+            if self.gen.world < 1 or self.gen.world % gen_model or self.gen.pp != 1:
+                raise ValueError(
+                    f"parallel.placement=split needs parallel.gen.world >= 1, a multiple of "
+                    f"parallel.gen.tp*parallel.gen.pp ({gen_model}), and parallel.gen.pp = 1; "
+                    f"got gen.world={self.gen.world}, gen.pp={self.gen.pp}")
+        elif self.gen.world:
+            raise ValueError(f"parallel.gen.world={self.gen.world} needs parallel.placement=split "
+                             "(colocated: every rank generates)")
+        elif (self.tp * self.pp) % gen_model:
             raise ValueError(
                 f"parallel.gen.tp*parallel.gen.pp ({self.gen.tp}*{self.gen.pp} = {gen_model}) "
                 f"must divide parallel.tp*parallel.pp ({self.tp}*{self.pp} = {self.tp * self.pp})")
+
+    @property
+    def split(self) -> bool:
+        """True when generation runs on ranks of its own (``placement=split``)."""
+        return self.placement == "split"
+
+    def train_world(self, world_size: int) -> int:
+        """The training ranks among ``world_size`` (all but the last gen.world when split)."""
+        if not self.split:
+            return world_size
+        if world_size <= self.gen.world:
+            raise ValueError(f"parallel.placement=split: world size {world_size} leaves no "
+                             f"training rank after parallel.gen.world={self.gen.world}")
+        return world_size - self.gen.world
 
     @property
     def model_parallel_size(self) -> int:
@@ -70,7 +101,7 @@ class ParallelConfig:
     @property
     def nested(self) -> bool:
         """True when every training shard lies inside a generation shard (gen.tp | tp, gen.pp | pp)."""
-        return self.tp % self.gen.tp == 0 and self.pp % self.gen.pp == 0
+        return not self.split and self.tp % self.gen.tp == 0 and self.pp % self.gen.pp == 0
 
     @property
     def micro_dp(self) -> int:

@@ -50,6 +50,10 @@ class RolloutConfig:
     timeout_s: float = knob(3600.0, "sglang: seconds the ranks of a gen-TP group wait for "
                             "their engine's answer (a generate call, a weight-push round) "
                             "before failing with a line naming the engine.")
+    async_steps: int = knob(0, "0: each step generates its batch, then trains on it | 1 "
+                            "(needs parallel.placement=split): the generation ranks generate "
+                            "batch k+1 while the training ranks train on batch k (one-step "
+                            "off-policy; old log-probs recomputed on the training ranks).")
     deterministic: bool = knob(False, "sglang: enable_deterministic_inference (batch-invariant "
                                "kernels, NCCL tree all-reduce, no custom all-reduce; slower). "
                                "The pinned SGLang honours per-request seeds only then.")
@@ -60,6 +64,7 @@ class RolloutConfig:
         check_positive("rollout.response_length", self.response_length)
         check_positive("rollout.engine_start_timeout_s", self.engine_start_timeout_s)
         check_positive("rollout.timeout_s", self.timeout_s)
+        check_choice("rollout.async_steps", self.async_steps, (0, 1))
         check_range("rollout.mem_fraction_static", self.mem_fraction_static, 0.0, 1.0,
                     low_open=True)
         check_range("rollout.engine_port_base", self.engine_port_base, 1024, 65535 - 16 * 64)

@@ -43,7 +43,8 @@ class HybridRLConfig:
         self._check_batches()
         self._check_algorithm()
         if self.parallel.dp:
-            self.check_world(self.parallel.dp * self.parallel.model_parallel_size)
+            self.check_world(self.parallel.dp * self.parallel.model_parallel_size
+                             + (self.parallel.gen.world if self.parallel.split else 0))
 
     @property
     def use_critic(self) -> bool:
@@ -52,7 +53,7 @@ class HybridRLConfig:
 
     def check_world(self, world_size: int) -> int:
         """Check the batch sizes against the DP size of ``world_size`` ranks; return that DP size."""
-        dp = self.parallel.resolve_dp(world_size)
+        dp = self.parallel.resolve_dp(self.parallel.train_world(world_size))
         n = self.rollout.n
         if (self.data.train_batch_size * n) % dp:
             raise ValueError(f"data.train_batch_size*rollout.n ({self.data.train_batch_size}*{n}) "
@@ -125,6 +126,22 @@ class HybridRLConfig:
                     "parallel.gen.tp dividing parallel.tp and parallel.gen.pp dividing parallel.pp;"
                     f" got grouping={par.gen.grouping!r}, tp={par.tp}, gen.tp={par.gen.tp}, "
                     f"pp={par.pp}, gen.pp={par.gen.pp} (use 'p2p' or 'auto')")
+        self._check_placement()
         if self.rollout.engine == "sglang" and self.trainer.device == "cpu":
             raise ValueError("rollout.engine 'sglang' needs a GPU; trainer.device is 'cpu' "
                              "(use rollout.engine=builtin)")
+
+    def _check_placement(self) -> None:
+        split, r = self.parallel.split, self.rollout
+        if r.async_steps and not split:
+            raise ValueError("rollout.async_steps=1 needs parallel.placement=split (generation "
+                             "overlaps training only on ranks of its own)")
+        if r.async_steps and self.algorithm.filter_groups.enable:
+            raise ValueError("rollout.async_steps=1 does not combine with "
+                             "algorithm.filter_groups.enable (its rounds depend on the scores)")
+        if split and r.engine != "builtin":
+            raise ValueError(f"parallel.placement=split runs rollout.engine=builtin only for now; "
+                             f"got {r.engine!r}")
+        if split and self.reshard.strategy != "auto":
+            raise ValueError("parallel.placement=split moves weights with the split strategy; "
+                             f"reshard.strategy must be 'auto', got {self.reshard.strategy!r}")

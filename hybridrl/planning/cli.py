@@ -12,6 +12,8 @@ Contract:
   qwen3-8b/32b, llama2-7b/13b/34b/70b; the old llama-7b... names are refused naming the new
   ones), an HF folder or its config.json of any supported architecture; ``--memory --config``
   without ``--model`` plans the config's own ``model.path`` (``model_of_config``).
+- ``--gen-world N`` plans the split placement instead (``hybridrl.planning.split``: both rank
+  sets, bytes received per generation rank and sent per training rank, the send balance).
 - ``--memory`` prints the per-GPU memory plan instead (``memory_report``: bytes by phase, the
   verdict; ``hybridrl.planning.memory``), or its JSON with ``--json``.
 - Bad input raises ValueError (the top-level CLI prints one line and exits 2). ``main(argv)``
@@ -248,6 +250,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError("--gen-tp is required")
     if not args.memory and args.world is None:
         raise ValueError("--world is required")
+    if args.gen_world and not args.memory:  # split placement (hybridrl/planning/split.py)
+        from hybridrl.planning.split import split_report, split_text
+
+        pad = args.vocab_pad if args.vocab_pad is not None else (
+            0 if args.engine == "builtin" else ENGINE_VOCAB_PAD)
+        rep = split_report(load_shape(args.model), args.world, args.tp, args.pp, args.gen_world,
+                           args.gen_tp, DTYPE_BYTES[args.dtype], args.bucket_mb, args.gbps,
+                           pad or None)
+        print(json.dumps(rep) if args.json else split_text(rep, args.model, args.gbps))
+        return 0
     if args.memory:
         from hybridrl.planning.report import format_report
 
@@ -277,6 +289,9 @@ def _fill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-tp", type=int, help="generation tensor-parallel size tg (required "
                    "unless --memory --config)")
     p.add_argument("--gen-pp", type=int, default=1, help="generation pipeline-parallel size pg")
+    p.add_argument("--gen-world", type=int, default=0,
+                   help="split placement: the last N of --world ranks generate (bytes per rank, "
+                        "send balance of the split weight sync)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     p.add_argument("--gbps", type=float, default=400.0, help="per-rank link speed, Gbit/s")
     p.add_argument("--bucket-mb", type=float, default=512.0, help="reshard bucket size, MiB")

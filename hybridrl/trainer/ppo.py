@@ -9,7 +9,10 @@ Contract:
   ``trainer.total_steps`` steps and returns the list of per-step metric dicts (every rank).
 - One step (``train_step``), every rank:
   1. ``timing_s/reshard``: actor train shards -> engine shards (``RolloutWorker.sync_weights``;
-     this rank's bytes and messages as ``reshard/*``);
+     this rank's bytes and messages as ``reshard/*``; ``parallel.placement=split``: the engine
+     lives on generation ranks of its own, ``hybridrl.rollout.remote``, and with
+     ``rollout.async_steps=1`` the step's batch was generated while the last step trained:
+     ``hybridrl.trainer.overlap``);
   2. ``timing_s/gen``: each gen replica samples its share of the prompts (``rollout.n`` per
      prompt); each DP replica then receives only the rows it trains on
      (``hybridrl.rollout.partition``: token-balanced per mini-batch chunk, prompt groups kept
@@ -71,12 +74,14 @@ from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_tok
 from hybridrl.rewards.scoring import build_reward_scorer
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
 from hybridrl.rollout.partition import plan_rollout_partition
-from hybridrl.rollout.worker import RolloutWorker, reshard_metrics
+from hybridrl.rollout.remote import build_rollout_worker
+from hybridrl.rollout.worker import reshard_metrics
 from hybridrl.trainer import dynamic_sampling
 from hybridrl.trainer.guards import StepGuard
 from hybridrl.trainer.metrics_log import build_metrics_log
 from hybridrl.trainer.microbatches import TokenTally, forward_parts, sp_multiple
 from hybridrl.trainer.on_policy import GAP_METRICS, skip_old_forward
+from hybridrl.trainer.overlap import Overlap
 from hybridrl.trainer.phase_memory import PhaseMemory
 from hybridrl.trainer.updates import actor_loss_fn, critic_loss_fn, ddp_options, ppo_updates
 from hybridrl.trainer.validation import validate_actor
@@ -85,7 +90,7 @@ from hybridrl.trainer.validation import validate_actor
 class PPOTrainer:
     """The loop (see module docstring); ``groups`` come from ``hybridrl.parallel.build_groups``."""
 
-    def __init__(self, cfg, groups, *, print_fn=print):
+    def __init__(self, cfg, groups, *, print_fn=print, split=None):
         t_start = time.perf_counter()  # start-up phases are printed once the log exists
         self.cfg, self.groups = cfg, groups
         self.rank, self.world = groups.rank, dist.get_world_size()
@@ -138,7 +143,8 @@ class PPOTrainer:
             "reference": (self.ref, None, ref_offload),
             "reward": (self.reward_model, None, ref_offload)})
         self.worker = self.memory.start_engine(  # training state away first (docs/memory.md)
-            lambda: RolloutWorker(cfg, groups, self.actor, self.tokenizer))
+            lambda: build_rollout_worker(cfg, groups, self.actor, self.tokenizer, split))
+        self.overlap = Overlap(self)  # rollout.async_steps (hybridrl/trainer/overlap.py)
         self.log.startup(f"hybridrl: models built and weights loaded ({t_models - t_start:.1f} s),"
                          f" engine ready ({time.perf_counter() - t_models:.1f} s)")
         self.guard = StepGuard(cfg.trainer, self.actor.device, self.log)
@@ -237,7 +243,7 @@ class PPOTrainer:
         cfg, t0 = self.cfg, time.perf_counter()
         timing = self.phases.step_timing(self.step + 1) if self.phases else {}
         snapshot = self._snapshot() if self.guard.needs_snapshot else None
-        prompts = self.loader.next_batch()
+        prompts = self.overlap.prompts(timing)  # async_steps 1: generated while k-1 trained
         with self.memory.timed(timing, "reshard"):
             sync = self.worker.sync_weights(self.actor)
         scored = None  # DAPO dynamic sampling scores while it generates (algorithm.filter_groups)
@@ -246,6 +252,7 @@ class PPOTrainer:
                 rb, *scored = dynamic_sampling.collect(self, prompts)
             else:
                 rb = self._rollout(prompts)
+            self.overlap.prefetch()  # async_steps 1: the next batch, on the weights just synced
             self.worker.release()  # SGLang gives its GPU memory back before training
         mask = rb.response_mask
         a = cfg.actor
@@ -311,7 +318,7 @@ class PPOTrainer:
                               self.world, self._gloo_dp())
         batch = {k: v for k, v in batch.items() if not (self.on_policy and k in GAP_METRICS)}
         batch.update(self.tally.pop_metrics(self._gloo_dp()))  # perf/pad_fraction, tokens_per_s
-        return {**metrics, **batch, **timing, **reshard_metrics(sync)}
+        return {**metrics, **batch, **timing, **reshard_metrics(sync), **self.overlap.metrics()}
 
     # ------------------------------------------------------------------ KL guard
     def _models(self):

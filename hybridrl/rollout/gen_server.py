@@ -1,0 +1,82 @@
+"""The generation ranks' side of a split placement: an engine that serves the training ranks.
+
+Contract:
+- ``serve(cfg, split)`` runs on every generation rank (``split``: the rank's
+  ``hybridrl.parallel.split.SplitGroups``) until rank 0 says ``stop``; returns the number of
+  batches generated. First it receives the model description from rank 0 (command group:
+  ``RemoteRollout``'s constructor sends it) and builds the builtin engine on its gen shard
+  (gen TP group ``split.gen_tp``; replica = its gen_tp consecutive ranks), empty until the first
+  sync. Then, per command (``hybridrl.rollout.split_link.Command``):
+  ``sync``: runs the split plan over the bridge, the received rows landing straight in the
+  engine's tensors (no conversion, no copy), then ``finish_update``; ``gen``: samples its
+  replica's share, and the replica's first rank posts it to every training rank (the sends
+  complete while the next command is awaited); ``stop``: returns.
+- It calls no collective on the default group; every wait is on the command group, the bridge
+  or its gen TP group (finite timeouts: a dead training rank ends it with the collective's
+  timeout, named by the entrypoint's phase board).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridrl.reshard.assemble import Assembler
+from hybridrl.reshard.executor import run_plan
+from hybridrl.rollout.engine_sync import inplace_targets
+from hybridrl.rollout.split_link import build_split_plan, send_share
+
+
+def receive_command(split):
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=split.command)
+    return box[0]
+
+
+def serve(cfg, split) -> int:
+    """The generation rank's loop (module docstring)."""
+    from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
+    from hybridrl.rollout.sglang import request_seed  # pure helper; no sglang import
+
+    spec, uses_te, dtype, train = receive_command(split)
+    sp = build_split_plan(train, spec, len(split.gen_ranks), split.gen_tp_size,
+                          cfg.reshard.bucket_mb, dtype, uses_te)
+    rank = split.rank
+    tp_rank, _, replica = sp.gen.coords[rank]
+    members = split.gen_replicas()[replica]
+    engine = BuiltinEngine(EngineSpec.from_llama(spec, sp.gen.vocab_chunk), tp_group=split.gen_tp,
+                           tp_rank=tp_rank, tp_size=sp.gen.tp, tp_src=members[0],
+                           device=torch.device("cpu"), dtype=dtype, pp_size=1, blocks=1)
+    n_replicas, pending, batches, verify = len(split.gen_replicas()), [], 0, True
+    while True:
+        cmd = receive_command(split)
+        if cmd.op == "stop":
+            break
+        if cmd.op == "sync":
+            asm = Assembler(sp.plan, rank, None, dtype=dtype, device="cpu", zero_padding=False,
+                            into=inplace_targets(sp.plan, rank, {}, engine, False),
+                            spare=getattr(engine, "spare", None))
+            run_plan(sp.plan, rank, {}, asm, group=split.bridge, verify=verify)
+            engine.finish_update()
+            verify = False
+            continue
+        for w in pending:  # the last batch has reached every training rank
+            w.wait()
+        shares = np.array_split(np.arange(len(cmd.prompts)), n_replicas)
+        rows = [int(i) for i in shares[replica]]
+        out, t0 = None, time.perf_counter()
+        if rows:
+            seeds = tuple(request_seed(cmd.seed, i) for i in rows)
+            out = engine.generate([cmd.prompts[i] for i in rows],
+                                  dataclasses.replace(cmd.params, seed=cmd.seed, row_seeds=seeds))
+        gen_s = time.perf_counter() - t0
+        pending = (send_share(split.bridge, split.train_ranks, rows, out, gen_s)
+                   if rank == members[0] else [])
+        batches += 1
+    for w in pending:
+        w.wait()
+    return batches

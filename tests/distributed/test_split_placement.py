@@ -1,0 +1,121 @@
+"""Split placement (issue 29): generation ranks apart from the training ranks.
+
+One 4-rank gloo launch, the tiny GAE run of test_trainer_cases (critic, KL loss, 2 mini-batches)
+with 3 steps; smaller jobs run inside it on ranks 0..n-1 (``default_group``):
+- split 2 + 2 (train dp 2; 2 gen replicas) vs colocated on 2 ranks (dp 2; 2 gen replicas), and
+  split 1 + 1 vs colocated on 1 rank, async_steps 0: the same metrics step for step (timing,
+  perf, reshard and transport figures aside) and the same final actor weights;
+- async_steps 1 on 1 + 1 (3 steps, a checkpoint after each): staleness 0 then 1, an overlap
+  figure, the update uses the recomputed old log-probs; then a resume from its step-1
+  checkpoint (the batch in flight saved in it) logs exactly steps 2 and 3 of the
+  uninterrupted run and ends with the same weights;
+- the generation ranks report how many batches they generated.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from hybridrl.testing.dist import run_on_ranks
+from tests.distributed.test_trainer_cases import base_overrides, run_in
+
+SKIP = ("timing_s/", "perf/", "reshard/", "rollout/", "transport/")
+
+
+def _job(rank, world, n, overrides, split, sub, world_group):
+    """Run one job on ranks 0..n-1 (``sub``; the others return None at once)."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridrl.config import load_config
+    from hybridrl.parallel.groups import build_groups
+    from hybridrl.parallel.split import default_group
+    from hybridrl.train import build_layout
+    from hybridrl.trainer.ppo import PPOTrainer
+    from hybridrl.trainer.split_run import fit_split
+
+    # torch names new groups by a per-process count: a job on ranks 0..n-1 advances only theirs,
+    # so every rank takes the largest count before the next job (inside one job all agree)
+    count = torch.tensor([dist.distributed_c10d._world.group_count])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=world_group)
+    dist.distributed_c10d._world.group_count = int(count)
+    if rank >= n:
+        return None
+    out = {}
+    with default_group(sub):
+        cfg = load_config([], overrides, world_size=n)
+        train, gen = build_layout(cfg, n)
+        torch.manual_seed(cfg.trainer.seed)
+
+        def keep(tr):
+            out["weights"] = {k: p.detach().clone() for k, p in tr.actor.module.named_parameters()}
+
+        if split:
+            out["hist"] = fit_split(cfg, train, 120, print_fn=lambda *a, **k: None, on_trainer=keep)
+        else:
+            tr = PPOTrainer(cfg, build_groups(train, gen), print_fn=lambda *a, **k: None)
+            out["hist"] = tr.fit()
+            keep(tr)
+        dist.barrier()
+    return out
+
+
+def _rank(rank, world, root):
+    base = [*base_overrides(root), "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
+            "trainer.total_steps=3", "trainer.logger=[console]"]
+    split = ["parallel.placement=split"]
+    import torch.distributed as dist
+
+    # made up front, every rank in one order (a job's own groups advance only its ranks' count)
+    subs = {n: dist.new_group(list(range(n))) for n in (1, 2, 4)}
+    res = {}
+    for name, n, extra, is_split in (
+            ("split22", 4, [*split, "parallel.gen.world=2"], True),
+            ("colo2", 2, [], False),
+            ("split11", 2, [*split, "parallel.gen.world=1"], True),
+            ("colo1", 1, [], False),
+            ("async", 2, [*split, "parallel.gen.world=1", "rollout.async_steps=1",
+                          "trainer.save_freq=1"], True),
+            ("resumed", 2, [*split, "parallel.gen.world=1", "rollout.async_steps=1",
+                            "trainer.resume=path",
+                            f"trainer.resume_path={root}/async/checkpoints/global_step_1"], True)):
+        res[name] = _job(rank, world, n, [*base, *extra, *run_in(f"{root}/{name}")], is_split,
+                         subs[n], subs[4])
+    return res
+
+
+def _same(a_hist, b_hist):
+    assert len(a_hist) == len(b_hist)
+    for step, (a, b) in enumerate(zip(a_hist, b_hist), 1):
+        keys = {k for k in a if not k.startswith(SKIP)} & {k for k in b if not k.startswith(SKIP)}
+        assert len(keys) > 10, sorted(keys)
+        for k in sorted(keys):
+            x, y = a[k], b[k]
+            assert x == y or (math.isnan(x) and math.isnan(y)), (step, k, x, y)
+
+
+@pytest.mark.slow
+def test_split_placement(tmp_path):
+    res = run_on_ranks(_rank, 4, str(tmp_path), timeout=900, preload=("megatron.core",))
+    import torch
+
+    r0 = res[0]
+    _same(r0["split22"]["hist"], r0["colo2"]["hist"])
+    _same(r0["split11"]["hist"], r0["colo1"]["hist"])
+    for a, b in (("split22", "colo2"), ("split11", "colo1")):
+        for k, w in r0[a]["weights"].items():
+            assert torch.equal(w, r0[b]["weights"][k]), (a, k)
+    assert res[2]["split22"] is None or res[2]["split22"]["hist"] is None  # rank 2 generated
+    asy = r0["async"]["hist"]
+    assert [m["rollout/staleness"] for m in asy] == [0.0, 1.0, 1.0]
+    assert all(m["timing_s/overlap"] >= 0 for m in asy) and asy[1]["timing_s/overlap"] > 0
+    assert asy[1]["actor/ppo_kl"] != 0.0  # old log-probs from the trainer's weights
+    resumed = r0["resumed"]["hist"]
+    assert len(resumed) == 2
+    _same(resumed, asy[1:])
+    for k, w in r0["async"]["weights"].items():
+        assert torch.equal(w, r0["resumed"]["weights"][k]), k
+    assert os.path.isdir(f"{tmp_path}/async/checkpoints/global_step_1")
