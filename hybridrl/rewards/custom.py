@@ -6,13 +6,16 @@ or ``"path/to/file.py:function"`` (loaded from that file) to a callable
 with a "score" key (other numeric keys become metrics). ``normalize_result(value, spec)`` turns
 either form into ``(score, extras)``. A malformed spec, a missing module/file/function, a file that does not import (a SyntaxError
 with its line, an exception at its top level) or a result of another type raises ValueError
-naming the spec.
+naming the spec. ``check_call(fn, spec, kwargs)`` (at start-up) raises ValueError naming the
+spec when ``fn`` cannot be called with verl's four arguments plus ``kwargs``
+(``reward.reward_fn_kwargs``), instead of a TypeError on the first scored row.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import numbers
 import os
 from collections.abc import Callable
@@ -59,6 +62,21 @@ def load_reward_fn(spec: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ValueError(f"reward function '{spec}': {module_name} has no callable '{fn_name}'")
     return fn
+
+
+def check_call(fn: Callable[..., Any], spec: str, kwargs: dict) -> None:
+    """ValueError naming ``spec`` when ``fn(ds, solution, truth, extra_info, **kwargs)`` cannot bind."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable without one: the call will tell
+        return
+    try:
+        signature.bind("data_source", "solution_str", "ground_truth", {}, **kwargs)
+    except TypeError as err:
+        given = "".join(f", {k}=..." for k in kwargs)
+        raise ValueError(f"reward function '{spec}' cannot be called as fn(data_source, "
+                         f"solution_str, ground_truth, extra_info{given}) (verl's signature"
+                         f"{' + reward.reward_fn_kwargs' if kwargs else ''}): {err}") from None
 
 
 def normalize_result(value: Any, spec: str) -> tuple[float, dict[str, float]]:

@@ -34,7 +34,7 @@ from hybridrl.registry import Registry
 from hybridrl.rewards import arithmetic, gsm8k
 from hybridrl.rewards import code as code_reward
 from hybridrl.rewards import math as math_reward
-from hybridrl.rewards.custom import load_reward_fn, normalize_result
+from hybridrl.rewards.custom import check_call, load_reward_fn, normalize_result
 from hybridrl.rewards.penalties import (
     DEFAULT_WEIGHT,
     length_fraction,
@@ -89,6 +89,8 @@ class RewardScorer:
         )
         self.custom_fn = load_reward_fn(custom_fn) if isinstance(custom_fn, str) else custom_fn
         self.custom_fn_kwargs = dict(custom_fn_kwargs or {})
+        if self.custom_fn is not None:  # a wrong signature: said at start, not on row 0
+            check_call(self.custom_fn, self.custom_name, self.custom_fn_kwargs)
         self.fn_kwargs = {k: dict(v) for k, v in (fn_kwargs or {}).items()}
         self.length_penalty, self.length_penalty_weight = length_penalty, length_penalty_weight
         self.repetition_penalty = repetition_penalty
@@ -118,6 +120,9 @@ class RewardScorer:
     def _describe_failure(self, err: Exception, row: int, data_source: str, extra) -> str:
         name = self.custom_name or f"registered for {data_source!r}"
         detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        if isinstance(err, ValueError) and detail.startswith("reward function '"):  # ours
+            return f"{detail} on row {row} (data_source {data_source!r}, index " \
+                   f"{(extra or {}).get('index') if isinstance(extra, dict) else None})"
         index = (extra or {}).get("index") if isinstance(extra, dict) else None
         return (f"reward function '{name}' raised {type(err).__name__}"
                 f"{': ' + detail if detail else ''} on row {row} (data_source {data_source!r}, "

@@ -121,8 +121,15 @@ def test_custom_function_by_import_path(tmp_path, monkeypatch):
     assert (
         scores.tolist() == [2.0, 2.0] and m["reward/acc/mean"] == 0.5 and "reward/tag/mean" not in m
     )
-    with pytest.raises(RewardFunctionError, match="returned str"):
+    with pytest.raises(RewardFunctionError) as err:  # its own line, not "raised ValueError: ..."
         RewardScorer(custom_fn="my_reward_mod:bad").score_batch(["a"], ["a"], ["s"])
+    assert str(err.value).startswith("reward function 'my_reward_mod:bad' returned str; allowed")
+    assert str(err.value).endswith(" on row 0 (data_source 's', index None)")
+    # a signature verl's call cannot bind: ValueError when the scorer is built, not on row 0
+    with pytest.raises(ValueError, match=r"reward function 'my_reward_mod:as_dict' cannot be "
+                       r"called as fn\(data_source, solution_str, ground_truth, extra_info, "
+                       r"bonus=...\) .*unexpected keyword argument 'bonus'"):
+        RewardScorer(custom_fn="my_reward_mod:as_dict", custom_fn_kwargs={"bonus": 1.0})
     # user code raising anything: one line naming the function, the row, data_source and index
     with pytest.raises(RewardFunctionError, match=(
             r"reward function 'my_reward_mod:as_float' raised KeyError: 'w' on row 1 "
