@@ -33,10 +33,16 @@ test: .venv lint
 	$(PY) -m pytest
 
 # SFT warm start, then PPO with a critic (ALGO=grpo: GRPO) on 4 gloo ranks, tp 2 x pp 2, gen tp 1
+# ASYNC=1: a 5th rank generates apart (parallel.placement=split) one step ahead (rollout.async_steps=1)
 ALGO ?= gae
+ASYNC ?= 0
+DEMO_ASYNC_0 := --nproc-per-node 4
+DEMO_ASYNC_1 := --nproc-per-node 5 parallel.placement=split parallel.gen.world=1 rollout.async_steps=1 \
+	trainer.experiment_name=demo_async
 demo: .venv
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 4 -m hybridrl.demo --config configs/demo.yaml \
-		algorithm.adv_estimator=$(ALGO)
+	$(VENV)/bin/torchrun --standalone $(word 1,$(DEMO_ASYNC_$(ASYNC))) $(word 2,$(DEMO_ASYNC_$(ASYNC))) \
+		-m hybridrl.demo --config configs/demo.yaml algorithm.adv_estimator=$(ALGO) \
+		$(wordlist 3,99,$(DEMO_ASYNC_$(ASYNC)))
 
 # the layouts of a 256-GPU job, then every group built on 8 real gloo ranks
 layout-demo: .venv

@@ -4,7 +4,8 @@
 
 Contract: every rank loads the config (``hybridrl.train``'s loading and start-up checks, every
 rank before any collective; a bad config exits 2 with one line), builds the groups once, runs
-``hybridrl.sft.run_sft`` (data written, SFT, greedy validation, HF export to
+``hybridrl.sft.run_sft`` (with ``parallel.placement=split`` on the training ranks only: the last
+``parallel.gen.world`` ranks wait, then generate for the PPO run; ``make demo ASYNC=1``) (data written, SFT, greedy validation, HF export to
 ``<sft.output_dir>/hf``), then builds a ``PPOTrainer`` from that export (``model.path``; the
 critic's trunk and the reference start from it too) with the same groups and fits
 ``trainer.total_steps`` steps in its run folder ``<trainer.output_dir>/<trainer.experiment_name>``.
@@ -27,8 +28,9 @@ import warnings
 from hybridrl.exits import die_with_parent, one_line
 
 
-def run_demo(load, groups, print_fn=print) -> tuple[float, float, str, str]:
-    """``load(extra_overrides)`` -> config. Returns (SFT score, RL score, metrics, plot)."""
+def run_demo(load, groups, print_fn=print, split=None) -> tuple[float, float, str, str]:
+    """``load(extra_overrides)`` -> config. Returns (SFT score, RL score, metrics, plot).
+    ``split``: the training ranks' ``SplitGroups`` (``parallel.placement=split``)."""
     from hybridrl.sft import run_sft
     from hybridrl.trainer.ppo import PPOTrainer
 
@@ -36,8 +38,10 @@ def run_demo(load, groups, print_fn=print) -> tuple[float, float, str, str]:
     history, folder = run_sft(cfg, groups, print_fn=print_fn)
     sft_score = history[-1].get("val/score/mean", float("nan"))
     rl_cfg = load([f"model.path={folder}", "model.tokenizer_path=char"])
-    trainer = PPOTrainer(rl_cfg, groups, print_fn=print_fn)
+    trainer = PPOTrainer(rl_cfg, groups, print_fn=print_fn, split=split)
     rl = trainer.fit()
+    if split is not None:
+        trainer.worker.close()  # the generation ranks' loop ends
     scores = [m["val/score/mean"] for m in rl if "val/score/mean" in m]
     run_dir = rl_cfg.trainer.run_dir
     metrics = os.path.join(run_dir, "metrics.jsonl")
@@ -50,6 +54,18 @@ def run_demo(load, groups, print_fn=print) -> tuple[float, float, str, str]:
         except ImportError as err:
             print_fn(f"hybridrl.demo: no plot ({err})", flush=True)
     return sft_score, (scores[-1] if scores else float("nan")), metrics, plot
+
+
+def _run_split(cfg, load, train, timeout_s: float):
+    from hybridrl.parallel.split import build_split_groups, training_world
+    from hybridrl.rollout.gen_server import serve
+
+    split = build_split_groups(train, cfg.parallel.gen.world, cfg.parallel.gen.tp, timeout_s)
+    if split.is_gen:
+        serve(cfg, split)
+        return float("nan"), float("nan"), "", "none"
+    with training_world(split):
+        return run_demo(load, split.groups, split=split)
 
 
 def main(argv=None) -> int:
@@ -83,7 +99,10 @@ def main(argv=None) -> int:
     init_distributed("gloo" if cfg.trainer.device == "cpu" else None, timeout_s=timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     try:
-        a, b, metrics, plot = run_demo(load, build_groups(train, gen, timeout_s=timeout_s))
+        if cfg.parallel.split:  # SFT and PPO on the training ranks; the others generate
+            a, b, metrics, plot = _run_split(cfg, load, train, timeout_s)
+        else:
+            a, b, metrics, plot = run_demo(load, build_groups(train, gen, timeout_s=timeout_s))
     except (Exception, KeyboardInterrupt) as err:
         return _fail(rank, 130 if isinstance(err, KeyboardInterrupt) else 1, one_line(err))
     if rank == 0:
