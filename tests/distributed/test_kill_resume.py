@@ -48,6 +48,18 @@ def _metrics(folder: str, name: str = "metrics.jsonl") -> dict[int, dict]:
             for r in rows}
 
 
+def kill_after_step_2(root: str, folder: str, *extra: str) -> str:
+    """Launch, SIGKILL the whole job once "step 2/" is printed; the output seen until then."""
+    run, seen, deadline = _launch(root, folder, *extra), "", time.monotonic() + 240
+    while time.monotonic() < deadline and "step 2/" not in seen:  # step 2 saved: kill the job
+        seen += run.stdout.readline()
+        if run.poll() is not None:
+            break
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait(timeout=60)
+    return seen
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("kill"))
@@ -55,13 +67,7 @@ def runs(tmp_path_factory):
     full = os.path.join(root, "full", "run")
     _finish(_launch(root, full))
     killed = os.path.join(root, "killed", "run")
-    run, seen, deadline = _launch(root, killed), "", time.monotonic() + 240
-    while time.monotonic() < deadline and "step 2/" not in seen:  # step 2 saved: kill the job
-        seen += run.stdout.readline()
-        if run.poll() is not None:
-            break
-    os.killpg(run.pid, signal.SIGKILL)
-    run.wait(timeout=60)
+    seen = kill_after_step_2(root, killed)
     _finish(_launch(root, killed))
     cut = os.path.join(root, "cut", "run")  # a save cut short: copy the full run's step 2 (it keeps
     ckpt, full_ckpt = os.path.join(cut, "checkpoints"), os.path.join(full, "checkpoints")

@@ -8,12 +8,10 @@ generation loop, stop, the final barrier over both sets)."""
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import pytest
 
-from tests.distributed.test_kill_resume import STEPS, _finish, _launch, _metrics
+from tests.distributed.test_kill_resume import STEPS, _finish, _launch, _metrics, kill_after_step_2
 
 SPLIT = ("parallel.placement=split", "parallel.gen.world=1", "rollout.async_steps=1")
 
@@ -24,13 +22,7 @@ def test_split_async_sigkill_resumes_to_the_uninterrupted_metrics(tmp_path):
     full = os.path.join(root, "full", "run")
     _finish(_launch(root, full, *SPLIT))
     killed = os.path.join(root, "killed", "run")
-    run, seen, deadline = _launch(root, killed, *SPLIT), "", time.monotonic() + 240
-    while time.monotonic() < deadline and "step 2/" not in seen:  # step 2 saved: kill the job
-        seen += run.stdout.readline()
-        if run.poll() is not None:
-            break
-    os.killpg(run.pid, signal.SIGKILL)
-    run.wait(timeout=60)
+    seen = kill_after_step_2(root, killed, *SPLIT)
     assert "step 2/" in seen
     _finish(_launch(root, killed, *SPLIT))
     want, got = _metrics(full), _metrics(killed)
