@@ -9,6 +9,9 @@ with its line, an exception at its top level) or a result of another type raises
 naming the spec. ``check_call(fn, spec, kwargs)`` (at start-up) raises ValueError naming the
 spec when ``fn`` cannot be called with verl's four arguments plus ``kwargs``
 (``reward.reward_fn_kwargs``), instead of a TypeError on the first scored row.
+``failure_line(name, err, row, data_source, index)``: the one line a failed row shows
+(``reward function '<name>' raised <Type>: <message> on row R (data_source ..., index ...)``;
+the ValueErrors raised here already name the function and are not wrapped again).
 """
 
 from __future__ import annotations
@@ -77,6 +80,18 @@ def check_call(fn: Callable[..., Any], spec: str, kwargs: dict) -> None:
         raise ValueError(f"reward function '{spec}' cannot be called as fn(data_source, "
                          f"solution_str, ground_truth, extra_info{given}) (verl's signature"
                          f"{' + reward.reward_fn_kwargs' if kwargs else ''}): {err}") from None
+
+
+def failure_line(name: str, err: BaseException, row: int, data_source: str, index: Any,
+                 plain: bool = False) -> str:
+    """One line for a reward row that failed (see the module docstring); ``plain``: the
+    message is the whole description (a timeout's)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    where = f" on row {row} (data_source {data_source!r}, index {index})"
+    if isinstance(err, ValueError) and text.startswith("reward function '"):  # said it already
+        return text + where
+    what = text if plain else f"raised {type(err).__name__}{': ' + text if text else ''}"
+    return f"reward function '{name}' {what}{where}"
 
 
 def normalize_result(value: Any, spec: str) -> tuple[float, dict[str, float]]:

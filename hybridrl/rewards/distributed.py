@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.rewards.custom import failure_line
+
 
 class RewardError(RuntimeError):
     """A reward function failed or timed out on a row (the message names function and row)."""
@@ -98,11 +100,9 @@ def fn_name(scorer, data_source: str) -> str:
 def _error_line(scorer, item: RowItem, err: BaseException) -> str:
     if type(err).__name__ == "RewardFunctionError":  # already names the row and its source
         return str(err).splitlines()[0]
-    what = (str(err) if isinstance(err, TimeoutError)
-            else f"raised {type(err).__name__}: {err}").splitlines()[0]
     index = (item.extra_info or {}).get("index") if isinstance(item.extra_info, dict) else None
-    return (f"reward function '{fn_name(scorer, item.data_source)}' {what} on row {item.row} "
-            f"(data_source {item.data_source!r}, index {index})")
+    return failure_line(fn_name(scorer, item.data_source), err, item.row, item.data_source, index,
+                        plain=isinstance(err, TimeoutError))
 
 
 def _score_item(scorer, item: RowItem, timeout_s: float) -> tuple[float, dict] | str:

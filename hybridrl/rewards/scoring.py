@@ -34,7 +34,7 @@ from hybridrl.registry import Registry
 from hybridrl.rewards import arithmetic, gsm8k
 from hybridrl.rewards import code as code_reward
 from hybridrl.rewards import math as math_reward
-from hybridrl.rewards.custom import check_call, load_reward_fn, normalize_result
+from hybridrl.rewards.custom import check_call, failure_line, load_reward_fn, normalize_result
 from hybridrl.rewards.penalties import (
     DEFAULT_WEIGHT,
     length_fraction,
@@ -119,14 +119,8 @@ class RewardScorer:
 
     def _describe_failure(self, err: Exception, row: int, data_source: str, extra) -> str:
         name = self.custom_name or f"registered for {data_source!r}"
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        if isinstance(err, ValueError) and detail.startswith("reward function '"):  # ours
-            return f"{detail} on row {row} (data_source {data_source!r}, index " \
-                   f"{(extra or {}).get('index') if isinstance(extra, dict) else None})"
         index = (extra or {}).get("index") if isinstance(extra, dict) else None
-        return (f"reward function '{name}' raised {type(err).__name__}"
-                f"{': ' + detail if detail else ''} on row {row} (data_source {data_source!r}, "
-                f"index {index})")
+        return failure_line(name, err, row, data_source, index)
 
     def _penalties(
         self, response_ids: Sequence[Sequence[int]] | None, max_response_length: int | None, n: int

@@ -212,3 +212,13 @@ def test_build_reward_scorer_from_config():
     # flexible finds 72: 1 - 0.05 * 4/8; wrong arithmetic: 0.1 - 0.05 * 1; right: 1 - 0.05 * 2/8
     assert scores.tolist() == pytest.approx([0.975, 0.05, 0.9875])
     assert build_reward_scorer(config.RewardConfig()).score_one("gsm8k", "72", "72", None)[0] == 0.0
+
+
+def test_pooled_and_spread_rows_show_a_bad_result_once(tmp_path):
+    from hybridrl.rewards.distributed import RowItem, score_rows
+
+    (tmp_path / "rw.py").write_text("def bad(a, b, c, d=None):\n    return 'oops'\n")
+    scorer = RewardScorer(custom_fn=f"{tmp_path}/rw.py:bad")
+    got = score_rows(scorer, [RowItem(3, "x", [1], "1", "src", {"index": 9})], 5.0)
+    assert got == (f"reward function '{tmp_path}/rw.py:bad' returned str; allowed: a number or a "
+                   "dict with a 'score' key on row 3 (data_source 'src', index 9)"), got
