@@ -7,7 +7,9 @@ Contract:
   rank, megatron's training groups over ranks ``0 .. T-1`` (``build_groups``' families), the
   training world ``0 .. T-1``, one gen-TP group per generation replica (ranks ``T + i``, a replica
   being ``gen_tp`` consecutive ranks), the command group ``{0} + generation ranks`` and the
-  bridge (every rank: the weight sync and the batch hand-off). Returns a ``SplitGroups``:
+  bridge (every rank: the weight sync and the batch hand-off). Every group has the collective
+  timeout ``timeout_s`` except the command group (``COMMAND_TIMEOUT_S``, a day: the generation
+  ranks wait on it while the trainer trains). Returns a ``SplitGroups``:
   ``groups`` (the training rank's ``ParallelGroups``; None on a generation rank), ``bridge``,
   ``command``, ``gen_tp`` (this generation rank's group, None at gen tp 1 or on a training rank),
   ``train_world`` and the rank sets.
@@ -38,6 +40,8 @@ from hybridrl.parallel.groups import (
     all_rank_sets,
 )
 from hybridrl.parallel.layout import TrainLayout
+
+COMMAND_TIMEOUT_S = 86400.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +106,10 @@ def build_split_groups(train: TrainLayout, gen_world: int, gen_tp: int,
         ranks = gen_ranks[i:i + gen_tp]
         pg = make(ranks) if gen_tp > 1 else None
         gen_tp_mine = pg if rank in ranks else gen_tp_mine
-    command = make((0, *gen_ranks))
+    # the generation ranks wait on it between commands, i.e. for as long as a training step (or
+    # the demo's SFT) takes: a day, not the collective timeout; a failed training rank ends the
+    # job through torchrun, which stops them
+    command = dist.new_group([0, *gen_ranks], timeout=datetime.timedelta(seconds=COMMAND_TIMEOUT_S))
     bridge = make(tuple(range(world)))
     is_train = rank < train.world
     parallel = (ParallelGroups(train=train, gen=None, rank=rank, backend=backend, groups=groups,

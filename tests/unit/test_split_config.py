@@ -1,0 +1,79 @@
+"""Split placement's config, layout and plan (issue 29), no process group.
+
+The config rules (one line naming the keys), the training world of a split run, and the
+``hybridrl layout`` / ``hybridrl plan --gen-world`` reports: both rank sets, each generation
+rank receiving exactly its engine shard, the sending balanced over the training ranks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridrl.cli import main as cli_main
+from hybridrl.config import load_config
+from hybridrl.train import build_layout
+
+SPLIT = ["parallel.placement=split", "parallel.gen.world=1"]
+
+
+def test_split_config_trains_on_the_first_ranks():
+    cfg = load_config([], [*SPLIT, "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+                           "critic.ppo_mini_batch_size=2",
+                           "actor.ppo_micro_batch_size_per_gpu=1",
+                           "critic.ppo_micro_batch_size_per_gpu=1"])
+    assert cfg.parallel.split and cfg.parallel.train_world(3) == 2
+    assert cfg.check_world(3) == 2  # dp over the 2 training ranks
+    train, gen = build_layout(cfg, 3)
+    assert train.world == 2 and gen is None
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["parallel.placement=split"], "parallel.gen.world >= 1"),
+    (["parallel.placement=split", "parallel.gen.world=3", "parallel.gen.tp=2"], "multiple of"),
+    (["parallel.gen.world=2"], "needs parallel.placement=split"),
+    (["rollout.async_steps=1"], "rollout.async_steps=1 needs parallel.placement=split"),
+    (["rollout.async_steps=2"], "rollout.async_steps must be one of"),
+    (["parallel.placement=both"], "parallel.placement must be one of"),
+    ([*SPLIT, "reshard.strategy=p2p"], "reshard.strategy must be 'auto'"),
+    ([*SPLIT, "rollout.async_steps=1", "algorithm.filter_groups.enable=true", "rollout.n=2",
+      "algorithm.adv_estimator=grpo"], "filter_groups"),
+])
+def test_bad_split_configs_fail_with_one_line(overrides, words):
+    with pytest.raises(ValueError) as err:
+        load_config([], overrides)
+    assert words in str(err.value) and "\n" not in str(err.value).strip()
+
+
+def test_split_needs_a_training_rank():
+    cfg = load_config([], SPLIT)
+    with pytest.raises(ValueError, match="leaves no training rank"):
+        cfg.check_world(1)
+
+
+def test_layout_shows_both_rank_sets(capsys):
+    assert cli_main(["layout", "--world", "6", "--tp", "2", "--gen-world", "2", "--gen-tp", "2",
+                     "--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["train_ranks"] == [0, 1, 2, 3] and j["gen_ranks"] == [4, 5]
+    assert j["train"]["tp"] == [[0, 1], [2, 3]] and j["gen"]["tp"] == [[4, 5]]
+    assert cli_main(["layout", "--world", "6", "--gen-world", "2"]) == 0
+    assert "generation ranks 4..5" in capsys.readouterr().out
+    assert cli_main(["layout", "--world", "2", "--gen-world", "2"]) == 2
+
+
+def test_plan_reports_bytes_per_rank_and_the_balance(capsys):
+    argv = ["plan", "--model", "llama-3.1-8b", "--world", "16", "--tp", "4", "--gen-world", "8",
+            "--gen-tp", "2", "--engine", "builtin"]
+    assert cli_main([*argv, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["counted"] == "plan" and rep["gen"]["replicas"] == 4
+    got = rep["received_per_gen_rank"]
+    assert len(got) == 8 and got == got[:2] * 4  # each gen rank: its engine shard, ...
+    # ... once: a replica receives the model (plus the training vocab padding rows it keeps)
+    assert 0 <= sum(got[:2]) - rep["model_bytes"] < 1e-4 * rep["model_bytes"]
+    assert sum(rep["sent_per_train_rank"]) == rep["total_bytes"] == sum(got)
+    assert 1.0 <= rep["send_balance"] <= 1.10
+    assert cli_main(argv) == 0
+    assert "send balance (max / mean)" in capsys.readouterr().out
