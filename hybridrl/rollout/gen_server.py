@@ -37,8 +37,10 @@ def receive_command(split):
     return box[0]
 
 
-def serve(cfg, split) -> int:
-    """The generation rank's loop (module docstring)."""
+def serve(cfg, split, phases=None) -> int:
+    """The generation rank's loop (module docstring). ``phases``: the entrypoint's
+    ``PhaseBoard``, told what the rank does (``generation: sync`` / ``generation: gen`` of the
+    batch count), so a failure line names where a generation rank was."""
     from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
     from hybridrl.rollout.sglang import request_seed  # pure helper; no sglang import
 
@@ -54,6 +56,8 @@ def serve(cfg, split) -> int:
     n_replicas, pending, batches, verify = len(split.gen_replicas()), [], 0, True
     while True:
         cmd = receive_command(split)
+        if phases is not None:
+            phases.record(batches + 1, f"generation: {cmd.op}")
         if cmd.op == "stop":
             break
         if cmd.op == "sync":

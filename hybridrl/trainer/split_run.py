@@ -22,7 +22,7 @@ def fit_split(cfg, train, timeout_s: float, phases=None, print_fn=print, on_trai
 
     split = build_split_groups(train, cfg.parallel.gen.world, cfg.parallel.gen.tp, timeout_s)
     if split.is_gen:
-        serve(cfg, split)
+        serve(cfg, split, phases)
         return None
     from hybridrl.trainer.ppo import PPOTrainer
 
