@@ -14,13 +14,15 @@ Contract:
 - ``request(prompts, params, seed)`` (rank 0 sends, every training rank records it) starts a
   generation and returns at once; ``collect()`` waits for the outstanding request's results
   (every training rank receives the whole batch from each gen replica) and keeps them, with
-  the replicas' generation seconds (``last_gen_s``) and the seconds this rank waited
-  (``last_wait_s``). ``generate_partitioned(prompts, params, seed, plan_parts)`` uses kept
-  results of the same request, else collects an outstanding one, requests and collects; then
+  the replicas' generation seconds and the seconds this rank waited for them (``last_gen_s``,
+  ``last_wait_s``: those of the results ``generate_partitioned`` used last).
+  ``generate_partitioned(prompts, params, seed, plan_parts)`` uses kept results of the same
+  request, else collects an outstanding one, requests and collects; then
   ``plan_parts(lengths)`` -> rows per DP rank, and returns this DP rank's rows (row order and
   right padding as ``RolloutWorker.generate_partitioned``: the same tensors).
-- ``kept_state()`` / ``keep(state)``: the outstanding request's results (collected first) as a
-  picklable dict and back (the in-flight batch a checkpoint holds).
+- ``kept_state(seed)`` / ``keep(state)``: request ``seed``'s results (collected first) as plain
+  data and back (the in-flight batch a checkpoint holds). Results are kept per request, so a
+  validation generated between a prefetch and its use does not displace the prefetched batch.
 - ``close()`` (every training rank; rank 0 says ``stop``): the generation loop ends.
 - No collective on the default group: rank 0 <-> generation ranks on the command group, every
   training rank <-> generation ranks on the bridge, point to point.
@@ -70,8 +72,8 @@ class RemoteRollout:
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.outstanding = None  # (seed, prompts) requested, not yet collected
-        self.kept = None  # (seed, prompts, GenerationOutput) collected, not yet used
-        self.last_gen_s = self.last_wait_s = 0.0
+        self.kept = {}  # seed -> (prompts, GenerationOutput, gen s, wait s): not yet used
+        self.last_gen_s = self.last_wait_s = 0.0  # of the results generate_partitioned used
         self.verify = True
 
     def _command(self, cmd: Command) -> None:
@@ -110,18 +112,18 @@ class RemoteRollout:
         if self.outstanding is None:
             return
         t0 = time.perf_counter()
-        out, self.last_gen_s = recv_shares(self.split.bridge, self.sources,
-                                           len(self.outstanding[1]), self.pad_token_id)
-        self.last_wait_s = time.perf_counter() - t0
-        self.kept = (*self.outstanding, out)
+        out, gen_s = recv_shares(self.split.bridge, self.sources, len(self.outstanding[1]),
+                                 self.pad_token_id)
+        seed, prompts = self.outstanding
+        self.kept[seed] = (prompts, out, gen_s, time.perf_counter() - t0)
         self.outstanding = None
 
     def _results(self, prompts, params, seed) -> GenerationOutput:
         self.collect()
-        if self.kept is None or self.kept[0] != seed or self.kept[1] != prompts:
+        if seed not in self.kept or self.kept[seed][0] != prompts:
             self.request(prompts, params, seed)
             self.collect()
-        out, self.kept = self.kept[2], None
+        _, out, self.last_gen_s, self.last_wait_s = self.kept.pop(seed)
         return out
 
     def generate_partitioned(self, prompts: list[list[int]], params: SamplingParams, seed: int,
@@ -137,21 +139,23 @@ class RemoteRollout:
         return mine, local, TransportStats(bytes_in=received)
 
     # ------------------------------------------------------------------ in-flight batch
-    def kept_state(self) -> dict | None:
+    def kept_state(self, seed: int) -> dict | None:
+        """The results of request ``seed`` (collected first), as plain data; None if none."""
         self.collect()
-        if self.kept is None:
+        if seed not in self.kept:
             return None
-        seed, prompts, out = self.kept
+        prompts, out, gen_s, wait_s = self.kept[seed]
         return {"seed": seed, "prompts": prompts, "ids": out.response_ids,
-                "mask": out.response_mask, "logprobs": out.logprobs, "gen_s": self.last_gen_s}
+                "mask": out.response_mask, "logprobs": out.logprobs, "gen_s": gen_s,
+                "wait_s": wait_s}
 
     def keep(self, state: dict | None) -> None:
+        """Forget every kept result, then keep ``state``'s (``kept_state``'s form)."""
         self.collect()
-        self.kept = None if state is None else (
-            state["seed"], state["prompts"],
-            GenerationOutput(state["ids"], state["mask"], state["logprobs"]))
+        self.kept = {}
         if state is not None:
-            self.last_gen_s, self.last_wait_s = state["gen_s"], 0.0
+            self.kept[state["seed"]] = (state["prompts"], GenerationOutput(
+                state["ids"], state["mask"], state["logprobs"]), state["gen_s"], state["wait_s"])
 
     def close(self) -> None:
         """The generation ranks' loop ends (after any outstanding results are received)."""

@@ -37,6 +37,7 @@ class Overlap:
         self.tr = trainer
         self.on = trainer.cfg.rollout.async_steps == 1
         self.next = None  # the PromptBatch generating for the next step
+        self.next_seed = None  # its request's seed
         self.stale = 0
 
     def _seed(self, step: int) -> int:
@@ -64,6 +65,7 @@ class Overlap:
             return
         self.next = tr.loader.next_batch()
         tr.worker.request(*self._request(self.next), seed=self._seed(tr.step + 1))
+        self.next_seed = self._seed(tr.step + 1)
 
     def metrics(self) -> dict:
         if not self.on:
@@ -77,10 +79,11 @@ class Overlap:
         if self.next is None:
             return None
         fields = {f.name: getattr(self.next, f.name) for f in dataclasses.fields(self.next)}
-        return {"prompts": fields, "results": self.tr.worker.kept_state()}  # plain data only
+        return {"prompts": fields, "results": self.tr.worker.kept_state(self.next_seed)}
 
     def load_state_dict(self, state: dict | None) -> None:
         if not self.on:
             return
         self.tr.worker.keep(None if state is None else state["results"])
         self.next = None if state is None else PromptBatch(**state["prompts"])
+        self.next_seed = None if state is None else state["results"]["seed"]

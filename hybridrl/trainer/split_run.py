@@ -4,7 +4,7 @@ Contract: ``fit_split(cfg, train, timeout_s, phases=None, print_fn=print)`` (eve
 default group, ``train.world + parallel.gen.world`` of them, same arguments) builds the split
 groups (``hybridrl.parallel.split.build_split_groups``: every group made once, on every rank, in
 one order). A generation rank runs ``hybridrl.rollout.gen_server.serve`` until the trainer stops
-it and returns None. A training rank builds the ``PPOTrainer`` with the ``RemoteRollout`` and
+it and returns the number of batches it generated (training and validation). A training rank builds the ``PPOTrainer`` with the ``RemoteRollout`` and
 fits inside ``training_world`` (the default group = the training ranks, so the trainer's own
 collectives never meet the generation loop), then stops the generation loop; returns the
 per-step metrics. The default group is the whole world again when it returns (the entrypoint's
@@ -22,8 +22,7 @@ def fit_split(cfg, train, timeout_s: float, phases=None, print_fn=print, on_trai
 
     split = build_split_groups(train, cfg.parallel.gen.world, cfg.parallel.gen.tp, timeout_s)
     if split.is_gen:
-        serve(cfg, split, phases)
-        return None
+        return serve(cfg, split, phases)
     from hybridrl.trainer.ppo import PPOTrainer
 
     with training_world(split):

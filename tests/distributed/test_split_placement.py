@@ -5,11 +5,12 @@ with 3 steps; smaller jobs run inside it on ranks 0..n-1 (``default_group``):
 - split 2 + 2 (train dp 2; 2 gen replicas) vs colocated on 2 ranks (dp 2; 2 gen replicas), and
   split 1 + 1 vs colocated on 1 rank, async_steps 0: the same metrics step for step (timing,
   perf, reshard and transport figures aside) and the same final actor weights;
-- async_steps 1 on 1 + 1 (3 steps, a checkpoint after each): staleness 0 then 1, an overlap
-  figure, the update uses the recomputed old log-probs; then a resume from its step-1
-  checkpoint (the batch in flight saved in it) logs exactly steps 2 and 3 of the
+- async_steps 1 on 1 + 1 (3 steps, a checkpoint and a validation after each): staleness 0 then
+  1, an overlap figure, the update uses the recomputed old log-probs; then a resume from its
+  step-1 checkpoint (the batch in flight saved in it) logs exactly steps 2 and 3 of the
   uninterrupted run and ends with the same weights;
-- the generation ranks report how many batches they generated.
+- the generation ranks' batch counts: each batch generated once (a validation between a
+  prefetch and its step does not displace the prefetched batch; the resume regenerates none).
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ def _rank(rank, world, root):
             ("split11", 2, [*split, "parallel.gen.world=1"], True),
             ("colo1", 1, [], False),
             ("async", 2, [*split, "parallel.gen.world=1", "rollout.async_steps=1",
-                          "trainer.save_freq=1"], True),
+                          "trainer.save_freq=1", "trainer.test_freq=1"], True),
             ("resumed", 2, [*split, "parallel.gen.world=1", "rollout.async_steps=1",
+                            "trainer.test_freq=1",
                             "trainer.resume=path",
                             f"trainer.resume_path={root}/async/checkpoints/global_step_1"], True)):
         res[name] = _job(rank, world, n, [*base, *extra, *run_in(f"{root}/{name}")], is_split,
@@ -108,10 +110,14 @@ def test_split_placement(tmp_path):
     for a, b in (("split22", "colo2"), ("split11", "colo1")):
         for k, w in r0[a]["weights"].items():
             assert torch.equal(w, r0[b]["weights"][k]), (a, k)
-    assert res[2]["split22"] is None or res[2]["split22"]["hist"] is None  # rank 2 generated
+    assert res[2]["split22"]["hist"] == res[3]["split22"]["hist"] == 3  # batches generated
+    # async: 3 training batches + 3 validations, each once (a validation between a prefetch and
+    # its step does not displace the prefetched batch); the resume regenerates nothing
+    assert res[1]["async"]["hist"] == 6 and res[1]["resumed"]["hist"] == 3
     asy = r0["async"]["hist"]
     assert [m["rollout/staleness"] for m in asy] == [0.0, 1.0, 1.0]
     assert all(m["timing_s/overlap"] >= 0 for m in asy) and asy[1]["timing_s/overlap"] > 0
+    assert all("val/score/mean" in m for m in asy)
     assert asy[1]["actor/ppo_kl"] != 0.0  # old log-probs from the trainer's weights
     resumed = r0["resumed"]["hist"]
     assert len(resumed) == 2
