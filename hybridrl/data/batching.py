@@ -188,11 +188,14 @@ def plan_micro_batches(
 def plan_dp_micro_batches(
     seqlens: Sequence[int], dp_size: int, max_token_len: int, same_count: bool = True,
     partition: Sequence[Sequence[int]] | None = None, packed: bool = False,
+    min_count: int = 1,
 ) -> list[MicroBatchPlan]:
     """Per DP rank, its micro-batches as indices into the global batch.
 
     With ``same_count`` every rank gets the largest count any rank needs (as far as its number of
-    sequences allows), so all ranks run the same number of forward/backward steps.
+    sequences allows), so all ranks run the same number of forward/backward steps. ``min_count``:
+    at least that many micro-batches per rank where its rows allow (the trainer passes pp: a
+    pipeline needs >= pp micro-batches to keep its bubble at (pp-1)/(2pp-1) or less).
     """
     ranks = plan_dp_partition(seqlens, dp_size) if partition is None else [list(p) for p in partition]
 
@@ -211,8 +214,8 @@ def plan_dp_micro_batches(
             )
         return out
 
-    plans = plan(1)
-    target = 1
+    target = max(min_count, 1)
+    plans = plan(target)
     while same_count and max(len(p.micro_batches) for p in plans) > target:
         # a forced larger count can (rarely) need one more part on some rank: iterate to a fixed
         # point; the target only grows and is bounded by the batch size, so this ends

@@ -121,9 +121,10 @@ def _forward_step(model, loss_fn, options, data_iterator, module):
     input_ids_BT = batch["input_ids"].to(model.device)
     b, t = input_ids_BT.shape
     if "cu_seqlens" in batch:  # a pack [1, S]: positions restart at every sequence (THD)
-        cu = extend_tail(batch["cu_seqlens"], t).to(input_ids_BT.device)
-        output = module(input_ids_BT, positions(cu).unsqueeze(0), None,
-                        packed_seq_params=packed_seq_params(cu))
+        cu = extend_tail(batch["cu_seqlens"], t).cpu()  # host copy: no device sync per pack
+        pos = positions(cu).to(input_ids_BT.device, non_blocking=True).unsqueeze(0)
+        output = module(input_ids_BT, pos, None,
+                        packed_seq_params=packed_seq_params(cu, input_ids_BT.device))
     else:
         position_ids_BT = torch.arange(t, device=input_ids_BT.device).expand(b, t)
         output = module(input_ids_BT, position_ids_BT, None)

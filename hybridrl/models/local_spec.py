@@ -69,7 +69,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from hybridrl.models.packing import block_causal_mask, positions, use_mask, varlen_attention
+from hybridrl.models.packing import (
+    block_causal_mask,
+    pack_cached,
+    positions,
+    use_mask,
+    varlen_attention,
+)
 
 
 def _needs_megatron(config) -> bool:
@@ -104,7 +110,6 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = (1.0 / math.sqrt(config.kv_channels) if softmax_scale is None
                               else softmax_scale)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self._mask = None  # (cu_seqlens, block-diagonal causal mask or None) of the last pack
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -141,11 +146,9 @@ class SDPACoreAttention(MegatronModule):
         if query.dim() == 3:  # megatron's own SelfAttention squeezes the batch dimension
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         t, _, heads, hn = query.shape
-        cu = params.cu_seqlens_q
-        cached = self._mask
-        if cached is None or cached[0] is not cu:  # one mask per pack, shared by the calls
-            cached = self._mask = (cu, block_causal_mask(cu, query.device) if use_mask(cu)
-                                   else None)
+        cu = pack_cached(params, "cu_host", lambda: params.cu_seqlens_q.cpu())  # host bounds
+        mask = pack_cached(params, ("mask", query.device),  # one per pack, shared by the layers
+                           lambda: block_causal_mask(cu, query.device) if use_mask(cu) else None)
         q_BNSD = query.permute(1, 2, 0, 3)
         k_BGSD, v_BGSD = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
         dropout = self.dropout_p if self.training else 0.0
@@ -153,7 +156,7 @@ class SDPACoreAttention(MegatronModule):
                else contextlib.nullcontext())
         with rng:
             out_BNSD = varlen_attention(q_BNSD, k_BGSD, v_BGSD, cu, self.softmax_scale,
-                                        dropout, mask=cached[1])
+                                        dropout, mask=mask)
         return out_BNSD.permute(2, 0, 1, 3).reshape(t, 1, heads * hn)  # [t, 1, np*hn]
 
 
@@ -241,13 +244,17 @@ class LeanSelfAttention(SelfAttention):
     def _cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype, packed=None):
         """cos/sin of megatron's rotary tensor [s, 1, 1, hn] as [s, 1, 1, 1, hn] in ``dtype``;
         for a pack, row t holds the angle of token t's position inside its own sequence."""
-        cu = None if packed is None else packed.cu_seqlens_q
+        if packed is not None:  # once per pack and dtype, shared by the layers
+            def build():
+                cu = pack_cached(packed, "cu_host", lambda: packed.cu_seqlens_q.cpu())
+                f = freqs[positions(cu).to(freqs.device, non_blocking=True)].unsqueeze(3)
+                return f.cos().to(dtype), f.sin().to(dtype)
+            return pack_cached(packed, ("rope", dtype, freqs.data_ptr(), freqs.shape[0]), build)
         cached = self._rope
-        if cached is None or cached[0] is not freqs or cached[1] != dtype or cached[2] is not cu:
-            f = freqs if cu is None else freqs[positions(cu).to(freqs.device)]
-            f = f.unsqueeze(3)
-            cached = self._rope = (freqs, dtype, cu, f.cos().to(dtype), f.sin().to(dtype))
-        return cached[3], cached[4]
+        if cached is None or cached[0] is not freqs or cached[1] != dtype:
+            f = freqs.unsqueeze(3)
+            cached = self._rope = (freqs, dtype, f.cos().to(dtype), f.sin().to(dtype))
+        return cached[2], cached[3]
 
     def forward(self, hidden_states, attention_mask, key_value_states=None,
                 inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,

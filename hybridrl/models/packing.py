@@ -11,10 +11,15 @@ Contract:
   length as megatron's THD path expects.
 - ``positions(cu_seqlens)`` [S]: each token's position inside its own sequence (0, 1, ... from
   every sequence start): RoPE restarts at 0 for each sequence, as in the padded layout.
-- ``packed_seq_params(cu_seqlens)``: megatron's ``PackedSeqParams`` (qkv_format "thd",
-  cu_seqlens for q and kv, their max length), what GPTModel.forward takes; on the TE spec megatron
-  hands it to TE's THD attention and fused RoPE (GPU), on hybridrl's local spec to
-  ``varlen_attention`` and the lean RoPE (``hybridrl.models.local_spec``).
+- ``packed_seq_params(cu_seqlens, device)``: megatron's ``PackedSeqParams`` (qkv_format "thd",
+  cu_seqlens for q and kv on ``device``, their max length), what GPTModel.forward takes; on the
+  TE spec megatron hands it to TE's THD attention and fused RoPE (GPU), on hybridrl's local spec
+  to ``varlen_attention`` and the lean RoPE (``hybridrl.models.local_spec``). Everything the
+  host needs (the max length, the sequence bounds) is read from the host copy of
+  ``cu_seqlens``: no device-to-host wait per micro-batch or per layer on a GPU.
+  ``pack_cached(params, key, build)``: a value computed once per pack and shared by every layer
+  (the host ``cu_seqlens`` under ``"cu_host"``, the block mask, RoPE's cos/sin), kept on the
+  ``PackedSeqParams`` object itself, so it lives exactly as long as the pack.
 - ``varlen_attention(q, k, v, cu_seqlens, scale, dropout_p)``: causal attention of each
   sequence over itself alone; q [1, np, S, hn], k/v [1, ng, S, hn] (GQA when np > ng) ->
   [1, np, S, hn]. A pack of one sequence is one causal SDPA call; a pack of many short
@@ -74,19 +79,30 @@ def positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.arange(int(cu[-1]), device=cu.device) - starts
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor):
-    """megatron's ``PackedSeqParams`` of one pack (THD)."""
+def packed_seq_params(cu_seqlens: torch.Tensor, device=None):
+    """megatron's ``PackedSeqParams`` of one pack (THD), cu_seqlens on ``device``."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = cu_seqlens.to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+    host = cu_seqlens.to("cpu", torch.int32)
+    longest = int((host[1:] - host[:-1]).max())
+    cu = host if device is None else host.to(device, non_blocking=True)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    pack_cached(params, "cu_host", lambda: host)
+    return params
+
+
+def pack_cached(params, key, build):
+    """``build()`` once per pack (``params``: its ``PackedSeqParams``), shared by every layer."""
+    cache = params.__dict__.setdefault("_hybridrl_pack_cache", {})
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, device=None) -> torch.Tensor:
     """[S, S] bool, True = attend: same sequence and key position <= query position."""
-    cu = cu_seqlens.long()
+    cu = cu_seqlens.long().cpu()  # built on the host (S <= ~4000 here), then moved once
     seg = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
     idx = torch.arange(int(cu[-1]))
     mask = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])

@@ -9,7 +9,7 @@ Contract:
   ``rollout.mem_fraction_static``, else 0.5, SGLang's default here), the KL guard
   (``trainer.kl_guard.max_kl > 0``) and the micro-batches per pipeline of one mini-batch
   (``micro_batches_per_pipeline``).
-- ``micro_batches_per_pipeline(role_cfg, sequences, dp, seq_len)``: a mini-batch of ``role_cfg``
+- ``micro_batches_per_pipeline(role_cfg, sequences, dp, seq_len, pp=1)``: a mini-batch of ``role_cfg``
   (``ppo_mini_batch_size`` x ``rollout.n`` sequences, over ``dp`` ranks) in micro-batches of
   ``ppo_micro_batch_size_per_gpu`` sequences, or with ``use_dynamic_bsz`` as many full-length
   sequences as ``ppo_max_token_len_per_gpu`` holds (the worst case: every row at full length).
@@ -34,14 +34,16 @@ from hybridrl.reshard.specs import LlamaShape
 
 
 def micro_batches_per_pipeline(role_cfg, n: int, dp: int, seq_len: int,
-                               mean_len: float | None = None) -> int:
-    """Micro-batches one pipeline runs per mini-batch of ``role_cfg`` (see the docstring)."""
+                               mean_len: float | None = None, pp: int = 1) -> int:
+    """Micro-batches one pipeline runs per mini-batch of ``role_cfg`` (see the docstring); a
+    token-budget plan makes at least ``pp`` where the rows allow (the trainer's floor)."""
     seqs = max(role_cfg.ppo_mini_batch_size * n // dp, 1)
+    floor = min(pp, seqs) if role_cfg.use_dynamic_bsz else 1
     if mean_len is not None and role_cfg.use_dynamic_bsz:  # packs: real tokens / budget
-        return max(math.ceil(seqs * mean_len / role_cfg.ppo_max_token_len_per_gpu), 1)
+        return max(math.ceil(seqs * mean_len / role_cfg.ppo_max_token_len_per_gpu), floor)
     per_micro = (max(role_cfg.ppo_max_token_len_per_gpu // seq_len, 1) if role_cfg.use_dynamic_bsz
                  else role_cfg.ppo_micro_batch_size_per_gpu)
-    return math.ceil(seqs / per_micro)
+    return max(math.ceil(seqs / per_micro), floor)
 
 
 def _roles(cfg) -> dict:
@@ -69,8 +71,8 @@ def padding_line(cfg, dp: int) -> str:
                 "row (at a mean length half the maximum, about half the computed tokens)")
     tail = (f"; sequence-parallel tail pad < {cfg.parallel.tp} tokens per pack"
             if cfg.model.sequence_parallel and cfg.parallel.tp > 1 else "")
-    half = {r: micro_batches_per_pipeline(c, cfg.rollout.n, dp, seq, mean_len=seq / 2)
-            for r, c in _roles(cfg).items()}
+    half = {r: micro_batches_per_pipeline(c, cfg.rollout.n, dp, seq, mean_len=seq / 2,
+                                          pp=cfg.parallel.pp) for r, c in _roles(cfg).items()}
     bubble = bubble_report(cfg.parallel.pp, half)["pipeline_bubble"]
     return (f"padding: none (model.pack_sequences: packs of whole sequences, budgets count real "
             f"tokens{tail}); at a mean length half the maximum a mini-batch makes "
@@ -82,7 +84,7 @@ def pipeline_lines(cfg, dp: int) -> list[str]:
     """The start-up lines of a run: micro-batches per pipeline of one mini-batch (full-length
     sequences), the 1F1B bubble (``bubble_lines``), the padding (``padding_line``)."""
     seq = cfg.data.max_prompt_length + cfg.rollout.response_length
-    full = {r: micro_batches_per_pipeline(c, cfg.rollout.n, dp, seq)
+    full = {r: micro_batches_per_pipeline(c, cfg.rollout.n, dp, seq, pp=cfg.parallel.pp)
             for r, c in _roles(cfg).items()}
     head = ("micro-batches per pipeline per mini-batch (full-length sequences): "
             + ", ".join(f"{r} {m}" for r, m in full.items()) + f" (pp {cfg.parallel.pp})")
@@ -120,9 +122,9 @@ def job_from_config(cfg, shape: LlamaShape, world: int, gpu_gb: float, **overrid
         engine=cfg.rollout.engine, gen_grouping=cfg.parallel.gen.grouping,
         mem_fraction_static=_mem_fraction_static(cfg.rollout),
         kl_guard=cfg.trainer.kl_guard.max_kl > 0, forward_tokens_per_gpu=max(forward, seq),
-        micro_batches=micro_batches_per_pipeline(a, n, dp, seq),
-        critic_micro_batches=(micro_batches_per_pipeline(c, n, dp, seq) if cfg.use_critic
-                              else 0))
+        micro_batches=micro_batches_per_pipeline(a, n, dp, seq, pp=par.pp),
+        critic_micro_batches=(micro_batches_per_pipeline(c, n, dp, seq, pp=par.pp)
+                              if cfg.use_critic else 0))
     return MemoryJob(**{**fields, **overrides})
 
 

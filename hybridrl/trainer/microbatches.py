@@ -5,7 +5,7 @@ Contract:
   (``range(len(seq_lens))``) as micro-batches for a forward-only pass (old / reference
   log-probs, values, reward model): ``micro`` rows each, or with ``dynamic`` the token-budget
   plan of ``hybridrl.data.batching.plan_micro_batches`` (``packed``: the budget counts real
-  tokens).
+  tokens; at least ``min_count`` micro-batches where the rows allow: the trainer passes pp).
 - ``sp_multiple(model)``: the multiple a micro-batch's length is padded to before the forward
   (tp under sequence parallelism, else 1; ``hybridrl.models.forward.pad_to_multiple``).
 - ``TokenTally``: ``with tally.count(mbs, multiple):`` around a forward (or forward-backward)
@@ -30,10 +30,10 @@ from hybridrl.models.packing import token_counts
 
 
 def forward_parts(seq_lens: list[int], micro: int, dynamic: bool, max_tokens: int,
-                  packed: bool) -> list[list[int]]:
+                  packed: bool, min_count: int = 1) -> list[list[int]]:
     """Row indices of each forward-only micro-batch (see the module docstring)."""
     if dynamic:
-        return plan_micro_batches(seq_lens, max_tokens, packed=packed).micro_batches
+        return plan_micro_batches(seq_lens, max_tokens, min_count, packed=packed).micro_batches
     rows = list(range(len(seq_lens)))
     return [rows[s:s + micro] for s in range(0, len(rows), micro)]
 
@@ -56,6 +56,8 @@ class TokenTally:
         real, computed = token_counts(microbatches, multiple)
         t0 = time.perf_counter()
         yield
+        if torch.cuda.is_initialized():  # the kernels' time, not their launch's
+            torch.cuda.synchronize()
         self.seconds += time.perf_counter() - t0
         self.real += real
         self.computed += computed

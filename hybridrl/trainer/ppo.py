@@ -195,7 +195,8 @@ class PPOTrainer:
         Column j is the output at the position that predicts response token j (``shift=0``), or
         at response token j itself (``shift=1``: a reward model reads the whole sequence)."""
         mine, packed = list(range(len(rb))), self.cfg.model.pack_sequences
-        parts = forward_parts(rb.seq_lengths, micro, dynamic, max_tokens, packed)
+        parts = forward_parts(rb.seq_lengths, micro, dynamic, max_tokens, packed,
+                              min_count=self.groups.pp_size)
         mbs = [rb.microbatch(p, packed=packed) for p in parts]
         with self.tally.count(mbs, sp_multiple(model)):
             outs = run_microbatches(model, mbs, with_entropy=False, temperature=self.temperature)

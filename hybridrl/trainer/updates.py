@@ -95,7 +95,7 @@ def ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix: str, *, 
                 plans = plan_dp_micro_batches(
                     lens[lo:hi], dp, role_cfg.ppo_max_token_len_per_gpu,
                     partition=[[g - lo for g in p if lo <= g < hi] for p in parts],
-                    packed=packed)
+                    packed=packed, min_count=groups.pp_size)  # >= pp: the pipeline fills
                 micro = [[local[lo + j] for j in mb] for mb in plans[groups.dp_rank].micro_batches]
             else:
                 share = [j for g, j in local.items() if lo <= g < hi]

@@ -97,19 +97,21 @@ def test_logits_term_is_the_vocab_parallel_peak():
 def test_pipeline_bubble_and_its_warning(capsys):
     assert bubble_fraction(4, 4) == 3 / 7 and bubble_fraction(1, 3) == 0.0
     rep = _json(["--config", CONFIG], capsys)
-    # 128 prompts x n 1 / dp 8 = 16 sequences; 16384 // 3072 = 5 per micro-batch -> 4; critic 2
-    assert rep["job"]["micro_batches"] == 4 and rep["job"]["critic_micro_batches"] == 2
-    assert rep["pipeline_bubble"] == {"actor": 3 / 7, "critic": 3 / 5}
+    # 128 prompts x n 1 / dp 8 = 16 sequences; 16384 // 3072 = 5 per micro-batch -> 4; the
+    # critic's 32768 // 3072 = 10 -> 2, raised to pp = 4 (the trainer's floor for token budgets)
+    assert rep["job"]["micro_batches"] == 4 and rep["job"]["critic_micro_batches"] == 4
+    assert rep["pipeline_bubble"] == {"actor": 3 / 7, "critic": 3 / 7}
     assert plan_main(["--config", CONFIG, "--memory"]) == 0
     out = capsys.readouterr().out
-    assert "pipeline bubble (1F1B, one mini-batch): actor 43%, critic 60%" in out
+    assert "pipeline bubble (1F1B, one mini-batch): actor 43%, critic 43%" in out
     assert "WARNING: pipeline bubble above 25 %" in out and "engine_start" in out
     # packed (the default): no padding; packs follow the real tokens: at half-length sequences
-    # 16 x 1536 / 16384 -> 2 actor packs (bubble 3/5), 32768 budget -> 1 critic pack (3/4)
+    # 16 x 1536 / 16384 -> 2 actor packs, 32768 budget -> 1 critic pack: both raised to pp = 4
+    # (bubble 3/7; without the floor 3/5 and 3/4)
     assert ("padding: none (model.pack_sequences: packs of whole sequences, budgets count real "
             "tokens; sequence-parallel tail pad < 8 tokens per pack); at a mean length half the "
-            "maximum a mini-batch makes actor 2 packs per pipeline (bubble 60%), critic 1 packs "
-            "per pipeline (bubble 75%)") in out
+            "maximum a mini-batch makes actor 4 packs per pipeline (bubble 43%), critic 4 packs "
+            "per pipeline (bubble 43%)") in out
     assert rep["padding"].startswith("padding: none")
 
 
@@ -121,8 +123,8 @@ def test_trainer_start_up_lines_share_the_plan_s_bubble():
     cfg = load_config([CONFIG])
     lines = pipeline_lines(cfg, 8)
     assert lines[0] == ("micro-batches per pipeline per mini-batch (full-length sequences): "
-                        "actor 4, critic 2 (pp 4)")
-    assert lines[1] == "pipeline bubble (1F1B, one mini-batch): actor 43%, critic 60%"
+                        "actor 4, critic 4 (pp 4)")
+    assert lines[1] == "pipeline bubble (1F1B, one mini-batch): actor 43%, critic 43%"
     assert lines[2].startswith("WARNING: pipeline bubble above 25 %: actor 43% idle")
     assert lines[3].startswith("padding: none")
     padded = load_config([CONFIG], ["model.pack_sequences=false", "parallel.pp=1",

@@ -147,3 +147,25 @@ def test_token_tally_reports_pad_fraction_and_starts_over():
     packed = forward_parts([5, 1, 5], 2, True, 6, True)  # <= 6 real tokens each: 2 packs
     assert len(packed) == 2 and sorted(i for p in packed for i in p) == [0, 1, 2]
     assert len(forward_parts([5, 1, 5], 2, True, 6, False)) == 3  # padded: 5 wide, one row each
+
+
+def test_token_budget_plans_fill_the_pipeline_and_packs_share_host_state():
+    from hybridrl.data.batching import plan_dp_micro_batches
+    from hybridrl.models.packing import pack_cached, packed_seq_params
+
+    lens = [30, 10, 20, 5, 25, 15, 8, 12]
+    one = plan_dp_micro_batches(lens, 2, 1000, packed=True)  # everything fits in one pack a rank
+    assert [len(p.micro_batches) for p in one] == [1, 1]
+    four = plan_dp_micro_batches(lens, 2, 1000, packed=True, min_count=4)  # pp 4: 4 packs a rank
+    assert [len(p.micro_batches) for p in four] == [4, 4]
+    assert sorted(i for p in four for mb in p.micro_batches for i in mb) == list(range(8))
+    capped = plan_dp_micro_batches(lens[:4], 2, 1000, packed=True, min_count=4)  # 2 rows a rank
+    assert [len(p.micro_batches) for p in capped] == [2, 2]
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    params = packed_seq_params(cu, "cpu")
+    assert params.max_seqlen_q == 5 and params.cu_seqlens_q.dtype == torch.int32
+    host = pack_cached(params, "cu_host", lambda: None)  # set when built: no device read later
+    assert host.device.type == "cpu" and host.tolist() == [0, 3, 4, 9]
+    built = []
+    first = pack_cached(params, "k", lambda: built.append(1) or "v")
+    assert first == pack_cached(params, "k", lambda: built.append(1) or "w") == "v" and built == [1]
