@@ -331,10 +331,7 @@ def test_launcher_exit_statuses(root):
     assert "raised KeyError: 'no_such_key' on row " in lines[0] and "(data_source 'hy" in lines[0]
     assert "Traceback" not in err
     run = _launch([*tiny, *run_in(f"{root}/int"), "trainer.total_steps=500"], root)
-    deadline, seen = time.monotonic() + 240, ""
-    while time.monotonic() < deadline and "step 2/" not in seen:
-        seen += run.stdout.readline()
-    assert "step 2/" in seen, run.stderr.read()[-2000:] if run.poll() is not None else seen
+    _wait_for_step_2(run)
     os.killpg(run.pid, signal.SIGINT)
     _, err = run.communicate(timeout=120)
     assert run.returncode == 130, err[-3000:]
@@ -357,10 +354,7 @@ def test_launcher_reward_timeout_run_lock_and_sigterm(root):
            "on row " in lines[0] and "collective" not in lines[0], lines
     assert time.monotonic() - start < 200  # not the 600 s collective timeout
     first = _launch([*tiny, *run_in(f"{root}/held"), "trainer.total_steps=500"], root)
-    deadline, seen = time.monotonic() + 240, ""
-    while time.monotonic() < deadline and "step 2/" not in seen:
-        seen += first.stdout.readline()
-    assert "step 2/" in seen, first.stderr.read()[-2000:] if first.poll() is not None else seen
+    _wait_for_step_2(first)
     second = _launch([*tiny, *run_in(f"{root}/held"), "trainer.total_steps=500"], root)
     _, err = second.communicate(timeout=300)
     lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
@@ -370,6 +364,14 @@ def test_launcher_reward_timeout_run_lock_and_sigterm(root):
     _, err = first.communicate(timeout=120)
     assert first.returncode == 143, err[-3000:]
     assert "terminated (SIGTERM)" in err and "Traceback" not in err, err[-3000:]
+
+
+def _wait_for_step_2(run) -> None:
+    """Read the launcher's stdout until step 2 is logged (at most 240 s)."""
+    deadline, seen = time.monotonic() + 240, ""
+    while time.monotonic() < deadline and "step 2/" not in seen:
+        seen += run.stdout.readline()
+    assert "step 2/" in seen, run.stderr.read()[-2000:] if run.poll() is not None else seen
 
 
 def _worker_pid(launcher_pid: int, rank: int) -> int | None:
@@ -391,10 +393,7 @@ def test_launcher_names_a_killed_rank_once(root):
     "Connection closed by peer", not naming it), status 1, no traceback."""
     tiny = [*base_overrides(root), "algorithm.adv_estimator=grpo", "rollout.temperature=1.0"]
     run = _launch([*tiny, *run_in(f"{root}/killed"), "trainer.total_steps=500"], root)
-    deadline, seen = time.monotonic() + 240, ""
-    while time.monotonic() < deadline and "step 2/" not in seen:
-        seen += run.stdout.readline()
-    assert "step 2/" in seen, run.stderr.read()[-2000:] if run.poll() is not None else seen
+    _wait_for_step_2(run)
     victim = _worker_pid(run.pid, 1)
     assert victim is not None
     os.kill(victim, signal.SIGKILL)
@@ -421,10 +420,7 @@ def test_launcher_names_a_stopped_rank_and_a_vanished_one_once(root):
     start = time.monotonic()
     run = _launch([*tiny, *run_in(f"{root}/stopped"), "trainer.total_steps=500",
                    "trainer.collective_timeout_s=10"], root)
-    deadline, seen = time.monotonic() + 240, ""
-    while time.monotonic() < deadline and "step 2/" not in seen:
-        seen += run.stdout.readline()
-    assert "step 2/" in seen, run.stderr.read()[-2000:] if run.poll() is not None else seen
+    _wait_for_step_2(run)
     victim = _worker_pid(run.pid, 1)
     assert victim is not None
     os.kill(victim, signal.SIGSTOP)
