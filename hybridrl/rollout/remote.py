@@ -13,7 +13,8 @@ Contract:
   the training ranks, bucketed: ``reshard.planner``'s split strategy); returns ``RunStats``.
 - ``request(prompts, params, seed)`` (rank 0 sends, every training rank records it) starts a
   generation and returns at once; ``collect()`` waits for the outstanding request's results
-  (every training rank receives the whole batch from each gen replica) and keeps them, with
+  (every training rank receives the whole batch from each gen replica, waiting at most
+  ``rollout.timeout_s``: ``split_link.recv_shares``) and keeps them, with
   the replicas' generation seconds and the seconds this rank waited for them (``last_gen_s``,
   ``last_wait_s``: those of the results ``generate_partitioned`` used last).
   ``generate_partitioned(prompts, params, seed, plan_parts)`` uses kept results of the same
@@ -75,6 +76,7 @@ class RemoteRollout:
         self.kept = {}  # seed -> (prompts, GenerationOutput, gen s, wait s): not yet used
         self.last_gen_s = self.last_wait_s = 0.0  # of the results generate_partitioned used
         self.verify = True
+        self.timeout_s = cfg.rollout.timeout_s  # the wait for a batch (split_link.recv_shares)
 
     def _command(self, cmd: Command) -> None:
         if self.rank == 0:
@@ -113,7 +115,7 @@ class RemoteRollout:
             return
         t0 = time.perf_counter()
         out, gen_s = recv_shares(self.split.bridge, self.sources, len(self.outstanding[1]),
-                                 self.pad_token_id)
+                                 self.pad_token_id, self.timeout_s)
         seed, prompts = self.outstanding
         self.kept[seed] = (prompts, out, gen_s, time.perf_counter() - t0)
         self.outstanding = None

@@ -12,17 +12,24 @@ generation ranks; every function here is called on both sides with the same argu
   request i with seed ``request_seed(seed, i)``, so a sample does not depend on the number of
   replicas' boundaries beyond the share cut, exactly as the colocated worker does), ``stop``.
 - ``send_share(bridge, train_ranks, rows, out, gen_s)`` (a replica's first gen TP rank) /
-  ``recv_shares(bridge, sources, n_rows, pad)`` (every training rank): each replica's rows travel
+  ``recv_shares(bridge, sources, n_rows, pad, timeout_s)`` (every training rank): each replica's rows travel
   as one float64 tensor [rows, 1 + 3R] (row index, ids, mask, log-probs; exact for ids < 2^53)
   after an int64 header (rows, R, generation microseconds), point to point to every training
   rank, tag ``RESULT_TAG``. ``recv_shares`` returns the whole batch in prompt order, right
   padded to R = the longest response (pad id, mask 0, log-prob 0 past each length), and the
-  longest generation time of the replicas.
+  longest generation time of the replicas. Every receive waits at most ``timeout_s`` (the
+  trainer passes ``rollout.timeout_s``, the generation timeout, not the bridge's collective
+  timeout: a batch may take longer to generate than a training step plus the collective
+  timeout); past it, ``GenerationTimeout`` (one line naming the generation rank and the knob).
+  A generation rank whose process is gone fails the receive at once (its connection closes),
+  named by the entrypoint's phase board. (gloo closes a pair on a timed-out receive, so the
+  wait is one bounded wait, not a loop of short ones.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -33,6 +40,10 @@ from hybridrl.reshard.specs import LlamaShape, build_specs
 from hybridrl.rollout.base import GenerationOutput
 
 RESULT_TAG = 1 << 20
+
+
+class GenerationTimeout(RuntimeError):
+    """No generated batch within ``rollout.timeout_s`` (its own line, not a collective's)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,26 +90,41 @@ def send_share(bridge, train_ranks, rows: list[int], out: GenerationOutput | Non
     return works
 
 
-def recv_shares(bridge, sources, n_rows: int, pad: int) -> tuple[GenerationOutput, float]:
+def recv_shares(bridge, sources, n_rows: int, pad: int,
+                timeout_s: float) -> tuple[GenerationOutput, float]:
     """Every replica's rows, in prompt order (see module docstring); (batch, generation s)."""
+    limit = datetime.timedelta(seconds=timeout_s)
+
+    def wait(work, src):
+        try:
+            work.wait(limit)
+        except RuntimeError as err:
+            if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+                raise
+            raise GenerationTimeout(
+                f"no generated batch from generation rank {src} within rollout.timeout_s="
+                f"{timeout_s:g} s (its replica is generating too slowly or is stuck; raise "
+                f"rollout.timeout_s for long outputs)") from None
+
     headers = [torch.empty(3, dtype=torch.long) for _ in sources]
-    for w in [dist.irecv(h, src, group=bridge, tag=RESULT_TAG) for h, src in zip(headers, sources)]:
-        w.wait()
+    for w, src in [(dist.irecv(h, src, group=bridge, tag=RESULT_TAG), src)
+                   for h, src in zip(headers, sources)]:
+        wait(w, src)
     parts = []
     for h, src in zip(headers, sources):
         n, r = int(h[0]), int(h[1])
         if n:
             buf = torch.empty(n, 1 + 3 * r, dtype=torch.float64)
-            parts.append((dist.irecv(buf, src, group=bridge, tag=RESULT_TAG + 1), buf, r))
+            parts.append((dist.irecv(buf, src, group=bridge, tag=RESULT_TAG + 1), buf, r, src))
     lens = torch.zeros(n_rows, dtype=torch.long)
-    for w, buf, r in parts:
-        w.wait()
+    for w, buf, r, src in parts:
+        wait(w, src)
         lens[buf[:, 0].long()] = buf[:, 1 + r:1 + 2 * r].sum(-1).long()
     width = max(1, int(lens.max())) if n_rows else 1
     ids = torch.full((n_rows, width), pad, dtype=torch.long)
     mask = torch.zeros(n_rows, width, dtype=torch.long)
     logp = torch.zeros(n_rows, width, dtype=torch.float32)
-    for _, buf, r in parts:
+    for _, buf, r, _ in parts:
         idx, w = buf[:, 0].long(), min(r, width)
         ids[idx, :w] = buf[:, 1:1 + w].long()
         mask[idx, :w] = buf[:, 1 + r:1 + r + w].long()

@@ -1,0 +1,45 @@
+"""The training ranks' wait for a generated batch (split placement, ``split_link.recv_shares``).
+
+Two gloo ranks, a bridge group whose collective timeout is 1 s: a batch sent 3 s late is
+received (the wait is bounded by ``rollout.timeout_s``, here 20 s, not by the bridge's
+collective timeout); a batch that does not come within timeout_s (1 s) is one
+``GenerationTimeout`` line naming the generation rank and rollout.timeout_s.
+"""
+
+from __future__ import annotations
+
+from hybridrl.testing.dist import run_on_ranks
+
+
+def _ranks(rank, world):
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from hybridrl.rollout.base import GenerationOutput
+    from hybridrl.rollout.split_link import GenerationTimeout, recv_shares, send_share
+
+    bridge = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
+    if rank == 1:  # the generation rank: late by 3 collective timeouts
+        time.sleep(3)
+        out = GenerationOutput(torch.tensor([[5, 6]]), torch.tensor([[1, 1]]),
+                               torch.tensor([[-0.5, -0.25]]))
+        for w in send_share(bridge, [0], [0], out, 2.5):
+            w.wait()
+        time.sleep(4)  # sends nothing more: rank 0's second wait times out
+        return None
+    out, gen_s = recv_shares(bridge, [1], 1, 0, 20.0)
+    got = (out.response_ids.tolist(), out.logprobs.tolist(), gen_s)
+    try:
+        recv_shares(bridge, [1], 1, 0, 1.0)
+    except GenerationTimeout as err:
+        return got, str(err)
+    return got, None
+
+
+def test_batch_wait_is_bounded_by_the_generation_timeout():
+    got, err = run_on_ranks(_ranks, 2, timeout=120)[0]
+    assert got == ([[5, 6]], [[-0.5, -0.25]], 2.5)
+    assert err is not None and "generation rank 1" in err and "rollout.timeout_s=1 s" in err
