@@ -157,8 +157,11 @@ def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
         if cfg.parallel.split:  # generation ranks apart (hybridrl/trainer/split_run.py)
             from hybridrl.trainer.split_run import fit_split
 
-            started = True
-            fit_split(cfg, train, timeout_s, phases=board)
+            def on_started():  # this rank's trainer or engine is built (trainer/split_run.py)
+                nonlocal started
+                started = True
+
+            fit_split(cfg, train, timeout_s, phases=board, on_started=on_started)
         else:
             from hybridrl.trainer.ppo import PPOTrainer
 

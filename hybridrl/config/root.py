@@ -139,6 +139,9 @@ class HybridRLConfig:
         if r.async_steps and self.algorithm.filter_groups.enable:
             raise ValueError("rollout.async_steps=1 does not combine with "
                              "algorithm.filter_groups.enable (its rounds depend on the scores)")
+        if split and self.trainer.device == "cuda":
+            raise ValueError("parallel.placement=split runs on CPU gloo ranks only for now; "
+                             "use trainer.device=cpu or parallel.placement=colocated")
         if split and r.engine != "builtin":
             raise ValueError(f"parallel.placement=split runs rollout.engine=builtin only for now; "
                              f"got {r.engine!r}")

@@ -37,10 +37,11 @@ def receive_command(split):
     return box[0]
 
 
-def serve(cfg, split, phases=None) -> int:
+def serve(cfg, split, phases=None, on_started=None) -> int:
     """The generation rank's loop (module docstring). ``phases``: the entrypoint's
     ``PhaseBoard``, told what the rank does (``generation: sync`` / ``generation: gen`` of the
-    batch count), so a failure line names where a generation rank was."""
+    batch count), so a failure line names where a generation rank was. ``on_started()``: called
+    once the engine is built (``split_run.fit_split``)."""
     from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
     from hybridrl.rollout.sglang import request_seed  # pure helper; no sglang import
 
@@ -54,6 +55,8 @@ def serve(cfg, split, phases=None) -> int:
                            tp_rank=tp_rank, tp_size=sp.gen.tp, tp_src=members[0],
                            device=torch.device("cpu"), dtype=dtype, pp_size=1, blocks=1)
     n_replicas, pending, batches, verify = len(split.gen_replicas()), [], 0, True
+    if on_started is not None:
+        on_started()
     while True:
         cmd = receive_command(split)
         if phases is not None:

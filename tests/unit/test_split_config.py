@@ -37,6 +37,7 @@ def test_split_config_trains_on_the_first_ranks():
     (["rollout.async_steps=2"], "rollout.async_steps must be one of"),
     (["parallel.placement=both"], "parallel.placement must be one of"),
     ([*SPLIT, "reshard.strategy=p2p"], "reshard.strategy must be 'auto'"),
+    ([*SPLIT, "trainer.device=cuda"], "runs on CPU gloo ranks only for now"),
     ([*SPLIT, "rollout.async_steps=1", "algorithm.filter_groups.enable=true", "rollout.n=2",
       "algorithm.adv_estimator=grpo"], "filter_groups"),
 ])
@@ -44,6 +45,25 @@ def test_bad_split_configs_fail_with_one_line(overrides, words):
     with pytest.raises(ValueError) as err:
         load_config([], overrides)
     assert words in str(err.value) and "\n" not in str(err.value).strip()
+
+
+@pytest.mark.parametrize("builds, status", [(False, 2), (True, 1)])
+def test_split_start_up_failure_is_bad_input(monkeypatch, capsys, builds, status):
+    """A ValueError before a split rank's trainer / engine is built is start-up (2, as
+    colocated); once built (fit_split's on_started), a training failure (1)."""
+    import hybridrl.trainer.split_run as split_run
+    from hybridrl.train import _run
+
+    def fit_split(cfg, train, timeout_s, phases=None, on_started=None):
+        if builds:
+            on_started()
+        raise ValueError("planted")
+
+    monkeypatch.setattr(split_run, "fit_split", fit_split)
+    cfg = load_config([], [*SPLIT, "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+                           "critic.ppo_mini_batch_size=2"])
+    assert _run(cfg, None, None, None, 0, 10.0) == status
+    assert "planted" in capsys.readouterr().err
 
 
 def test_split_needs_a_training_rank():
