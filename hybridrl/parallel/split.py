@@ -5,7 +5,9 @@ Contract:
   default group, ``train.world + gen_world`` of them, same arguments): checks with one
   all_gather that every rank holds the same layout, then creates, in the same order on every
   rank, megatron's training groups over ranks ``0 .. T-1`` (``build_groups``' families), the
-  training world ``0 .. T-1``, one gen-TP group per generation replica (ranks ``T + i``, a replica
+  training world ``0 .. T-1`` (a group of its own, never one of the families even when one spans
+  the same ranks: it becomes the default group inside ``training_world``, and destroying a group
+  that is the default group tears down every group), one gen-TP group per generation replica (ranks ``T + i``, a replica
   being ``gen_tp`` consecutive ranks), the command group ``{0} + generation ranks`` and the
   bridge (every rank: the weight sync and the batch hand-off). Every group has the collective
   timeout ``timeout_s`` except the command group (``COMMAND_TIMEOUT_S``, a day: the generation
@@ -18,11 +20,15 @@ Contract:
   (checkpoints, guards, metrics, validation, start-up) spans the training ranks only and can
   never meet the generation ranks' loop: the two sets may run at the same time without a
   deadlock. Global rank numbers are unchanged (training ranks are the first T). The default
-  group is restored on exit (the entrypoint's last barrier spans every rank again). Groups
-  created inside it live in the training world. Generation ranks never call the default group
+  group is restored on exit (the entrypoint's last barrier spans every rank again). No process
+  group may be created inside it (checked on exit: torch's group count must not move; a
+  RuntimeError otherwise): torch names a new group by a per-process count that only the
+  training ranks would advance, so the next group made on every rank would differ in name
+  between the two sets. Generation ranks never call the default group
   during a run (their loop uses ``command``, ``bridge`` and ``gen_tp`` only).
-  ``default_group(group)``: the same for any group of ranks ``0 .. n-1`` (tests run a smaller
-  job inside a larger launch with it).
+  ``default_group(group, new_groups=False)``: the same for any group of ranks ``0 .. n-1``
+  (tests run a smaller job inside a larger launch with it, ``new_groups=True``: the job builds
+  its groups inside, and the test aligns the group count of every rank before the next job).
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ def build_split_groups(train: TrainLayout, gen_world: int, gen_tp: int,
                 groups[name], members[name] = pg, tuple(ranks)
     train_ranks = tuple(range(train.world))
     gen_ranks = tuple(range(train.world, world))
-    train_world = make(train_ranks)
+    train_world = dist.new_group(list(train_ranks), timeout=timeout)  # its own (module doc)
     gen_tp_mine = None
     for i in range(0, gen_world, gen_tp):
         ranks = gen_ranks[i:i + gen_tp]
@@ -126,11 +132,12 @@ def training_world(split: SplitGroups):
 
 
 @contextlib.contextmanager
-def default_group(group: dist.ProcessGroup):
+def default_group(group: dist.ProcessGroup, new_groups: bool = False):
     """``group`` (whose members are ranks ``0 .. n-1`` of the current default group, so rank
-    numbers stay the same) as the default group inside the block; restored on exit."""
+    numbers stay the same) as the default group inside the block; restored on exit. Unless
+    ``new_groups``, creating a process group inside the block is a RuntimeError on exit."""
     c10d = dist.distributed_c10d
-    saved = c10d._world.default_pg
+    saved, count = c10d._world.default_pg, c10d._world.group_count
     if c10d._world.pg_group_ranks[group] != {r: r for r in range(group.size())}:
         raise ValueError("default_group: the group must hold ranks 0 .. n-1 of the world")
     c10d._world.default_pg = group
@@ -138,3 +145,9 @@ def default_group(group: dist.ProcessGroup):
         yield
     finally:
         c10d._world.default_pg = saved
+    made = c10d._world.group_count - count
+    if made and not new_groups:
+        raise RuntimeError(f"{made} process group(s) created inside training_world/default_group:"
+                           " only the training ranks would count them, so group names diverge "
+                           "from the generation ranks'; create groups before the swap "
+                           "(hybridrl/parallel/split.py)")

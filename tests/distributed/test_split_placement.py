@@ -46,7 +46,7 @@ def _job(rank, world, n, overrides, split, sub, world_group):
     if rank >= n:
         return None
     out = {}
-    with default_group(sub):
+    with default_group(sub, new_groups=True):
         cfg = load_config([], overrides, world_size=n)
         train, gen = build_layout(cfg, n)
         torch.manual_seed(cfg.trainer.seed)
