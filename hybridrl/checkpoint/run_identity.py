@@ -3,7 +3,9 @@
 Contract:
 - ``run_id(cfg)`` is a 16-hex-digit hash of the resolved config (seed included) without the keys
   in ``NOT_IDENTITY`` (how long to run, where and how often to save/log, how to resume, timeouts,
-  guards, the parallel layout: a checkpoint resumes at another layout): the same experiment
+  guards, the parallel layout and placement, ``parallel.placement`` and ``parallel.gen``
+  included: a checkpoint resumes at another layout, and split placement at async 0 computes
+  what colocated does, bit for bit): the same experiment
   continued with more steps or on other (tp, pp, dp) keeps its id, any other change (lr, data,
   model, seed, ...) makes another run. Only values that differ from the defaults are hashed: a
   knob added by a newer hybridrl (with its default) does not change the id of an older run.
@@ -24,7 +26,9 @@ NOT_IDENTITY = {"trainer": ("resume", "resume_path", "total_steps", "total_epoch
                             "checkpoint_dir", "collective_timeout_s", "nonfinite", "kl_guard",
                             "nonfinite_max_steps",
                             "device", "max_ckpt_to_keep", "async_save"),
-                "parallel": ("tp", "pp", "dp", "cp", "ep", "order", "gen")}
+                # rollout.async_steps stays: async 1 trains on batches one step stale, so it
+                # computes another run than async 0 (resume=path still crosses, with a notice)
+                "parallel": ("tp", "pp", "dp", "cp", "ep", "order", "gen", "placement")}
 
 
 class StartupError(ValueError):

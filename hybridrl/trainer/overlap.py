@@ -19,7 +19,11 @@ when ``on``, any worker otherwise):
 - ``state_dict()`` / ``load_state_dict(state)``: the batch in flight (prompts and, collected
   first, its responses and log-probs: small next to the weights) for checkpoints
   (``hybridrl.checkpoint.checkpointer``): a resume uses it and regenerates nothing, so it
-  continues exactly as the uninterrupted run. None when nothing is in flight.
+  continues exactly as the uninterrupted run. None when nothing is in flight. Loaded without
+  overlap (the checkpoint of an async-1 run resumed with ``rollout.async_steps=0`` or colocated,
+  ``trainer.resume=path``): the loader has moved past the saved batch's prompts, so the next
+  step takes them and generates them itself (staleness 0, on the current weights; one notice
+  line says so); the saved responses are dropped.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class Overlap:
         if self.next is None:
             self.stale = 0
             return self.tr.loader.next_batch()
+        if not self.on:  # a saved batch in flight, resumed without overlap: generate it now
+            batch, self.next, self.stale = self.next, None, 0
+            return batch
         t0 = time.perf_counter()
         self.tr.worker.collect()
         timing["timing_s/gen_wait"] = time.perf_counter() - t0
@@ -83,6 +90,12 @@ class Overlap:
 
     def load_state_dict(self, state: dict | None) -> None:
         if not self.on:
+            self.next = None if state is None else PromptBatch(**state["prompts"])
+            if state is not None:
+                self.tr.log.line(f"hybridrl: the checkpoint holds a batch in flight "
+                                 f"({len(self.next)} prompts, rollout.async_steps=1); without "
+                                 f"overlap the next step generates those prompts again on the "
+                                 f"current weights (its saved responses are not used)")
             return
         self.tr.worker.keep(None if state is None else state["results"])
         self.next = None if state is None else PromptBatch(**state["prompts"])

@@ -97,3 +97,44 @@ def test_plan_reports_bytes_per_rank_and_the_balance(capsys):
     assert 1.0 <= rep["send_balance"] <= 1.10
     assert cli_main(argv) == 0
     assert "send balance (max / mean)" in capsys.readouterr().out
+
+
+def test_placement_is_not_run_identity_but_async_is():
+    from hybridrl.checkpoint.run_identity import run_id
+
+    base = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+            "critic.ppo_mini_batch_size=2"]
+    colocated = run_id(load_config([], base))
+    assert run_id(load_config([], [*base, *SPLIT])) == colocated  # async 0: bit-equal runs
+    assert run_id(load_config([], [*base, *SPLIT, "parallel.gen.world=2"])) == colocated
+    assert run_id(load_config([], [*base, *SPLIT, "rollout.async_steps=1"])) != colocated
+
+
+def test_in_flight_batch_resumed_without_overlap_is_generated_again():
+    """An async-1 checkpoint's batch in flight, loaded at async 0 (or colocated): the next step
+    takes its prompts (the loader has moved past them), with one notice line."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from hybridrl.data.dataset import PromptBatch
+    from hybridrl.trainer.overlap import Overlap
+
+    saved = PromptBatch(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+                        [[1, 2, 3], [4, 5, 6]], [[], []], ["a", "b"], ["s", "s"], [{}, {}],
+                        ["", ""], [7, 8])
+    fresh = dataclasses.replace(saved, index=[9, 10])
+    lines = []
+    tr = types.SimpleNamespace(cfg=load_config([], []), log=types.SimpleNamespace(
+        line=lines.append), loader=types.SimpleNamespace(next_batch=lambda: fresh))
+    ov = Overlap(tr)
+    assert not ov.on
+    fields = {f.name: getattr(saved, f.name) for f in dataclasses.fields(saved)}
+    ov.load_state_dict({"prompts": fields, "results": {"seed": 5}})
+    timing = {}
+    assert ov.prompts(timing).index == [7, 8] and ov.stale == 0 and not timing
+    assert ov.prompts(timing).index == [9, 10]  # then the loader's next
+    assert len(lines) == 1 and "2 prompts" in lines[0] and "again" in lines[0]
+    ov.load_state_dict(None)  # nothing in flight: nothing said
+    assert ov.prompts(timing).index == [9, 10] and len(lines) == 1
