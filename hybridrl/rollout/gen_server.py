@@ -9,11 +9,14 @@ Contract:
   sync. Then, per command (``hybridrl.rollout.split_link.Command``):
   ``sync``: runs the split plan over the bridge, the received rows landing straight in the
   engine's tensors (no conversion, no copy), then ``finish_update``; ``gen``: samples its
-  replica's share, and the replica's first rank posts it to every training rank (the sends
-  complete while the next command is awaited); ``stop``: returns.
+  replica's share, and the replica's first rank posts it to every training rank with the
+  number of syncs it has received (the sends complete while the next command is awaited);
+  ``stop``: returns.
 - It calls no collective on the default group; every wait is on the command group, the bridge
-  or its gen TP group (finite timeouts: a dead training rank ends it with the collective's
-  timeout, named by the entrypoint's phase board).
+  or its gen TP group. The wait for the next command (command group) lasts up to a day
+  (``hybridrl.parallel.split.COMMAND_TIMEOUT_S``: a training step may be long), so a training
+  rank that fails does not end it by a timeout: torchrun stops it when that rank exits (named
+  by the entrypoint's phase board). The bridge and gen TP waits have the collective timeout.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def serve(cfg, split, phases=None, on_started=None) -> int:
     engine = BuiltinEngine(EngineSpec.from_llama(spec, sp.gen.vocab_chunk), tp_group=split.gen_tp,
                            tp_rank=tp_rank, tp_size=sp.gen.tp, tp_src=members[0],
                            device=torch.device("cpu"), dtype=dtype, pp_size=1, blocks=1)
-    n_replicas, pending, batches, verify = len(split.gen_replicas()), [], 0, True
+    n_replicas, pending, batches, verify, syncs = len(split.gen_replicas()), [], 0, True, 0
     if on_started is not None:
         on_started()
     while True:
@@ -69,7 +72,7 @@ def serve(cfg, split, phases=None, on_started=None) -> int:
                             spare=getattr(engine, "spare", None))
             run_plan(sp.plan, rank, {}, asm, group=split.bridge, verify=verify)
             engine.finish_update()
-            verify = False
+            verify, syncs = False, syncs + 1
             continue
         for w in pending:  # the last batch has reached every training rank
             w.wait()
@@ -81,7 +84,7 @@ def serve(cfg, split, phases=None, on_started=None) -> int:
             out = engine.generate([cmd.prompts[i] for i in rows],
                                   dataclasses.replace(cmd.params, seed=cmd.seed, row_seeds=seeds))
         gen_s = time.perf_counter() - t0
-        pending = (send_share(split.bridge, split.train_ranks, rows, out, gen_s)
+        pending = (send_share(split.bridge, split.train_ranks, rows, out, gen_s, syncs)
                    if rank == members[0] else [])
         batches += 1
     for w in pending:

@@ -15,8 +15,9 @@ Contract:
   generation and returns at once; ``collect()`` waits for the outstanding request's results
   (every training rank receives the whole batch from each gen replica, waiting at most
   ``rollout.timeout_s``: ``split_link.recv_shares``) and keeps them, with
-  the replicas' generation seconds and the seconds this rank waited for them (``last_gen_s``,
-  ``last_wait_s``: those of the results ``generate_partitioned`` used last).
+  the replicas' generation seconds, the seconds this rank waited for them and the weight syncs
+  the generation ranks had received when they generated them (``last_gen_s``, ``last_wait_s``,
+  ``last_syncs``: those of the results ``generate_partitioned`` used last).
   ``generate_partitioned(prompts, params, seed, plan_parts)`` uses kept results of the same
   request, else collects an outstanding one, requests and collects; then
   ``plan_parts(lengths)`` -> rows per DP rank, and returns this DP rank's rows (row order and
@@ -73,8 +74,9 @@ class RemoteRollout:
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.outstanding = None  # (seed, prompts) requested, not yet collected
-        self.kept = {}  # seed -> (prompts, GenerationOutput, gen s, wait s): not yet used
+        self.kept = {}  # seed -> (prompts, GenerationOutput, gen s, wait s, syncs): not yet used
         self.last_gen_s = self.last_wait_s = 0.0  # of the results generate_partitioned used
+        self.last_syncs = 0
         self.verify = True
         self.timeout_s = cfg.rollout.timeout_s  # the wait for a batch (split_link.recv_shares)
 
@@ -114,10 +116,10 @@ class RemoteRollout:
         if self.outstanding is None:
             return
         t0 = time.perf_counter()
-        out, gen_s = recv_shares(self.split.bridge, self.sources, len(self.outstanding[1]),
+        out, gen_s, syncs = recv_shares(self.split.bridge, self.sources, len(self.outstanding[1]),
                                  self.pad_token_id, self.timeout_s)
         seed, prompts = self.outstanding
-        self.kept[seed] = (prompts, out, gen_s, time.perf_counter() - t0)
+        self.kept[seed] = (prompts, out, gen_s, time.perf_counter() - t0, syncs)
         self.outstanding = None
 
     def _results(self, prompts, params, seed) -> GenerationOutput:
@@ -125,7 +127,7 @@ class RemoteRollout:
         if seed not in self.kept or self.kept[seed][0] != prompts:
             self.request(prompts, params, seed)
             self.collect()
-        _, out, self.last_gen_s, self.last_wait_s = self.kept.pop(seed)
+        _, out, self.last_gen_s, self.last_wait_s, self.last_syncs = self.kept.pop(seed)
         return out
 
     def generate_partitioned(self, prompts: list[list[int]], params: SamplingParams, seed: int,
@@ -146,10 +148,10 @@ class RemoteRollout:
         self.collect()
         if seed not in self.kept:
             return None
-        prompts, out, gen_s, wait_s = self.kept[seed]
+        prompts, out, gen_s, wait_s, syncs = self.kept[seed]
         return {"seed": seed, "prompts": prompts, "ids": out.response_ids,
                 "mask": out.response_mask, "logprobs": out.logprobs, "gen_s": gen_s,
-                "wait_s": wait_s}
+                "wait_s": wait_s, "syncs": syncs}
 
     def keep(self, state: dict | None) -> None:
         """Forget every kept result, then keep ``state``'s (``kept_state``'s form)."""
@@ -157,7 +159,8 @@ class RemoteRollout:
         self.kept = {}
         if state is not None:
             self.kept[state["seed"]] = (state["prompts"], GenerationOutput(
-                state["ids"], state["mask"], state["logprobs"]), state["gen_s"], state["wait_s"])
+                state["ids"], state["mask"], state["logprobs"]), state["gen_s"], state["wait_s"],
+                state.get("syncs", 0))
 
     def close(self) -> None:
         """The generation ranks' loop ends (after any outstanding results are received)."""

@@ -11,13 +11,14 @@ generation ranks; every function here is called on both sides with the same argu
   ``gen`` (prompts, sampling params, seed: each gen replica samples its ``array_split`` share,
   request i with seed ``request_seed(seed, i)``, so a sample does not depend on the number of
   replicas' boundaries beyond the share cut, exactly as the colocated worker does), ``stop``.
-- ``send_share(bridge, train_ranks, rows, out, gen_s)`` (a replica's first gen TP rank) /
+- ``send_share(bridge, train_ranks, rows, out, gen_s, syncs)`` (a replica's first gen TP rank) /
   ``recv_shares(bridge, sources, n_rows, pad, timeout_s)`` (every training rank): each replica's rows travel
   as one float64 tensor [rows, 1 + 3R] (row index, ids, mask, log-probs; exact for ids < 2^53)
-  after an int64 header (rows, R, generation microseconds), point to point to every training
+  after an int64 header (rows, R, generation microseconds, ``syncs``: the weight syncs the
+  replica had received when it generated, i.e. which weights made the batch), point to point to every training
   rank, tag ``RESULT_TAG``. ``recv_shares`` returns the whole batch in prompt order, right
-  padded to R = the longest response (pad id, mask 0, log-prob 0 past each length), and the
-  longest generation time of the replicas. Every receive waits at most ``timeout_s`` (the
+  padded to R = the longest response (pad id, mask 0, log-prob 0 past each length), the
+  longest generation time of the replicas and the fewest syncs of the replicas. Every receive waits at most ``timeout_s`` (the
   trainer passes ``rollout.timeout_s``, the generation timeout, not the bridge's collective
   timeout: a batch may take longer to generate than a training step plus the collective
   timeout); past it, ``GenerationTimeout`` (one line naming the generation rank and the knob).
@@ -76,10 +77,10 @@ def build_split_plan(train, spec, gen_world: int, gen_tp: int, bucket_mb: int, d
 
 
 def send_share(bridge, train_ranks, rows: list[int], out: GenerationOutput | None,
-               gen_s: float) -> list:
+               gen_s: float, syncs: int = 0) -> list:
     """Post this replica's rows to every training rank; returns the works to wait on."""
     r = out.response_ids.shape[1] if rows else 0
-    header = torch.tensor([len(rows), r, int(gen_s * 1e6)], dtype=torch.long)
+    header = torch.tensor([len(rows), r, int(gen_s * 1e6), syncs], dtype=torch.long)
     works = [dist.isend(header, dst, group=bridge, tag=RESULT_TAG) for dst in train_ranks]
     if rows:
         packed = torch.empty(len(rows), 1 + 3 * r, dtype=torch.float64)
@@ -91,8 +92,9 @@ def send_share(bridge, train_ranks, rows: list[int], out: GenerationOutput | Non
 
 
 def recv_shares(bridge, sources, n_rows: int, pad: int,
-                timeout_s: float) -> tuple[GenerationOutput, float]:
-    """Every replica's rows, in prompt order (see module docstring); (batch, generation s)."""
+                timeout_s: float) -> tuple[GenerationOutput, float, int]:
+    """Every replica's rows, in prompt order (see module docstring); (batch, generation s,
+    syncs)."""
     limit = datetime.timedelta(seconds=timeout_s)
 
     def wait(work, src):
@@ -106,7 +108,7 @@ def recv_shares(bridge, sources, n_rows: int, pad: int,
                 f"{timeout_s:g} s (its replica is generating too slowly or is stuck; raise "
                 f"rollout.timeout_s for long outputs)") from None
 
-    headers = [torch.empty(3, dtype=torch.long) for _ in sources]
+    headers = [torch.empty(4, dtype=torch.long) for _ in sources]
     for w, src in [(dist.irecv(h, src, group=bridge, tag=RESULT_TAG), src)
                    for h, src in zip(headers, sources)]:
         wait(w, src)
@@ -133,4 +135,5 @@ def recv_shares(bridge, sources, n_rows: int, pad: int,
     ids = torch.where(valid, ids, torch.full_like(ids, pad))
     logp = torch.where(valid, logp, torch.zeros_like(logp))
     gen_s = max((float(h[2]) / 1e6 for h in headers), default=0.0)
-    return GenerationOutput(ids, mask, logp), gen_s
+    syncs = min((int(h[3]) for h in headers), default=0)
+    return GenerationOutput(ids, mask, logp), gen_s, syncs

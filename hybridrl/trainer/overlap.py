@@ -13,9 +13,14 @@ when ``on``, any worker otherwise):
 - Timeline: step k syncs w_{k-1} and trains batch k, which was generated with w_{k-2} while
   step k-1 trained (w_0 for batches 1 and 2): ``rollout/staleness`` = 1 (0 for a batch the step
   generated itself). ``timing_s/overlap`` = the generation seconds of the step's batch that ran
-  while training ran (its generation time minus the wait), 0 without overlap. The old
-  log-probs are the training ranks' forward (``on_policy`` is off), so the PPO ratio corrects
-  the one-step staleness.
+  while training ran (its generation time minus the wait), 0 without overlap.
+  ``rollout/gen_syncs``: the weight syncs the generation ranks had received when they generated
+  the step's batch, counted from the start of the process (a resumed run counts again from 0)
+  over every sync, a validation's included: batch k >= 2 carries the count of step k-1's sync
+  (w_{k-2}), e.g. 1, 1, 2, 3, ... without validations. The old
+  log-probs are the training ranks' forward with w_{k-1} (unless
+  ``hybridrl.trainer.on_policy.skip_old_forward`` holds: one optimizer step on one mini-batch, where the ratio starts at 1
+  on the trainer's own weights), so the PPO ratio corrects the one-step staleness.
 - ``state_dict()`` / ``load_state_dict(state)``: the batch in flight (prompts and, collected
   first, its responses and log-probs: small next to the weights) for checkpoints
   (``hybridrl.checkpoint.checkpointer``): a resume uses it and regenerates nothing, so it
@@ -80,7 +85,7 @@ class Overlap:
         w = self.tr.worker
         hidden = max(0.0, w.last_gen_s - w.last_wait_s) if self.stale else 0.0
         return {"rollout/staleness": float(self.stale), "timing_s/overlap": hidden,
-                "timing_s/gen_busy": w.last_gen_s}
+                "timing_s/gen_busy": w.last_gen_s, "rollout/gen_syncs": float(w.last_syncs)}
 
     def state_dict(self) -> dict | None:
         if self.next is None:

@@ -28,12 +28,12 @@ def _ranks(rank, world):
         time.sleep(3)
         out = GenerationOutput(torch.tensor([[5, 6]]), torch.tensor([[1, 1]]),
                                torch.tensor([[-0.5, -0.25]]))
-        for w in send_share(bridge, [0], [0], out, 2.5):
+        for w in send_share(bridge, [0], [0], out, 2.5, 7):
             w.wait()
         time.sleep(4)  # sends nothing more: rank 0's second wait times out
         return None
-    out, gen_s = recv_shares(bridge, [1], 1, 0, 20.0)
-    got = (out.response_ids.tolist(), out.logprobs.tolist(), gen_s)
+    out, gen_s, syncs = recv_shares(bridge, [1], 1, 0, 20.0)
+    got = (out.response_ids.tolist(), out.logprobs.tolist(), gen_s, syncs)
     try:
         recv_shares(bridge, [1], 1, 0, 1.0)
     except GenerationTimeout as err:
@@ -43,7 +43,7 @@ def _ranks(rank, world):
 
 def test_batch_wait_is_bounded_by_the_generation_timeout():
     got, err = run_on_ranks(_ranks, 2, timeout=120)[0]
-    assert got == ([[5, 6]], [[-0.5, -0.25]], 2.5)
+    assert got == ([[5, 6]], [[-0.5, -0.25]], 2.5, 7)
     assert err is not None and "generation rank 1" in err and "rollout.timeout_s=1 s" in err
 
 

@@ -116,11 +116,22 @@ def test_split_placement(tmp_path):
     assert res[1]["async"]["hist"] == 6 and res[1]["resumed"]["hist"] == 3
     asy = r0["async"]["hist"]
     assert [m["rollout/staleness"] for m in asy] == [0.0, 1.0, 1.0]
-    assert all(m["timing_s/overlap"] >= 0 for m in asy) and asy[1]["timing_s/overlap"] > 0
+    # which weights generated each batch: syncs are step k's (number 2k - 1) and validation
+    # k's (2k); batch 1 after sync 1 (w_0), batch k >= 2 right after step k-1's sync (2k - 3:
+    # w_{k-2}), before validation k-1's
+    assert [m["rollout/gen_syncs"] for m in asy] == [1.0, 1.0, 3.0]
+    assert asy[0]["timing_s/overlap"] == 0.0 and asy[1]["timing_s/overlap"] > 0
     assert all("val/score/mean" in m for m in asy)
-    assert asy[1]["actor/ppo_kl"] != 0.0  # old log-probs from the trainer's weights
+    # old log-probs are the trainer's forward on w_{k-1}, not the engine's on w_{k-2}: their gap
+    # is that of one optimizer step, far above the sync run's engine-vs-trainer rounding
+    gap, sync = "training/rollout_logprob_diff", r0["split11"]["hist"]
+    for k in (1, 2):
+        assert asy[k][gap] > max(10 * sync[k][gap], 1e-6), (k, asy[k][gap], sync[k][gap])
     resumed = r0["resumed"]["hist"]
     assert len(resumed) == 2
+    # batch 2 from the checkpoint (sync 1 of the first process); the resumed process's
+    # generation rank counts from 0: batch 3 after step 2's sync, its first
+    assert [m["rollout/gen_syncs"] for m in resumed] == [1.0, 1.0]
     _same(resumed, asy[1:])
     for k, w in r0["async"]["weights"].items():
         assert torch.equal(w, r0["resumed"]["weights"][k]), k
