@@ -51,16 +51,17 @@ def parse_value(text: str) -> Any:
 
 
 def split_override(item: str) -> tuple[str, str]:
-    """``(key, value_text)`` of ``[+|++]key=value``; ValueError with the allowed form otherwise."""
+    """``(key, value_text)`` of ``[+|++]key=value``; ValueError with the allowed form otherwise
+    (its message does not repeat the override: the caller names it)."""
     if not isinstance(item, str):
         raise TypeError(f"override {item!r} must be a string key=value")
     if item.startswith("~"):
-        raise ValueError(f"override {item!r}: deleting a key (~key) has no meaning here, every "
-                         "key has a default; set key=value instead")
+        raise ValueError("deleting a key (~key) has no meaning here, every key has a default; "
+                         "set key=value instead")
     body = item[2:] if item.startswith("++") else item[1:] if item.startswith("+") else item
     key, sep, text = body.partition("=")
     if not sep or not key:
-        raise ValueError(f"override {item!r} must look like key=value (e.g. actor.lr=1e-6)")
+        raise ValueError("must look like key=value (e.g. actor.lr=1e-6)")
     return key.strip(), text
 
 
@@ -152,11 +153,12 @@ class _Translator:
     def item(self, source: str) -> None:
         try:
             key, text = split_override(source)
+        except ValueError as err:
+            return self.refuse(source, str(err))
+        try:
             value = parse_value(text)
         except ValueError as err:
-            said, prefix = str(err), f"override {source!r}"  # said once, not twice
-            return self.refuse(source, said[len(prefix):].lstrip(": ") if said.startswith(prefix)
-                               else said.split(": ", 1)[-1])
+            return self.refuse(source, str(err).split(": ", 1)[-1])
         except OmegaConfBaseException as err:
             return self.refuse(source, f"cannot be parsed: {str(err).splitlines()[0]}")
         except yaml.YAMLError as err:  # OmegaConf parses values as YAML: one line, not YAML's 3
