@@ -71,6 +71,7 @@ from megatron.core.utils import make_viewless_tensor
 
 from hybridrl.models.packing import (
     block_causal_mask,
+    host_cu_seqlens,
     pack_cached,
     positions,
     use_mask,
@@ -146,7 +147,7 @@ class SDPACoreAttention(MegatronModule):
         if query.dim() == 3:  # megatron's own SelfAttention squeezes the batch dimension
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         t, _, heads, hn = query.shape
-        cu = pack_cached(params, "cu_host", lambda: params.cu_seqlens_q.cpu())  # host bounds
+        cu = host_cu_seqlens(params)  # host bounds: no device read per layer
         mask = pack_cached(params, ("mask", query.device),  # one per pack, shared by the layers
                            lambda: block_causal_mask(cu, query.device) if use_mask(cu) else None)
         q_BNSD = query.permute(1, 2, 0, 3)
@@ -246,7 +247,7 @@ class LeanSelfAttention(SelfAttention):
         for a pack, row t holds the angle of token t's position inside its own sequence."""
         if packed is not None:  # once per pack and dtype, shared by the layers
             def build():
-                cu = pack_cached(packed, "cu_host", lambda: packed.cu_seqlens_q.cpu())
+                cu = host_cu_seqlens(packed)
                 f = freqs[positions(cu).to(freqs.device, non_blocking=True)].unsqueeze(3)
                 return f.cos().to(dtype), f.sin().to(dtype)
             return pack_cached(packed, ("rope", dtype, freqs.data_ptr(), freqs.shape[0]), build)

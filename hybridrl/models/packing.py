@@ -17,7 +17,8 @@ Contract:
   to ``varlen_attention`` and the lean RoPE (``hybridrl.models.local_spec``). Everything the
   host needs (the max length, the sequence bounds) is read from the host copy of
   ``cu_seqlens``: no device-to-host wait per micro-batch or per layer on a GPU.
-  ``pack_cached(params, key, build)``: a value computed once per pack and shared by every layer
+  ``host_cu_seqlens(params)``: that host copy. ``pack_cached(params, key, build)``: a value
+  computed once per pack and shared by every layer
   (the host ``cu_seqlens`` under ``"cu_host"``, the block mask, RoPE's cos/sin), kept on the
   ``PackedSeqParams`` object itself, so it lives exactly as long as the pack.
 - ``varlen_attention(q, k, v, cu_seqlens, scale, dropout_p)``: causal attention of each
@@ -90,6 +91,11 @@ def packed_seq_params(cu_seqlens: torch.Tensor, device=None):
                              max_seqlen_q=longest, max_seqlen_kv=longest)
     pack_cached(params, "cu_host", lambda: host)
     return params
+
+
+def host_cu_seqlens(params) -> torch.Tensor:
+    """The pack's cu_seqlens on the host (set by ``packed_seq_params``; else copied once)."""
+    return pack_cached(params, "cu_host", lambda: params.cu_seqlens_q.cpu())
 
 
 def pack_cached(params, key, build):
