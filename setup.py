@@ -83,7 +83,7 @@ setup(
     extras_require={
         # GPU-only extras; apex is never listed (see shared DESIGN.md: PyPI's `apex` is unrelated).
         # SGLang pins torch exactly: 0.5.18-0.5.21 pin torch==2.13.0, the Makefile's torch (move
-        # both together: docs/rollout.md, hybridrl/rollout/sglang_compat.py).
+        # both together: docs/rollout.md, hybridrl/rollout/sglang/compat.py).
         "gpu": ["sglang>=0.5.18,<0.5.22", "transformer-engine[pytorch]"],
         # HF tokenizer folders and HF model classes (imported lazily where used)
         "hf": ["transformers>=4.40"],

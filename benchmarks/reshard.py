@@ -199,7 +199,7 @@ def _engine_method(rank, cfg, groups, layout, train, specs, named, merged=False)
     from hybridrl.reshard.executor import check_same_plan
     from hybridrl.reshard.placement import gen_placement
     from hybridrl.reshard.planner import plan_reshard
-    from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
+    from hybridrl.rollout.builtin.engine import BuiltinEngine, EngineSpec
     from hybridrl.rollout.engine_sync import Coalescing, sync_engine
     from hybridrl.rollout.worker import engine_blocks
 

@@ -40,7 +40,7 @@ def build_pair(size: str, device: str, dtype):
     from hybridrl.reshard.formats import engine_format, hf_to_canonical
     from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, gen_placement
     from hybridrl.reshard.specs import LlamaShape, build_specs
-    from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
+    from hybridrl.rollout.builtin.engine import BuiltinEngine, EngineSpec
 
     hidden, ffn, heads, kv, layers, vocab = SIZES[size]
     torch.manual_seed(0)

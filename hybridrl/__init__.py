@@ -50,7 +50,7 @@ _HOME = MappingProxyType({
                                 "build_kl_controller", "apply_kl_in_reward"),
     "hybridrl.rewards.scoring": ("REWARD_FNS", "RewardScorer"),
     "hybridrl.rollout.base": ("RolloutEngine", "SamplingParams", "GenerationOutput"),
-    "hybridrl.rollout.builtin": ("BuiltinEngine",),
+    "hybridrl.rollout.builtin.engine": ("BuiltinEngine",),
     "hybridrl.config": ("load_config", "HybridRLConfig"),
     "hybridrl.trainer.ppo": ("PPOTrainer",),
 })

@@ -58,7 +58,7 @@ def run_demo(load, groups, print_fn=print, split=None) -> tuple[float, float, st
 
 def _run_split(cfg, load, train, timeout_s: float):
     from hybridrl.parallel.split import build_split_groups, training_world
-    from hybridrl.rollout.gen_server import serve
+    from hybridrl.rollout.split.server import serve
 
     split = build_split_groups(train, cfg.parallel.gen.world, cfg.parallel.gen.tp, timeout_s)
     if split.is_gen:

@@ -4,7 +4,14 @@ Contract: ``load_config(yaml_paths, overrides)`` returns a validated, frozen ``H
 (defaults <- YAML files in order <- ``key=value`` overrides in order). Each component receives its
 own section (``cfg.actor``, ``cfg.parallel``, ...). docs/config.md lists every key; regenerate it
 with ``python scripts/gen_config_docs.py`` after changing a section.
+
+Rooms: the schema (one module per section, ``_fields``, ``schema``) at the bottom; ``verl/``
+(verl's keys and their translation) above it; ``loader`` (files + overrides -> config) and
+``reference`` (docs/config.md) on top. The former ``hybridrl.config.verl_keys`` /
+``verl_translate`` still import, with a DeprecationWarning naming the new home, until 0.3.
 """
+
+from types import MappingProxyType
 
 from hybridrl.config.algorithm import AlgorithmConfig, KLCtrlConfig, RewardConfig
 from hybridrl.config.data import DataConfig, SyntheticDataConfig
@@ -21,6 +28,7 @@ from hybridrl.config.rollout import RolloutConfig
 from hybridrl.config.root import HybridRLConfig
 from hybridrl.config.sft import SFTConfig
 from hybridrl.config.trainer import KLGuardConfig, TrainerConfig
+from hybridrl.deprecation import redirect_modules
 
 __all__ = [
     "ActorConfig",
@@ -44,3 +52,7 @@ __all__ = [
     "dump_config",
     "load_config",
 ]
+
+MOVED = MappingProxyType({f"{__name__}.verl_{m}": f"{__name__}.verl.{m}"
+                          for m in ("keys", "translate")})
+redirect_modules(MOVED, "0.3")

@@ -4,7 +4,7 @@ Contract: ``load_config(yaml_paths, overrides, *, world_size=None, notices=None)
 dataclass defaults, merges each YAML file in order, then each override in order (later wins), and
 returns a validated, frozen ``HybridRLConfig`` (``OmegaConf.to_object`` builds real dataclass
 instances, so every ``__post_init__`` runs). Overrides may be verl's: they go through
-``hybridrl.config.verl_translate`` first (``+key=`` accepted, verl keys translated, keys with no
+``hybridrl.config.verl.translate`` first (``+key=`` accepted, verl keys translated, keys with no
 meaning here refused with what to use instead); the one-line notice of what was translated is
 appended to ``notices`` when given. A string (or number) where a list is expected becomes a
 one-item list, null an empty list. Every bad override is reported in ONE ``ValueError`` (one line
@@ -27,8 +27,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hybridrl.config.root import HybridRLConfig
 from hybridrl.config.schema import key_kinds
-from hybridrl.config.verl_keys import VERL_BASE_CONFIGS, VERL_RULES, rule_for
-from hybridrl.config.verl_translate import translate_overrides
+from hybridrl.config.verl.keys import VERL_BASE_CONFIGS, VERL_RULES, rule_for
+from hybridrl.config.verl.translate import translate_overrides
 
 
 def load_config(yaml_paths: Sequence[str] = (), overrides: Sequence[str] = (), *,

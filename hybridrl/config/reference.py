@@ -3,7 +3,7 @@
 Contract: ``render_config_reference()`` returns the whole Markdown text of docs/config.md: one table
 per section (key, type, default, meaning) built by walking ``HybridRLConfig`` (meanings come from
 each field's ``help`` metadata, section intros from class docstrings), followed by the verl key
-table of ``hybridrl.config.verl_keys``. It is deterministic, so a test can compare it with the file.
+table of ``hybridrl.config.verl.keys``. It is deterministic, so a test can compare it with the file.
 scripts/gen_config_docs.py writes it.
 """
 
@@ -12,7 +12,7 @@ import inspect
 
 from hybridrl.config.root import HybridRLConfig
 from hybridrl.config.schema import KeyInfo, walk
-from hybridrl.config.verl_keys import VERL_KEYS
+from hybridrl.config.verl.keys import VERL_KEYS
 
 DOC_PATH = "docs/config.md"
 REGEN_COMMAND = ".venv/bin/python scripts/gen_config_docs.py"
@@ -82,7 +82,7 @@ def _verl_table() -> list[str]:
     lines = ["## verl key names", "",
              "For users coming from verl: its key (Hydra path) and the hybridrl key(s) that receive "
              "its value; `(none)` = accepted with no effect or refused, as the note says "
-             "(hybridrl/config/verl_keys.py, docs/from_verl.md).", "",
+             "(hybridrl/config/verl/keys.py, docs/from_verl.md).", "",
              "| verl key | hybridrl key | note |", "|---|---|---|"]
     for verl, ours, note in VERL_KEYS:
         target = ", ".join(f"`{k}`" for k in ours) if ours else "(none)"

@@ -8,18 +8,18 @@ Contract:
   submodule returns the module at its new path (``MOVED``) and emits one ``DeprecationWarning``
   naming it: the algorithm math moved to ``hybridrl.algos.*``, the loops and their run machinery
   to ``hybridrl.trainer.*``, checkpoints and the run folder to ``hybridrl.checkpoint.*``. The
-  redirect is a meta-path finder that answers only for ``hybridrl.ppo.<former submodule>``; it is
-  installed when this package is imported, which only old code does.
+  redirect (``hybridrl.deprecation.redirect_modules``) answers only for
+  ``hybridrl.ppo.<former submodule>``; it is installed when this package is imported, which only
+  old code does.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
 import warnings
 from types import MappingProxyType
+
+from hybridrl.deprecation import redirect_modules
 
 MOVED = MappingProxyType({
     **{m: f"hybridrl.algos.{m}" for m in
@@ -44,24 +44,4 @@ def __getattr__(name: str):
     return getattr(algos, name)
 
 
-class _Redirect(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``hybridrl.ppo.<former submodule>`` -> the module at its new path (with a warning)."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        head, _, tail = fullname.rpartition(".")
-        if head != __name__ or tail not in MOVED:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec):
-        new = MOVED[spec.name.rpartition(".")[2]]
-        warnings.warn(f"{spec.name} moved to {new}; hybridrl.ppo will be removed in 0.3",
-                      DeprecationWarning, stacklevel=2)
-        return importlib.import_module(new)
-
-    def exec_module(self, module):
-        """The module is already the executed one at its new path."""
-
-
-if not any(isinstance(f, _Redirect) for f in sys.meta_path):
-    sys.meta_path.append(_Redirect())
+redirect_modules({f"{__name__}.{old}": new for old, new in MOVED.items()}, "0.3")

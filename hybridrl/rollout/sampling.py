@@ -9,6 +9,8 @@ Contract: ``sample_next(logits_BV, params, generator) -> (tokens_B, logprobs_B)`
 - the returned log-prob is that of the chosen token under the *unfiltered* ``log_softmax(z)``
   (what the actor recomputes at the same temperature), fp32.
 ``filter_logits`` is the top-k/top-p masking on its own (masked entries are -inf).
+``request_seed(seed, i)``: the seed of request i of a generate call (every engine, every
+placement: a sequence's sample does not depend on the layout; fits SGLang's int64).
 """
 
 from __future__ import annotations
@@ -54,3 +56,8 @@ def sample_next(
         else:
             tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
     return tokens_B, logp_BV.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
+
+
+def request_seed(seed: int, index: int) -> int:
+    """Seed of request ``index`` of a generate call with base ``seed`` (fits SGLang's int64)."""
+    return (seed * 1_000_003 + index) % (2**63 - 1)

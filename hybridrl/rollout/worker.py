@@ -23,7 +23,7 @@ Contract:
   place an engine may run a gen-TP collective). Returns the executor's ``RunStats``. The
   reshard's buffers are on the actor's device. SGLang instead takes one push
   round per reshard phase on a gloo side group (``start_update`` first, ``update_weights`` at
-  every flush; hybridrl/rollout/sglang_push.py).
+  every flush; hybridrl/rollout/sglang/push.py).
 - ``release()`` (collective over the gen-TP group): call it after the rollouts, before the
   training phases; SGLang then gives its GPU memory back (no-op for the builtin engine).
 - ``generate(prompts, params, seed)`` (collective): the N prompts are cut into contiguous shares,
@@ -62,6 +62,7 @@ from hybridrl.rollout.partition import (
     exchange_rollouts,
     plan_transfers,
 )
+from hybridrl.rollout.sampling import request_seed
 
 
 def reshard_metrics(stats) -> dict:
@@ -102,14 +103,14 @@ def rollout_gen_placement(layout, shape: LlamaShape, gen_cfg, vocab_pad: int | N
     """(gen ``Placement``, its grouping) of the rollout engines: ``gen_cfg.grouping`` when tg | t
     and pg | p, else ``optimal`` (pure). ``vocab_pad``: the engine's vocabulary padding (None:
     megatron's training padding, so each gen vocab chunk is whole training chunks). SGLang:
-    a layout whose gen-TP groups follow its GPU order (``sglang_layout.sglang_gen_placement``)."""
+    a layout whose gen-TP groups follow its GPU order (``hybridrl.rollout.sglang.layout.sglang_gen_placement``)."""
     nested = layout.tp % gen_cfg.tp == 0 and layout.pp % gen_cfg.pp == 0
     grouping = gen_cfg.grouping if nested else "optimal"
     gen = gen_placement(layout, shape, gen_cfg.tp, gen_cfg.pp, grouping, vocab_pad=vocab_pad)
     if engine == "sglang":
         import os
 
-        from hybridrl.rollout.sglang_layout import sglang_gen_placement
+        from hybridrl.rollout.sglang.layout import sglang_gen_placement
 
         node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
         gen = sglang_gen_placement(train_placement(layout, shape), shape, gen, node)
@@ -164,7 +165,7 @@ class RolloutWorker:
     def _build_engine(self, cfg, actor, tp_group, tp_rank, tp_src):
         if cfg.rollout.engine == "sglang":
             return self._build_sglang(cfg, actor)
-        from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
+        from hybridrl.rollout.builtin.engine import BuiltinEngine, EngineSpec
 
         spec = EngineSpec.from_llama(actor.spec, self.gen.vocab_chunk)
         return BuiltinEngine(spec, tp_group=tp_group, tp_rank=tp_rank, tp_size=self.gen.tp,
@@ -181,8 +182,8 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ SGLang only
     def _build_sglang(self, cfg, actor, backend=None):
-        """One SGLang engine per gen-TP group (collective; see hybridrl/rollout/sglang.py)."""
-        from hybridrl.rollout.sglang import build_sglang_engine, sglang_backend
+        """One SGLang engine per gen-TP group (collective; see hybridrl/rollout/sglang/adapter.py)."""
+        from hybridrl.rollout.sglang.adapter import build_sglang_engine, sglang_backend
 
         if not cfg.model.path:
             raise ValueError("rollout.engine=sglang needs model.path (an HF folder)")
@@ -220,8 +221,6 @@ class RolloutWorker:
     def generate_partitioned(self, prompts: list[list[int]], params: SamplingParams, seed: int,
                              plan_parts) -> tuple[list[int], GenerationOutput, TransportStats]:
         """This DP replica's rows only (see the module docstring; collective)."""
-        from hybridrl.rollout.sglang import request_seed  # pure helper; no sglang import
-
         shares = np.array_split(np.arange(len(prompts)), self.n_replicas)
         gen_rows = [int(i) for i in shares[self.replica]]
         out = None

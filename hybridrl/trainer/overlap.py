@@ -1,7 +1,7 @@
 """One-step off-policy rollouts (``rollout.async_steps=1``): the next batch generates while
 this one trains.
 
-Contract (``Overlap(trainer)``; ``trainer.worker`` is a ``hybridrl.rollout.remote.RemoteRollout``
+Contract (``Overlap(trainer)``; ``trainer.worker`` is a ``hybridrl.rollout.split.remote.RemoteRollout``
 when ``on``, any worker otherwise):
 - ``prompts(timing)``: the step's prompt batch: the one generating since the last step (its
   results are collected first: ``timing_s/gen_wait`` = the seconds this rank waited for them),

@@ -10,7 +10,7 @@ Contract:
 - One step (``train_step``), every rank:
   1. ``timing_s/reshard``: actor train shards -> engine shards (``RolloutWorker.sync_weights``;
      this rank's bytes and messages as ``reshard/*``; ``parallel.placement=split``: the engine
-     lives on generation ranks of its own, ``hybridrl.rollout.remote``, and with
+     lives on generation ranks of its own, ``hybridrl.rollout.split.remote``, and with
      ``rollout.async_steps=1`` the step's batch was generated while the last step trained:
      ``hybridrl.trainer.overlap``);
   2. ``timing_s/gen``: each gen replica samples its share of the prompts (``rollout.n`` per
@@ -74,7 +74,7 @@ from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_tok
 from hybridrl.rewards.scoring import build_reward_scorer
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
 from hybridrl.rollout.partition import plan_rollout_partition
-from hybridrl.rollout.remote import build_rollout_worker
+from hybridrl.rollout.split.remote import build_rollout_worker
 from hybridrl.rollout.worker import reshard_metrics
 from hybridrl.trainer import dynamic_sampling
 from hybridrl.trainer.guards import StepGuard

@@ -4,7 +4,7 @@ Contract: ``fit_split(cfg, train, timeout_s, phases=None, print_fn=print, on_tra
 on_started=None)`` (every rank of the
 default group, ``train.world + parallel.gen.world`` of them, same arguments) builds the split
 groups (``hybridrl.parallel.split.build_split_groups``: every group made once, on every rank, in
-one order). A generation rank runs ``hybridrl.rollout.gen_server.serve`` until the trainer stops
+one order). A generation rank runs ``hybridrl.rollout.split.server.serve`` until the trainer stops
 it and returns the number of batches it generated (training and validation). A training rank builds the ``PPOTrainer`` with the ``RemoteRollout`` and
 fits inside ``training_world`` (the default group = the training ranks, so the trainer's own
 collectives never meet the generation loop), then stops the generation loop; returns the
@@ -22,7 +22,7 @@ def fit_split(cfg, train, timeout_s: float, phases=None, print_fn=print, on_trai
     """Train (training ranks) or serve (generation ranks); see the module docstring.
     ``on_trainer(trainer)``: called on a training rank once the trainer is built (tests)."""
     from hybridrl.parallel.split import build_split_groups, training_world
-    from hybridrl.rollout.gen_server import serve
+    from hybridrl.rollout.split.server import serve
 
     split = build_split_groups(train, cfg.parallel.gen.world, cfg.parallel.gen.tp, timeout_s)
     if split.is_gen:

@@ -28,7 +28,7 @@ CASES = [(2, 2, 2, 64, 1), (2, 1, 1, 64, 1), (2, 1, 2, 64, 1), (2, 1, 2, None, 1
 
 
 def _engine(shape, gen, rank, chunk, blocks=1):
-    from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
+    from hybridrl.rollout.builtin.engine import BuiltinEngine, EngineSpec
 
     spec = EngineSpec(shape.hidden, shape.ffn, shape.heads, shape.num_query_groups,
                       shape.head_dim, shape.layers, shape.vocab, chunk)

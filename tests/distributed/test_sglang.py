@@ -1,5 +1,5 @@
 """The SGLang adapter on 4 gloo ranks with two gen-TP groups of 2, driven through the real
-reshard into a fake Engine that has the pinned release's signatures (hybridrl/testing/
+reshard into a fake Engine that has the pinned release's signatures (tests/support/
 sglang_fake.py). Checked: placement (base_gpu_id/gpu_id_step/ports), that each fake scheduler
 rank holds exactly its own engine-format shard (the independent oracle ``engine_shards``)
 after two syncs, the call order resume -> update -> flush -> generate -> release, one
@@ -34,8 +34,8 @@ def _setup(rank, world, t, p):
     from hybridrl.reshard.placement import gen_placement, train_placement
     from hybridrl.reshard.planner import plan_reshard
     from hybridrl.reshard.specs import build_specs
-    from hybridrl.rollout.sglang import build_sglang_engine
-    from hybridrl.testing.sglang_fake import fake_backend
+    from hybridrl.rollout.sglang.adapter import build_sglang_engine
+    from tests.support.sglang_fake import fake_backend
     from tests.unit.test_reshard_oracle import SMALL
 
     tl = TrainLayout(world, tp=t, pp=p)
@@ -51,9 +51,9 @@ def _setup(rank, world, t, p):
 
 def _sglang_rank(rank, world):
     from hybridrl.rollout.base import SamplingParams
-    from hybridrl.rollout.sglang import build_sglang_engine
+    from hybridrl.rollout.sglang.adapter import build_sglang_engine
     from hybridrl.rollout.worker import sync_engine
-    from hybridrl.testing.sglang_fake import FailingEngine, fake_backend
+    from tests.support.sglang_fake import FailingEngine, fake_backend
     from tests.unit.test_reshard_oracle import PAD, SMALL, engine_shards, make_hf, megatron_shards
 
     # train tp 2, pp 2 -> gen tp 2, pp 1: two replicas (micro-DP groups of 2)

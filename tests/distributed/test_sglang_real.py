@@ -1,6 +1,6 @@
 """SGLang's real code on 4 gloo ranks launched by torchrun (so each rank's environment is
 torchrun's: ``TORCHELASTIC_USE_AGENT_STORE=True``), one launch for every case
-(hybridrl/testing/sglang_ranks.py runs them and saves what each rank saw):
+(tests/support/sglang_ranks.py runs them and saves what each rank saw):
 - engine start: the adapter's ``build_sglang_engine`` starts an "engine" that runs SGLang's own
   env setter on a real ``ServerArgs`` and spawns a scheduler running SGLang's
   ``init_distributed_environment``; it connects within seconds (with the agent-store flag the
@@ -35,7 +35,7 @@ def ranks(tmp_path_factory):
     env = dict(os.environ, HYBRIDRL_TEST_PORT_BASE=str(20000 + free_port() % 20000),
                OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "4", "-m", "hybridrl.testing.sglang_ranks", str(out)]
+           "4", "-m", "tests.support.sglang_ranks", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]

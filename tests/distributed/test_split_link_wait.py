@@ -1,4 +1,4 @@
-"""Split placement: the wait for a generated batch (``split_link.recv_shares``), the groups.
+"""Split placement: the wait for a generated batch (``hybridrl.rollout.split.link.recv_shares``), the groups.
 
 Two gloo ranks, a bridge group whose collective timeout is 1 s: a batch sent 3 s late is
 received (the wait is bounded by ``rollout.timeout_s``, here 20 s, not by the bridge's
@@ -21,7 +21,7 @@ def _ranks(rank, world):
     import torch.distributed as dist
 
     from hybridrl.rollout.base import GenerationOutput
-    from hybridrl.rollout.split_link import GenerationTimeout, recv_shares, send_share
+    from hybridrl.rollout.split.link import GenerationTimeout, recv_shares, send_share
 
     bridge = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
     if rank == 1:  # the generation rank: late by 3 collective timeouts

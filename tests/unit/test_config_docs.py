@@ -11,7 +11,7 @@ import pytest
 from hybridrl.config import HybridRLConfig
 from hybridrl.config.reference import DOC_PATH, REGEN_COMMAND, render_config_reference
 from hybridrl.config.schema import key_kinds, walk
-from hybridrl.config.verl_keys import VERL_KEYS
+from hybridrl.config.verl.keys import VERL_KEYS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,8 +65,8 @@ def test_verl_table_points_at_real_keys():
 def test_verl_keys_that_are_not_ours_get_the_translation():
     """Every 'set' rule of the table moves a verl value to its hybridrl keys (tests/unit/
     test_verl_overrides.py covers the other kinds)."""
-    from hybridrl.config.verl_keys import VERL_RULES
-    from hybridrl.config.verl_translate import translate_overrides
+    from hybridrl.config.verl.keys import VERL_RULES
+    from hybridrl.config.verl.translate import translate_overrides
 
     for rule in VERL_RULES:
         if rule.kind != "set":

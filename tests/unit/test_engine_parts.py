@@ -22,7 +22,7 @@ from hybridrl.reshard.placement import gen_placement, train_placement
 from hybridrl.reshard.planner import plan_reshard
 from hybridrl.reshard.specs import LlamaShape, build_specs, storage_shape
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
+from hybridrl.rollout.builtin.engine import BuiltinEngine, EngineSpec
 from hybridrl.rollout.worker import engine_blocks, inplace_targets
 
 # vocab, train tp, train pp, gen tp, world, tied, strategy, grouping, q/k/v biases

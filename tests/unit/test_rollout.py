@@ -13,7 +13,7 @@ import torch
 
 from hybridrl.reshard.specs import LlamaShape
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
+from hybridrl.rollout.builtin.engine import BuiltinEngine, EngineSpec
 from hybridrl.rollout.sampling import filter_logits, sample_next
 from tests.unit.test_reshard_oracle import engine_shards
 
@@ -221,7 +221,7 @@ def test_sglang_missing_is_a_clear_import_error(monkeypatch):
     import sys
     from importlib import metadata
 
-    from hybridrl.rollout.sglang import sglang_backend
+    from hybridrl.rollout.sglang.adapter import sglang_backend
 
     real_version = metadata.version
 

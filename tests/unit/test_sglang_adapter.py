@@ -16,14 +16,14 @@ import torch
 from hybridrl.reshard.planner import Transfer
 from hybridrl.reshard.specs import LlamaShape
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.sglang import (
+from hybridrl.rollout.sglang.adapter import (
     build_sglang_engine,
     gpu_placement,
     request_seed,
     sampling_dicts,
 )
-from hybridrl.rollout.sglang_layout import engine_param_shapes
-from hybridrl.rollout.sglang_push import WeightPusher
+from hybridrl.rollout.sglang.layout import engine_param_shapes
+from hybridrl.rollout.sglang.push import WeightPusher
 
 SHAPE = LlamaShape(hidden=8, ffn=12, heads=2, num_query_groups=2, layers=1, vocab=10)
 # rank 0: two local-only keys of one bucket each (2 local phases), sends in bucket 0, receives
@@ -121,7 +121,7 @@ def test_gen_tp_above_train_tp_gets_sglangs_gpu_order():
     GPU order SGLang assigns (base + k * step); the chosen layout is, and keeps what it can."""
     from hybridrl.parallel.layout import TrainLayout
     from hybridrl.reshard.placement import gen_placement, train_placement
-    from hybridrl.rollout.sglang_layout import (
+    from hybridrl.rollout.sglang.layout import (
         gen_tp_groups,
         sglang_gen_placement,
         sglang_order_problem,
@@ -188,8 +188,8 @@ def test_rollout_config_sglang_keys():
 def test_engine_resumes_only_after_every_member_emptied_its_cache_and_flush_is_checked():
     """One-member engine: the cache is emptied before each resume; a flush that answers
     success=False fails the sync."""
-    from hybridrl.rollout.sglang import SGLangEngine
-    from hybridrl.testing.sglang_fake import FakeEngine, fake_backend
+    from hybridrl.rollout.sglang.adapter import SGLangEngine
+    from tests.support.sglang_fake import FakeEngine, fake_backend
 
     class FlushFails(FakeEngine):
         def flush_cache(self):

@@ -26,8 +26,8 @@ from hybridrl.reshard.formats import engine_format
 from hybridrl.reshard.placement import gen_placement, train_placement
 from hybridrl.reshard.planner import plan_reshard
 from hybridrl.reshard.specs import LlamaShape, build_specs
-from hybridrl.rollout import sglang_compat as compat
-from hybridrl.rollout.sglang_layout import engine_param_shapes
+from hybridrl.rollout.sglang import compat
+from hybridrl.rollout.sglang.layout import engine_param_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

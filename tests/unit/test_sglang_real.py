@@ -1,5 +1,5 @@
 """The SGLang adapter against SGLang 0.5.21's real Python modules, imported on CPU through the
-test-only prelude (hybridrl/testing/sglang_prelude.py), in this one process.
+test-only prelude (tests/support/sglang_prelude.py), in this one process.
 
 Checked: the prelude imports every module the adapter and the multi-rank tests use; the
 adapter's engine keywords construct a real ``ServerArgs``; the fake engine's signatures equal
@@ -25,8 +25,8 @@ import torch
 
 from hybridrl.config.rollout import RolloutConfig
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.sglang import engine_start_kwargs, sampling_dicts
-from hybridrl.rollout.sglang_env import AGENT_STORE, engine_start_env, scoped_torch_reductions
+from hybridrl.rollout.sglang.adapter import engine_start_kwargs, sampling_dicts
+from hybridrl.rollout.sglang.env import AGENT_STORE, engine_start_env, scoped_torch_reductions
 
 MODEL = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 8,
          "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 1000}
@@ -34,7 +34,7 @@ MODEL = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 8,
 
 @pytest.fixture(scope="module")
 def real():
-    from hybridrl.testing.sglang_prelude import import_real_modules
+    from tests.support.sglang_prelude import import_real_modules
 
     return import_real_modules()
 
@@ -83,7 +83,7 @@ def _params(fn) -> list[tuple]:
 
 
 def test_fake_engine_signatures_equal_the_real_ones(real):
-    from hybridrl.testing.sglang_fake import FakeEngine, FakeUpdateWeightsFromTensorReqInput
+    from tests.support.sglang_fake import FakeEngine, FakeUpdateWeightsFromTensorReqInput
 
     engine = real["engine"].Engine
     for name in ("generate", "flush_cache", "release_memory_occupation",
@@ -130,7 +130,7 @@ def _pickle(obj) -> bytes:
 def test_reductions_patch_is_scoped(real):
     from torch.multiprocessing import reductions
 
-    from hybridrl.rollout.sglang import sglang_backend
+    from hybridrl.rollout.sglang.adapter import sglang_backend
 
     torch_reduce = reductions.reduce_tensor
     backend = sglang_backend()  # used to patch the whole process here

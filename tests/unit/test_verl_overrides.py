@@ -6,8 +6,8 @@ import pytest
 
 from hybridrl.config import load_config
 from hybridrl.config.loader import resolve_config_name
-from hybridrl.config.verl_keys import VERL_RULES, rule_for
-from hybridrl.config.verl_translate import translate_overrides
+from hybridrl.config.verl.keys import VERL_RULES, rule_for
+from hybridrl.config.verl.translate import translate_overrides
 
 ARR = "actor_rollout_ref"
 TRAIN = "['/d/gsm8k/train.parquet', '/d/math/train.parquet']"

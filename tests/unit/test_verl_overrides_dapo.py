@@ -6,8 +6,8 @@ whole with verl's meaning; the deprecated keys' division and refusals."""
 import pytest
 
 from hybridrl.config import load_config
-from hybridrl.config.verl_keys import rule_for
-from hybridrl.config.verl_translate import translate_overrides
+from hybridrl.config.verl.keys import rule_for
+from hybridrl.config.verl.translate import translate_overrides
 
 ARR = "actor_rollout_ref"
 

@@ -32,7 +32,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from hybridrl.rollout.sglang_env import scoped_torch_reductions
+from hybridrl.rollout.sglang.env import scoped_torch_reductions
 
 
 def publish(kwargs: dict):

@@ -3,7 +3,7 @@
 Contract (docs/rollout.md has the diagram, the lifecycle and the memory of each phase):
 - ``build_sglang_engine(...)`` is collective over the world (every rank, same arguments; the
   gen-TP groups ``all_members`` in the same order everywhere). It checks the SGLang/torch pair
-  (``sglang_compat``), refuses ``engine_kwargs`` that set what the layout decides
+  (``hybridrl.rollout.sglang.compat``), refuses ``engine_kwargs`` that set what the layout decides
   (``RESERVED``), creates gloo side groups (one per gen-TP group, whose timeout is
   ``rollout.timeout_s``; one over the world whose timeout is ``rollout.engine_start_timeout_s``),
   exchanges (host, local GPU) of every rank and places each engine with ``gpu_placement``:
@@ -24,7 +24,7 @@ Contract (docs/rollout.md has the diagram, the lifecycle and the memory of each 
   opens the weight-update session where the release has one; ``update_weights(named)`` is the
   reshard's sink at every flush (``WeightPusher`` rounds, load_format "direct", tensors
   serialized with SGLang's reductions patch in force only around CUDA tensors:
-  ``sglang_env.sglang_serializer``); ``finish_update()`` empties every member's CUDA cache
+  ``hybridrl.rollout.sglang.env.sglang_serializer``); ``finish_update()`` empties every member's CUDA cache
   again (the reshard's buffers), closes the session, resumes the KV cache and CUDA graphs and
   flushes the cache (a failed flush raises); ``generate``; ``release()`` gives all the engine's
   GPU memory back before the training phases. Order per step: resume -> update -> flush ->
@@ -51,15 +51,16 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.rollout.base import GenerationOutput, SamplingParams, as_prompt_lists
-from hybridrl.rollout.sglang_compat import (
+from hybridrl.rollout.sampling import request_seed
+from hybridrl.rollout.sglang.compat import (
     LOAD_FORMAT,
     has_weight_update_session,
     import_sglang,
     not_importable,
 )
-from hybridrl.rollout.sglang_env import engine_start_env, sglang_serializer
-from hybridrl.rollout.sglang_layout import engine_param_shapes
-from hybridrl.rollout.sglang_push import WeightPusher, bounded
+from hybridrl.rollout.sglang.env import engine_start_env, sglang_serializer
+from hybridrl.rollout.sglang.layout import engine_param_shapes
+from hybridrl.rollout.sglang.push import WeightPusher, bounded
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +83,6 @@ def gpu_placement(gpus: list[tuple[str, int]]) -> tuple[int, int]:
                          f"evenly spaced (SGLang puts TP rank k on base_gpu_id + k * "
                          f"gpu_id_step); got {ids}")
     return ids[0], step
-
-
-def request_seed(seed: int, index: int) -> int:
-    """Seed of request ``index`` of a generate call with base ``seed`` (fits SGLang's int64)."""
-    return (seed * 1_000_003 + index) % (2**63 - 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Contract: ``translate_overrides(items)`` is pure (no file system, no process group). It accepts
 Hydra's ``+key=value`` / ``++key=value`` (the prefix is dropped: every hybridrl key exists), looks
-each key up in ``hybridrl.config.verl_keys.VERL_RULES`` and returns a ``Translation``:
+each key up in ``hybridrl.config.verl.keys.VERL_RULES`` and returns a ``Translation``:
 
 - ``steps``: one ``(source, item, problem)`` per output, in input order; ``item`` is a hybridrl
   override (None when ``problem`` says why the source was refused). Keys the table does not list
@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridrl.config.trainer import LOGGERS
-from hybridrl.config.verl_keys import VERL_WORLD_DEFAULTS, VerlRule, rule_for
+from hybridrl.config.verl.keys import VERL_WORLD_DEFAULTS, VerlRule, rule_for
 
 CRITIC_FOLLOWS_ACTOR = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode")
 VERL_SINKS = ("wandb", "tensorboard", "mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio",

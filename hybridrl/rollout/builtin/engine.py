@@ -18,7 +18,7 @@ Contract:
   vocab-parallel ``model.embed_tokens.weight`` / ``lm_head.weight`` [vocab_chunk, H] holding ids
   [tp_rank·chunk, (tp_rank+1)·chunk) (rows past the vocabulary are padding). A tied model may
   omit ``lm_head`` (the embedding is used).
-- Storage (``hybridrl.rollout.engine_weights``) is megatron's gen-layout layout, so the reshard
+- Storage (``hybridrl.rollout.builtin.weights``) is megatron's gen-layout layout, so the reshard
   can write into it in place: every tensor is stored exactly as megatron-core stores that
   rank's shard, which for all but qkv is the engine format itself; ``qkv_proj`` is stored
   grouped per KV head, [q heads of the group; k; v] (megatron's ``linear_qkv``), and
@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from hybridrl.config.hf_model import RopeScaling
 from hybridrl.models.rope import inv_freq
 from hybridrl.rollout.base import GenerationOutput, SamplingParams, as_prompt_lists
-from hybridrl.rollout.engine_weights import EngineWeights
+from hybridrl.rollout.builtin.weights import EngineWeights
 from hybridrl.rollout.sampling import sample_next
 
 

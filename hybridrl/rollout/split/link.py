@@ -1,6 +1,6 @@
 """The wire between training ranks and generation ranks of a split placement.
 
-Contract (shared by ``rollout.remote`` on the training ranks and ``rollout.gen_server`` on the
+Contract (shared by ``rollout.split.remote`` on the training ranks and ``rollout.split.server`` on the
 generation ranks; every function here is called on both sides with the same arguments):
 - ``build_split_plan(train, spec, gen_world, gen_tp, bucket_mb, dtype, uses_te)`` -> ``SplitPlan``:
   the placements (``split_placements``: training layout on ranks 0..T-1, gen replicas of gen_tp

@@ -1,6 +1,6 @@
 """Torchrun entry for the tests that run SGLang's real code on 4 gloo ranks (CPU).
 
-``python -m torch.distributed.run --standalone --nproc-per-node 4 -m hybridrl.testing.sglang_ranks
+``python -m torch.distributed.run --standalone --nproc-per-node 4 -m tests.support.sglang_ranks
 OUT`` runs, on every rank of a torchrun-launched world (so the environment is torchrun's own,
 ``TORCHELASTIC_USE_AGENT_STORE`` included), and saves what each rank saw as ``OUT/rank{r}.pt``:
 - ``start``: ``build_sglang_engine`` over one gen-TP group of 4 whose "engine", on rank 0, runs
@@ -12,7 +12,7 @@ OUT`` runs, on every rank of a torchrun-launched world (so the environment is to
   / Llama with llama3 rope scaling at gen tp 1, 2 and 4 (train tp 2 pp 2,
   hybridrl's reshard from megatron shards), pushed by the adapter (``sglang_backend()``'s real
   serializer and request class) through SGLang's scheduler-side updater with sessions and the
-  direct loader (``hybridrl.testing.sglang_real``), against the same model after its own
+  direct loader (``tests.support.sglang_real``), against the same model after its own
   ``load_weights`` on the full HF tensors: names that differ bitwise, the requests each scheduler
   rank handled, the engine calls; for gen tp 2 a second sync whose flush fails.
 - ``timeout``: a gen-TP group of 2 whose source never answers ``generate`` with
@@ -38,7 +38,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 
 def _scheduler_init(port: int, conn) -> None:
     """A spawned 'scheduler': SGLang's init_distributed_environment, as its bootstrap calls it."""
-    from hybridrl.testing.sglang_prelude import install
+    from tests.support.sglang_prelude import install
 
     install()
     from sglang.srt.distributed.parallel_state import init_distributed_environment
@@ -91,8 +91,8 @@ def case_start(rank: int, port_base: int, model_path: str) -> dict:
     import torch
 
     from hybridrl.reshard.specs import LlamaShape
-    from hybridrl.rollout.sglang import build_sglang_engine, sglang_backend
-    from hybridrl.rollout.sglang_env import GUARDED
+    from hybridrl.rollout.sglang.adapter import build_sglang_engine, sglang_backend
+    from hybridrl.rollout.sglang.env import GUARDED
 
     def env():
         return {k: v for k, v in os.environ.items() if k in GUARDED or k.startswith("NCCL_")}
@@ -153,10 +153,10 @@ def case_model(rank: int, arch: str, tp_size: int, port_base: int, root: str) ->
     from hybridrl.reshard.planner import plan_reshard
     from hybridrl.reshard.specs import build_specs
     from hybridrl.rollout.engine_sync import sync_engine
-    from hybridrl.rollout.sglang import build_sglang_engine, sglang_backend
-    from hybridrl.rollout.sglang_layout import gen_tp_groups
+    from hybridrl.rollout.sglang.adapter import build_sglang_engine, sglang_backend
+    from hybridrl.rollout.sglang.layout import gen_tp_groups
     from hybridrl.rollout.worker import rollout_gen_placement
-    from hybridrl.testing import sglang_real as real
+    from tests.support import sglang_real as real
     from tests.unit.test_reshard_oracle import PAD, make_hf, megatron_shards
 
     shape, path, hf_cfg = _shape(arch), os.path.join(root, arch), _hf_config(arch, root)
@@ -225,8 +225,8 @@ def case_timeout(rank: int, port_base: int) -> dict:
     import torch
 
     from hybridrl.rollout.base import SamplingParams
-    from hybridrl.rollout.sglang import build_sglang_engine
-    from hybridrl.testing.sglang_fake import fake_backend
+    from hybridrl.rollout.sglang.adapter import build_sglang_engine
+    from tests.support.sglang_fake import fake_backend
     from tests.unit.test_reshard_oracle import SMALL
 
     rollout = _rollout(port_base, timeout_s=2.0)
@@ -248,7 +248,7 @@ def main(out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from hybridrl.testing.sglang_prelude import install
+    from tests.support.sglang_prelude import install
 
     install()
     torch.multiprocessing.set_sharing_strategy("file_system")  # CPU payloads across ranks

@@ -12,7 +12,7 @@ A rule's ``kind`` says what an override of that key does:
   when the value equals the final value of ``ours[0]``, else refused with ``note``.
 - ``world``: a factor of the world size (``trainer.n_gpus_per_node`` x ``trainer.nnodes``), checked
   against the launcher's world by ``load_config(..., world_size=N)``.
-- ``special``: handled by name in ``hybridrl.config.verl_translate`` (``note`` says how).
+- ``special``: handled by name in ``hybridrl.config.verl.translate`` (``note`` says how).
 
 ``VERL_KEYS`` is the same table as ``(verl_key, hybridrl_keys, note)`` triples (rendered into
 docs/config.md); ``rule_for(key)`` looks a key up. Every hybridrl key named here exists (tested).

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.reshard.schedule import phase_schedule
-from hybridrl.rollout.sglang_layout import check_named_tensors
+from hybridrl.rollout.sglang.layout import check_named_tensors
 
 
 def bounded(wait: Callable, label: str):

@@ -6,15 +6,15 @@ Contract:
 - ``RemoteRollout(cfg, groups, actor, tokenizer, split)`` (every training rank) has the
   interface the trainer uses of ``RolloutWorker`` (``sync_weights``, ``generate_partitioned``,
   ``sampling_params``, ``release``, ``gen``, ``n_replicas``, ``strategy``) and talks to the
-  generation ranks' loop (``hybridrl.rollout.gen_server``). Construction: rank 0 sends the model
-  description; every rank derives the ``split`` plan (``split_link.build_split_plan``).
+  generation ranks' loop (``hybridrl.rollout.split.server``). Construction: rank 0 sends the model
+  description; every rank derives the ``split`` plan (``link.build_split_plan``).
   ``sync_weights(actor)``: rank 0 says ``sync``, then every training rank sends its pieces
   over the bridge (each generation rank receives exactly its engine shard once, balanced over
   the training ranks, bucketed: ``reshard.planner``'s split strategy); returns ``RunStats``.
 - ``request(prompts, params, seed)`` (rank 0 sends, every training rank records it) starts a
   generation and returns at once; ``collect()`` waits for the outstanding request's results
   (every training rank receives the whole batch from each gen replica, waiting at most
-  ``rollout.timeout_s``: ``split_link.recv_shares``) and keeps them, with
+  ``rollout.timeout_s``: ``link.recv_shares``) and keeps them, with
   the replicas' generation seconds, the seconds this rank waited for them and the weight syncs
   the generation ranks had received when they generated them (``last_gen_s``, ``last_wait_s``,
   ``last_syncs``: those of the results ``generate_partitioned`` used last).
@@ -41,7 +41,7 @@ from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.executor import run_plan, train_sources
 from hybridrl.rollout.base import GenerationOutput, SamplingParams
 from hybridrl.rollout.partition import TransportStats, check_prefix_mask
-from hybridrl.rollout.split_link import Command, build_split_plan, recv_shares
+from hybridrl.rollout.split.link import Command, build_split_plan, recv_shares
 
 
 def build_rollout_worker(cfg, groups, actor, tokenizer, split=None):
@@ -78,7 +78,7 @@ class RemoteRollout:
         self.last_gen_s = self.last_wait_s = 0.0  # of the results generate_partitioned used
         self.last_syncs = 0
         self.verify = True
-        self.timeout_s = cfg.rollout.timeout_s  # the wait for a batch (split_link.recv_shares)
+        self.timeout_s = cfg.rollout.timeout_s  # the wait for a batch (link.recv_shares)
 
     def _command(self, cmd: Command) -> None:
         if self.rank == 0:

@@ -17,8 +17,8 @@ import asyncio
 import dataclasses
 import pickle
 
-from hybridrl.rollout.sglang import SGLangBackend
-from hybridrl.rollout.sglang_compat import TEST_PIN
+from hybridrl.rollout.sglang.adapter import SGLangBackend
+from hybridrl.rollout.sglang.compat import TEST_PIN
 
 
 @dataclasses.dataclass

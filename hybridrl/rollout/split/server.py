@@ -6,7 +6,7 @@ Contract:
   batches generated. First it receives the model description from rank 0 (command group:
   ``RemoteRollout``'s constructor sends it) and builds the builtin engine on its gen shard
   (gen TP group ``split.gen_tp``; replica = its gen_tp consecutive ranks), empty until the first
-  sync. Then, per command (``hybridrl.rollout.split_link.Command``):
+  sync. Then, per command (``hybridrl.rollout.split.link.Command``):
   ``sync``: runs the split plan over the bridge, the received rows landing straight in the
   engine's tensors (no conversion, no copy), then ``finish_update``; ``gen``: samples its
   replica's share, and the replica's first rank posts it to every training rank with the
@@ -31,7 +31,8 @@ import torch.distributed as dist
 from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.executor import run_plan
 from hybridrl.rollout.engine_sync import inplace_targets
-from hybridrl.rollout.split_link import build_split_plan, send_share
+from hybridrl.rollout.sampling import request_seed
+from hybridrl.rollout.split.link import build_split_plan, send_share
 
 
 def receive_command(split):
@@ -45,8 +46,7 @@ def serve(cfg, split, phases=None, on_started=None) -> int:
     ``PhaseBoard``, told what the rank does (``generation: sync`` / ``generation: gen`` of the
     batch count), so a failure line names where a generation rank was. ``on_started()``: called
     once the engine is built (``split_run.fit_split``)."""
-    from hybridrl.rollout.builtin import BuiltinEngine, EngineSpec
-    from hybridrl.rollout.sglang import request_seed  # pure helper; no sglang import
+    from hybridrl.rollout.builtin.engine import BuiltinEngine, EngineSpec
 
     spec, uses_te, dtype, train = receive_command(split)
     sp = build_split_plan(train, spec, len(split.gen_ranks), split.gen_tp_size,

@@ -1,0 +1,13 @@
+"""Split placement: generation on ranks of its own, serving the training ranks over a bridge.
+
+Contract:
+- ``link``: the wire both sides share (the split reshard plan, the commands rank 0 sends, the
+  result shares each gen replica posts to every training rank, bounded by
+  ``rollout.timeout_s``).
+- ``remote``: the training ranks' side, ``RemoteRollout`` (the interface the trainer uses of
+  ``hybridrl.rollout.worker.RolloutWorker``; one step ahead with ``rollout.async_steps=1``), and
+  ``build_rollout_worker`` (colocated worker or remote, from the config).
+- ``server``: the generation ranks' loop, ``serve`` (the builtin engine on its gen shard).
+The groups and the training world come from ``hybridrl.parallel.split``. Imports only downward:
+the rollout protocol, worker and builtin engine, reshard, parallel.
+"""
