@@ -18,9 +18,22 @@ TERM_GRACE_S = 10.0``: 2 = the run could not start (config,
   (``peer_loss``) stays silent.
 - ``Terminated`` (a ``KeyboardInterrupt``): what ``handle_sigterm()`` makes SIGTERM raise in
   the main thread, so a ``kill`` (or torchrun forwarding one) is handled like Ctrl-C: one line
-  ``terminated (SIGTERM)`` and status ``TERMINATED`` (143, the shell's 128 + 15). When the main
-  thread sits in a collective that does not return, a watchdog thread woken by the signal
-  writes that line and leaves with 143 after ``TERM_GRACE_S`` seconds.
+  ``terminated (SIGTERM)`` and status ``TERMINATED`` (143, the shell's 128 + 15). It is raised
+  once per process: a second SIGTERM (torchrun's after a ``kill`` of the whole group, the
+  parent-death one) while the first is being handled raises nothing, so no except or cleanup
+  path can be cut by a second ``Terminated``. The caller installs the handler inside the
+  ``try`` that handles ``Terminated`` and calls ``end_handled_region()`` as that ``try``'s last
+  statement: from then on a SIGTERM writes the line (unless this process already reported) and
+  exits with 143 at once, so one arriving during the exit is no traceback either. When the
+  main thread sits in a collective that does not return, a watchdog thread woken by the signal
+  writes that line (unless this process already reported a failure: one line per process) and
+  leaves with 143 after ``TERM_GRACE_S`` seconds.
+- ``sigterm_point(name)``: a test hook. When ``$HYBRIDRL_TEST_SIGTERM_AT`` (comma separated)
+  lists ``name``, the process sends itself SIGTERM there, so a test can land one at an exact
+  point of hybridrl.train's start-up and exit (tests/distributed/test_sigterm_points.py);
+  unset, it does nothing.
+- The SIGTERM state and the final-line lock are module state on purpose: a signal's
+  disposition and stderr are the process's, not an object's.
 - ``die_with_parent()``: under torchrun (``TORCHELASTIC_RUN_ID`` set, Linux) the worker receives
   SIGTERM when the torchrun process dies, even by SIGKILL, instead of training on alone.
 """
@@ -32,6 +45,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import traceback
 
 OK, FAILED, BAD_INPUT, INTERRUPTED, TERMINATED = 0, 1, 2, 130, 143
@@ -41,6 +55,9 @@ INPUT_ERRORS = (ValueError, TypeError, OSError, EOFError, KeyError, ImportError,
 FIRST_KEY, COUNT_KEY = "hybridrl/failure/first", "hybridrl/failure/count"
 PEER_LOSS_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe",
                    "socket closed", "recv from", "remote process exited")
+SIGTERM_AT_ENV = "HYBRIDRL_TEST_SIGTERM_AT"
+_LINE = threading.Lock()  # held while this process decides and writes a failure line
+_SAID = threading.Event()  # this process has reported (written its line, or kept silent on purpose)
 
 
 def one_line(err: BaseException) -> str:
@@ -60,30 +77,71 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread by ``handle_sigterm``'s handler."""
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated()
+class _Sigterm:
+    """This process's SIGTERM state (see the module docstring)."""
+
+    rank = 0
+    raised = False  # Terminated was raised: a later SIGTERM belongs to the same ending
+    leaving = False  # past the handled region: a SIGTERM writes the line and exits
+
+
+_TERM = _Sigterm()
+
+
+def _say_terminated(wait_s: float) -> None:
+    """Write this rank's ``terminated (SIGTERM)`` line unless the process already reported."""
+    if not (_LINE.acquire(timeout=wait_s) if wait_s > 0 else _LINE.acquire(blocking=False)):
+        return  # another thread is writing this process's line
+    try:
+        if not _SAID.is_set():
+            _SAID.set()
+            who = "" if _TERM.rank == 0 else f" (rank {_TERM.rank})"
+            sys.stderr.write(f"hybridrl.train: error{who}: terminated (SIGTERM)\n")
+            sys.stderr.flush()
+    finally:
+        _LINE.release()
+
+
+def _on_sigterm(signum, frame):
+    if _TERM.leaving:  # the handled region is over: no exception could be caught any more
+        _say_terminated(0)
+        os._exit(TERMINATED)
+    if not _TERM.raised:
+        _TERM.raised = True
+        raise Terminated()
 
 
 def handle_sigterm(rank: int) -> None:
-    """SIGTERM raises ``Terminated``; a watchdog ends a process stuck past the grace time."""
-    import threading
+    """SIGTERM raises ``Terminated`` (once); a watchdog ends a process stuck past the grace
+    time. Call it inside the ``try`` that handles ``Terminated``: the handler is installed last,
+    so a SIGTERM at once raises in the caller's ``try``."""
     import time
 
+    _TERM.rank = rank
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    signal.set_wakeup_fd(write_fd)  # written by the C-level handler, even while blocked in C
 
     def watch():
         while os.read(read_fd, 1) != bytes([int(signal.SIGTERM)]):
             pass
         time.sleep(TERM_GRACE_S)
-        who = "" if rank == 0 else f" (rank {rank})"
-        sys.stderr.write(f"hybridrl.train: error{who}: terminated (SIGTERM)\n")
-        sys.stderr.flush()
+        _say_terminated(5.0)
         os._exit(TERMINATED)
 
     threading.Thread(target=watch, name="hybridrl-sigterm", daemon=True).start()
+    signal.set_wakeup_fd(write_fd)  # written by the C-level handler, even while blocked in C
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def end_handled_region() -> None:
+    """From now on a SIGTERM writes the line (unless this process reported) and exits 143."""
+    _TERM.leaving = True
+
+
+def sigterm_point(name: str) -> None:
+    """Test hook: SIGTERM to this process here when ``$HYBRIDRL_TEST_SIGTERM_AT`` lists ``name``."""
+    if name in os.environ.get(SIGTERM_AT_ENV, "").split(","):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def status_of(err: BaseException, started: bool) -> int:
@@ -114,21 +172,23 @@ class FailureReporter:
         self.rank, self.store = rank, store
 
     def report(self, status: int, message: str, peer_loss: bool = False) -> int:
-        first = None
-        if self.store is not None:
-            try:
-                self.store.set_timeout(datetime.timedelta(seconds=5))
-                if self.store.add(COUNT_KEY, 1) == 1:
-                    self.store.set(FIRST_KEY, message)
-                else:
-                    first = self.store.get(FIRST_KEY).decode()
-            except Exception:  # the store's host is gone: report on our own
-                first = None
-        if first is not None and (peer_loss or first == message):
-            return status  # shown by the rank that failed first
-        who = "" if self.rank == 0 else f" (rank {self.rank})"
-        sys.stderr.write(f"hybridrl.train: error{who}: {message}\n")
-        sys.stderr.flush()
+        with _LINE:  # the SIGTERM watchdog then adds no second line of its own
+            _SAID.set()
+            first = None
+            if self.store is not None:
+                try:
+                    self.store.set_timeout(datetime.timedelta(seconds=5))
+                    if self.store.add(COUNT_KEY, 1) == 1:
+                        self.store.set(FIRST_KEY, message)
+                    else:
+                        first = self.store.get(FIRST_KEY).decode()
+                except Exception:  # the store's host is gone: report on our own
+                    first = None
+            if first is not None and (peer_loss or first == message):
+                return status  # shown by the rank that failed first
+            who = "" if self.rank == 0 else f" (rank {self.rank})"
+            sys.stderr.write(f"hybridrl.train: error{who}: {message}\n")
+            sys.stderr.flush()
         return status
 
 

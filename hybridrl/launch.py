@@ -11,7 +11,11 @@ after ``--``) are torchrun's (``--standalone --nproc-per-node 2``, ``--nnodes``,
   and Ctrl-C on the launcher), 143 (SIGTERM: a worker or the launcher terminated); 0 when
   every worker finished;
 - torchrun's ``ChildFailedError`` traceback and its failure log are not printed: the workers'
-  own one-line errors (``hybridrl.exits``) are the report.
+  own one-line errors (``hybridrl.exits``) are the report;
+- SIGTERM and SIGINT are the launcher's own (``TORCHELASTIC_SIGNALS_TO_HANDLE`` leaves torchrun
+  SIGHUP and SIGQUIT): the first raises torchrun's ``SignalException`` (its agent stops the
+  workers, which report), a second one while that is handled, or any once ``main`` has its
+  outcome, exits at once with 143 / 130, so no signal ends the launcher with a traceback.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import sys
 
 TRAIN_OPTIONS = ("--config", "--config-name", "-cn", "--config-path", "-cp")
 _OVERRIDE = re.compile(r"^[A-Za-z_+~][\w.\[\]+~-]*=")
+_SIGNALED = [False]  # a signal was raised, or main has its outcome: the next one exits at once
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -47,6 +52,19 @@ def status_of_exitcode(code: int) -> int:
     return 0 if code == 0 else 1
 
 
+def _on_signal(signum, frame):
+    """SIGTERM / SIGINT: torchrun's SignalException once (module docstring), then exit."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    if _SIGNALED[0]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if signum == signal.SIGINT else 128 + signum)
+    _SIGNALED[0] = True
+    raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum)!r}",
+                          sigval=signal.Signals(signum))
+
+
 def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -55,16 +73,22 @@ def main(argv=None) -> int:
     torch_args, train_args = split_argv(list(sys.argv[1:] if argv is None else argv))
     args = parse_args([*torch_args, "-m", "hybridrl.train", *train_args])
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGHUP,SIGQUIT")
     try:
-        run(args)  # torchrun's own agent (standalone/static rendezvous set up as torchrun does)
-    except ChildFailedError as err:
-        _, failure = err.get_first_failure()
-        return status_of_exitcode(failure.exitcode)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _on_signal)
+        try:
+            run(args)  # torchrun's own agent (standalone/static rendezvous set up as torchrun does)
+            status = 0
+        except ChildFailedError as err:
+            _, failure = err.get_first_failure()
+            status = status_of_exitcode(failure.exitcode)
+        _SIGNALED[0] = True  # the outcome is known: a signal from here on exits at once
     except SignalException as err:
-        return 130 if err.sigval == signal.SIGINT else 128 + int(err.sigval)
+        status = 130 if err.sigval == signal.SIGINT else 128 + int(err.sigval)
     except KeyboardInterrupt:
-        return 130
-    return 0
+        status = 130
+    return status
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ phase (``hybridrl.parallel.phases``). Any exception is reported as one line
 (``hybridrl.exits``): an error every rank shares once, one only rank N hit with its rank.
 Exit status: 0 done, 1 training failed after it started (user code, the step guard gave up, a
 timeout), 2 the run could not start (bad config, layout, input file, the checkpoint to resume),
-130 interrupted, 143 terminated (SIGTERM: one line, like Ctrl-C). Under torchrun use ``python -m hybridrl.launch`` to get these statuses back.
+130 interrupted, 143 terminated (SIGTERM: one line, like Ctrl-C, wherever it lands once the
+start-up checks passed: process-group set-up, the build, a step, the teardown, the exit).
+Under torchrun use ``python -m hybridrl.launch`` to get these statuses back.
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ import sys
 import time
 import warnings
 
-from hybridrl.exits import die_with_parent, handle_sigterm, one_line
+from hybridrl.exits import (
+    TERMINATED,
+    FailureReporter,
+    Terminated,
+    die_with_parent,
+    end_handled_region,
+    handle_sigterm,
+    one_line,
+    sigterm_point,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -130,24 +141,32 @@ def main(argv=None) -> int:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"),
                           RANK="0", WORLD_SIZE="1")
     timeout_s = cfg.trainer.collective_timeout_s
-    # SIGTERM: one line and 143, like Ctrl-C; not earlier: a rank waiting to report a config
-    # error (``_fail``) is then simply ended by torchrun, silently, as before
-    handle_sigterm(rank)
-    init_distributed("gloo" if cfg.trainer.device == "cpu" else None, timeout_s=timeout_s)
-    torch.manual_seed(cfg.trainer.seed)
-    status = _run(cfg, build_groups, train, gen, rank, timeout_s)
-    if status == 0:
-        try:
-            dist.barrier()
-            dist.destroy_process_group()  # after a failure a peer may be stuck: just exit
-        except RuntimeError:  # a peer failed after this rank finished: it reported why
-            return 1
+    # SIGTERM: one line and 143, like Ctrl-C, wherever it lands from the handler's installation
+    # to the exit (hybridrl.exits); not earlier: a rank waiting to report a config error
+    # (``_fail``) is then simply ended by torchrun, silently, as before
+    try:
+        handle_sigterm(rank)
+        sigterm_point("installed")
+        init_distributed("gloo" if cfg.trainer.device == "cpu" else None, timeout_s=timeout_s)
+        torch.manual_seed(cfg.trainer.seed)
+        status = _run(cfg, build_groups, train, gen, rank, timeout_s)
+        if status == 0:
+            sigterm_point("finished")
+            try:
+                dist.barrier()
+                dist.destroy_process_group()  # after a failure a peer may be stuck: just exit
+            except RuntimeError:  # a peer failed after this rank finished: it reported why
+                status = 1
+        end_handled_region()  # a SIGTERM from here on exits at once, with the line
+        sigterm_point("exiting")
+    except Terminated:  # before the trainer's reporter (process group set-up) or after it
+        status = FailureReporter(rank).report(TERMINATED, "terminated (SIGTERM)")
     return status
 
 
 def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
     """Build the trainer and fit; any failure is one line (hybridrl.exits) and a status."""
-    from hybridrl.exits import FailureReporter, Terminated, is_peer_loss, status_of
+    from hybridrl.exits import is_peer_loss, status_of
     from hybridrl.parallel.phases import PhaseBoard, is_timeout
 
     board = PhaseBoard.from_default_group()
@@ -170,6 +189,7 @@ def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
             trainer.fit()
         board.stop_heartbeat()
     except (Exception, KeyboardInterrupt) as err:  # the entrypoint reports all in one line
+        sigterm_point("reporting")  # a second SIGTERM while the first is handled: raises nothing
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun stopping the others: report
         timeout, lost = is_timeout(err), is_peer_loss(err) and not is_timeout(err)
         lost = lost or isinstance(err, Terminated)  # torchrun ends the others when one died

@@ -8,6 +8,8 @@ Contract:
   or, at the first timeout or exception (the rows after it are not waited for), the one-line
   error ``reward function 'NAME' <what> on
   row R (data_source 'S', index I)`` (R: the row in the step's batch, I: ``extra_info['index']``).
+  A ``KeyboardInterrupt`` while it waits (Ctrl-C, or SIGTERM's ``hybridrl.exits.Terminated``)
+  is not the function's failure: it propagates, so the run ends with 130 / 143.
 - ``DistributedScorer(scorer, tokenizer, reward_cfg, max_response_length)`` with
   ``score(rows, response_ids, response_mask, ground_truth, data_source, extra_info, mp_index,
   mp_size)`` (collective over the world): the caller passes its DP replica's rows (global row
@@ -110,6 +112,8 @@ def _score_item(scorer, item: RowItem, timeout_s: float) -> tuple[float, dict] |
         return _call_with_timeout(scorer.score_one, (item.data_source, item.text,
                                                      item.ground_truth, item.extra_info),
                                   timeout_s)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while waiting for it: the run's, not its error
+        raise
     except BaseException as err:  # any user error becomes one line on every rank
         return _error_line(scorer, item, err)
 
@@ -147,6 +151,8 @@ def score_rows(scorer, items: list[RowItem], timeout_s: float, pool=None,
             except mp.TimeoutError:
                 results.append(_error_line(scorer, item, TimeoutError(
                     f"no result within {timeout_s:g} s (reward.timeout_s)")))
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM while waiting: the run's, not its error
+                raise
             except BaseException as err:  # the worker could not run it at all
                 results.append(_error_line(scorer, item, err))
             if isinstance(results[-1], str):

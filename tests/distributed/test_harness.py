@@ -1,4 +1,8 @@
-"""The gloo rank harness: results by rank, first failure's traceback, kills on failure/timeout."""
+"""The gloo rank harness: results by rank, first failure's traceback, kills on failure/timeout.
+
+The time bounds (< 60 s) tell "the harness ended the ranks" from "it waited for their 120 s
+sleep (or the 100 s timeout)": starting 2-3 ranks takes seconds, so load cannot reach 60 s.
+"""
 
 import time
 
@@ -41,7 +45,7 @@ def test_first_failure_reports_traceback_and_kills_the_rest():
         run_on_ranks(_rank1_raises, 3, timeout=120)
     assert "rank 1 failed" in str(err.value)
     assert "ZeroDivisionError: planted failure on rank 1" in str(err.value)
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 60  # ended, not waited for (module docstring)
 
 
 def test_timeout_names_missing_ranks():
@@ -49,7 +53,7 @@ def test_timeout_names_missing_ranks():
     with pytest.raises(RankTimeout) as err:
         run_on_ranks(_sleep, 2, 120, timeout=3)
     assert "[0, 1]" in str(err.value)
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 60  # ended, not waited for (module docstring)
 
 
 def _rank0_exits_silently(rank, world):
@@ -69,4 +73,4 @@ def test_silent_exit_is_reported_not_waited_for():
     with pytest.raises(RankFailure) as err:
         run_on_ranks(_rank0_exits_silently, 2, timeout=100)
     assert "rank 0 exited with code 0" in str(err.value)
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 60  # ended, not waited for (module docstring)

@@ -50,7 +50,9 @@ def test_engine_starts_under_torchrun_without_the_agent_store(ranks):
         assert start["env_after"] == start["env_before"], (r, start)  # NCCL/CUDA restored
         assert start["start_method"][0] == start["start_method"][1]
     start = ranks[0]["start"]
-    assert start["init_seconds"] < 10.0  # SGLang's init_distributed_environment connected
+    # SGLang's init_distributed_environment connected at once rather than waiting out the 20 s
+    # store timeout (that would also be an error); 10 s leaves the difference to load
+    assert start["init_seconds"] < 10.0
     assert start["child_env"] == {"TORCHELASTIC_USE_AGENT_STORE": None,
                                   "NCCL_CUMEM_ENABLE": "0"}  # SGLang's own value, for it
 
@@ -90,4 +92,4 @@ def test_generate_wait_is_bounded_by_the_rollout_timeout(ranks):
     res = ranks[1]["timeout"]
     assert res["error"].startswith("rank 1: waiting on the SGLang engine of gen-TP group [0, 1] "
                                    "(source rank 0, rollout.timeout_s=2)")
-    assert 1.5 < res["seconds"] < 10.0
+    assert 1.5 < res["seconds"] < 10.0  # the 2 s rollout.timeout_s, 8 s for load; not 3600 s

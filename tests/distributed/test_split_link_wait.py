@@ -30,15 +30,17 @@ def _ranks(rank, world):
                                torch.tensor([[-0.5, -0.25]]))
         for w in send_share(bridge, [0], [0], out, 2.5, 7):
             w.wait()
-        time.sleep(4)  # sends nothing more: rank 0's second wait times out
+        dist.barrier()  # sends nothing more, and stays until rank 0's second wait timed out
         return None
     out, gen_s, syncs = recv_shares(bridge, [1], 1, 0, 20.0)
     got = (out.response_ids.tolist(), out.logprobs.tolist(), gen_s, syncs)
     try:
         recv_shares(bridge, [1], 1, 0, 1.0)
-    except GenerationTimeout as err:
-        return got, str(err)
-    return got, None
+        err = None
+    except GenerationTimeout as timeout:
+        err = str(timeout)
+    dist.barrier()  # was a 4 s sleep on rank 1: on a loaded machine it could leave (a closed
+    return got, err  # connection, not a timeout) before this wait ended
 
 
 def test_batch_wait_is_bounded_by_the_generation_timeout():

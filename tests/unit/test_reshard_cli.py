@@ -19,7 +19,7 @@ def test_plan_json_1024_ranks_in_seconds(capsys):
     t0 = time.perf_counter()
     rc, out, _ = _run(capsys, "--model", "llama2-70b", "--world", "1024", "--tp", "8", "--pp", "8",
                       "--gen-tp", "4", "--gen-pp", "2", "--json")
-    assert rc == 0 and time.perf_counter() - t0 < 10
+    assert rc == 0 and time.perf_counter() - t0 < 10  # ~0.6 s; 10 s absorbs load, not a blow-up
     rep = json.loads(out)
     M = rep["model_bytes"]
     assert M == PRESETS["llama2-70b"].num_params() * 2

@@ -54,6 +54,7 @@ def test_math_malformed(response):
 def test_math_timeout_is_bounded():
     t0 = time.perf_counter()
     out = math_reward.compute_score("math", r"\boxed{9^{9^{9^{9^{9}}}}}", "1", timeout_s=1)
+    # ~0 s (screened, not evaluated); 20 s: far above any load, far below evaluating it
     assert out["score"] == 0.0 and time.perf_counter() - t0 < 20
 
 
@@ -81,6 +82,7 @@ def test_math_resource_exhaustion_huge_response():
     """A 20 MB response: only the tail is read, so it is scored quickly."""
     t0 = time.perf_counter()
     out = math_reward.compute_score("math", "x" * 20_000_000 + r"\boxed{7}", "7")
+    # ~0.1 s (the tail only); 5 s leaves a 50x slowdown to load, parsing all 20 MB takes more
     assert out["score"] == 1.0 and time.perf_counter() - t0 < 5
 
 
@@ -144,6 +146,7 @@ def test_code_malformed_tests_are_an_error():
 def test_code_timeout(program):
     t0 = time.perf_counter()
     res = code_reward.run_tests(program, STDIO, timeout_s=1)
+    # killed at timeout_s (~1 s), not after the 60 s sleep (or never); 9 s left for load
     assert res.reason == "timeout" and time.perf_counter() - t0 < 10
 
 
