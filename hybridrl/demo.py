@@ -17,6 +17,9 @@ prints exactly one closing line:
 where ``a`` is the SFT model's greedy validation score and ``b`` the RL run's last one; ``plot``
 is ``none`` without matplotlib. ``run_demo(load, groups)`` (``load(extra_overrides)`` -> config)
 returns ``(a, b, metrics path, plot path)``; the plot path is ``none`` on ranks other than 0.
+``run_demo(..., sft=(a, folder))`` starts PPO from an SFT export made before (by ``run_sft`` with
+the same ``sft`` and ``data`` sections, on any layout: the export is HF files) instead of
+training one: the tests share one warm start between the demo's two placements.
 """
 
 from __future__ import annotations
@@ -28,15 +31,19 @@ import warnings
 from hybridrl.exits import die_with_parent, one_line
 
 
-def run_demo(load, groups, print_fn=print, split=None) -> tuple[float, float, str, str]:
+def run_demo(load, groups, print_fn=print, split=None,
+             sft: tuple[float, str] | None = None) -> tuple[float, float, str, str]:
     """``load(extra_overrides)`` -> config. Returns (SFT score, RL score, metrics, plot).
-    ``split``: the training ranks' ``SplitGroups`` (``parallel.placement=split``)."""
+    ``split``: the training ranks' ``SplitGroups`` (``parallel.placement=split``). ``sft``:
+    (SFT score, HF export folder) of a warm start already made; None trains it here."""
     from hybridrl.sft import run_sft
     from hybridrl.trainer.ppo import PPOTrainer
 
     cfg = load([])
-    history, folder = run_sft(cfg, groups, print_fn=print_fn)
-    sft_score = history[-1].get("val/score/mean", float("nan"))
+    if sft is None:
+        history, folder = run_sft(cfg, groups, print_fn=print_fn)
+        sft = (history[-1].get("val/score/mean", float("nan")), folder)
+    sft_score, folder = sft
     rl_cfg = load([f"model.path={folder}", "model.tokenizer_path=char"])
     trainer = PPOTrainer(rl_cfg, groups, print_fn=print_fn, split=split)
     rl = trainer.fit()
@@ -56,7 +63,7 @@ def run_demo(load, groups, print_fn=print, split=None) -> tuple[float, float, st
     return sft_score, (scores[-1] if scores else float("nan")), metrics, plot
 
 
-def _run_split(cfg, load, train, timeout_s: float):
+def _run_split(cfg, load, train, timeout_s: float, sft=None):
     from hybridrl.parallel.split import build_split_groups, training_world
     from hybridrl.rollout.split.server import serve
 
@@ -65,7 +72,7 @@ def _run_split(cfg, load, train, timeout_s: float):
         serve(cfg, split)
         return float("nan"), float("nan"), "", "none"
     with training_world(split):
-        return run_demo(load, split.groups, split=split)
+        return run_demo(load, split.groups, split=split, sft=sft)
 
 
 def main(argv=None) -> int:

@@ -1,9 +1,10 @@
-"""``make demo ASYNC=1`` shortened (issue 29): 3 gloo ranks, SFT (200 steps) and then 10 PPO
-steps (GAE, KL loss) on the 2 training ranks (tp 2, pp 1: the demo's tp 2 x pp 2 on 5 ranks took
-266 s at load 4-6, this 175-225 s at load 5-7; pp inside the training world is covered by the demo
-itself) while rank 2 generates apart, one step ahead (``parallel.placement=split``, ``rollout.async_steps=1``). The held-out greedy score
-rises by at least 0.2 over the SFT checkpoint's (docs/demo.md), and every PPO step after the
-first trained on a prefetched batch (staleness 1) whose generation was hidden behind training."""
+"""``make demo ASYNC=1`` shortened (issue 29): 3 gloo ranks, 10 PPO steps (GAE, KL loss) on the 2
+training ranks (tp 2, pp 1; pp inside the training world is covered by the demo itself) from the
+session's SFT warm start (``demo_sft`` in conftest.py, shared with test_demo) while rank 2
+generates apart, one step ahead (``parallel.placement=split``, ``rollout.async_steps=1``). The
+held-out greedy score rises by at least 0.2 over the SFT checkpoint's (docs/demo.md), and every
+PPO step after the first trained on a prefetched batch (staleness 1) whose generation was hidden
+behind training."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import json
 import os
 
 from hybridrl.testing.dist import run_on_ranks
+from tests.distributed.conftest import REPO, demo_overrides
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHORT = ["sft.total_steps=200", "trainer.total_steps=10", "trainer.test_freq=10", "parallel.pp=1",
+SHORT = ["trainer.total_steps=10", "trainer.test_freq=10", "parallel.pp=1",
          "parallel.placement=split", "parallel.gen.world=1", "rollout.async_steps=1"]
 
 
-def demo_rank(rank: int, world: int, root: str):
+def demo_rank(rank: int, world: int, root: str, run_root: str, sft: tuple):
     import warnings
 
     from hybridrl.config.loader import load_config
@@ -25,20 +26,20 @@ def demo_rank(rank: int, world: int, root: str):
     from hybridrl.train import build_layout
 
     warnings.filterwarnings("ignore")
-    overrides = SHORT + [f"data.synthetic.dir={root}/data", f"sft.output_dir={root}/sft",
-                         f"trainer.output_dir={root}"]
+    overrides = SHORT + demo_overrides(root) + [f"trainer.output_dir={run_root}"]
 
     def load(extra):
         return load_config([os.path.join(REPO, "configs", "demo.yaml")], overrides + extra)
 
     cfg = load([])
     train, _ = build_layout(cfg, world)
-    return _run_split(cfg, load, train, 600)
+    return _run_split(cfg, load, train, 600, sft=sft)
 
 
-def test_short_async_demo_rl_beats_sft(tmp_path):
-    sft, rl, metrics, _ = run_on_ranks(demo_rank, 3, str(tmp_path), timeout=1200,
-                                       preload=("megatron.core",))[0]
+def test_short_async_demo_rl_beats_sft(demo_sft, tmp_path):
+    sft_made = (demo_sft["score"], demo_sft["folder"])
+    sft, rl, metrics, _ = run_on_ranks(demo_rank, 3, demo_sft["root"], str(tmp_path), sft_made,
+                                       timeout=1200, preload=("megatron.core",))[0]
     print(f"async demo: val/score/mean SFT {sft:.3f} -> RL {rl:.3f}")
     assert rl >= sft + 0.2, (sft, rl)
     with open(metrics) as f:

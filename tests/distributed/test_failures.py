@@ -2,7 +2,8 @@
 exit statuses that survive torchrun. Each test names the defect it guards against.
 
 Trainer cases run in one process group per world size (``test_failure_cases``); the launcher
-tests start ``python -m hybridrl.launch`` (torchrun's agent) on 2 ranks.
+tests, which start ``python -m hybridrl.launch`` (torchrun's agent) on 2 ranks, are in
+``test_launcher_failures`` (their launches run side by side).
 """
 
 from __future__ import annotations
@@ -10,10 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,7 +19,7 @@ import torch
 
 from hybridrl.testing.dist import run_on_ranks
 from tests.distributed import test_failure_cases as cases_mod
-from tests.distributed.test_trainer_cases import base_overrides, run_in
+from tests.distributed.test_trainer_cases import run_in
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GAE = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
@@ -30,17 +27,6 @@ NAN_REWARD = '''
 import math, os
 def nan_on_some(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return math.nan if extra_info and extra_info.get("index", 0) >= 0 else 0.5
-def key_error_on_rank1(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    if os.environ.get("RANK") == "1":
-        return extra_info["no_such_key"]
-    return 0.0
-def exit_on_rank1(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    if os.environ.get("RANK") == "1":
-        os._exit(0)  # the process vanishes with status 0, mid-step
-    return 0.0
-def hang(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    import time
-    time.sleep(3600)
 '''
 
 
@@ -304,138 +290,3 @@ def test_launcher_argv_and_status_mapping():
     except KeyError as err:
         assert one_line(err).startswith("KeyError: 'k' (at test_failures.py:")
 
-
-def _launch(args, cwd, **kw):
-    cmd = [sys.executable, "-m", "hybridrl.launch", "--standalone", "--nproc-per-node", "2",
-           "--config", os.path.join(REPO, "configs", "demo_cpu.yaml"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
-
-
-@pytest.mark.slow
-def test_launcher_exit_statuses(root):
-    """bad config -> 2; a user-code error only rank 1 hits -> 1, one line; Ctrl-C -> 130.
-    None of them prints a traceback (torchrun's or ours)."""
-    tiny = [*base_overrides(root), "algorithm.adv_estimator=grpo", "rollout.temperature=1.0"]
-    bad = _launch(["actor.lr=-1"], root)
-    _, err = bad.communicate(timeout=300)
-    assert bad.returncode == 2 and err.count("hybridrl.train: error") == 1, err[-2000:]
-    user = _launch([*tiny, *run_in(f"{root}/user"),
-                    f"reward.reward_fn={root}/rewards.py:key_error_on_rank1"], root)
-    _, err = user.communicate(timeout=300)
-    assert user.returncode == 1, err[-3000:]
-    lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
-    # the reward error of rank 1 reaches every rank (rewards.distributed): shown once
-    assert len(lines) == 1 and "reward function" in lines[0], err[-3000:]
-    assert "raised KeyError: 'no_such_key' on row " in lines[0] and "(data_source 'hy" in lines[0]
-    assert "Traceback" not in err
-    run = _launch([*tiny, *run_in(f"{root}/int"), "trainer.total_steps=500"], root)
-    _wait_for_step_2(run)
-    os.killpg(run.pid, signal.SIGINT)
-    _, err = run.communicate(timeout=120)
-    assert run.returncode == 130, err[-3000:]
-    assert "Traceback" not in err
-
-
-@pytest.mark.slow
-def test_launcher_reward_timeout_run_lock_and_sigterm(root):
-    """Issue 32: a hanging reward function (in a worker pool) fails at reward.timeout_s with one
-    line naming it and the row, not a collective timeout; a second run on a run folder in use
-    is refused naming the holder; SIGTERM is one line and status 143, no traceback."""
-    tiny = [*base_overrides(root), "algorithm.adv_estimator=grpo", "rollout.temperature=1.0"]
-    hung = _launch([*tiny, *run_in(f"{root}/hang"), f"reward.reward_fn={root}/rewards.py:hang",
-                    "reward.timeout_s=2", "reward.num_workers=1"], root)
-    hung.stdout.readline()  # rank 0's 'hybridrl: world ...' line: the run is up
-    start = time.monotonic()  # from there: the launch's start-up varies with load
-    _, err = hung.communicate(timeout=300)
-    lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
-    assert hung.returncode == 1 and len(lines) == 1, err[-3000:]
-    assert f"reward function '{root}/rewards.py:hang' no result within 2 s (reward.timeout_s) " \
-           "on row " in lines[0] and "collective" not in lines[0], lines
-    # step 1 up to the 2 s reward timeout, the report and the teardown: seconds quiet, so 200 s
-    # is out of load's reach and still 400 s short of the 600 s collective timeout
-    assert time.monotonic() - start < 200
-    first = _launch([*tiny, *run_in(f"{root}/held"), "trainer.total_steps=500"], root)
-    _wait_for_step_2(first)
-    second = _launch([*tiny, *run_in(f"{root}/held"), "trainer.total_steps=500"], root)
-    _, err = second.communicate(timeout=300)
-    lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
-    assert second.returncode == 2 and len(lines) == 1, err[-3000:]
-    assert "is in use by another run (host " in lines[0] and ", pid " in lines[0], lines
-    os.killpg(first.pid, signal.SIGTERM)
-    _, err = first.communicate(timeout=120)
-    assert first.returncode == 143, err[-3000:]
-    assert "terminated (SIGTERM)" in err and "Traceback" not in err, err[-3000:]
-
-
-def _wait_for_step_2(run) -> None:
-    """Read the launcher's stdout until step 2 is logged (at most 240 s)."""
-    deadline, seen = time.monotonic() + 240, ""
-    while time.monotonic() < deadline and "step 2/" not in seen:
-        seen += run.stdout.readline()
-    assert "step 2/" in seen, run.stderr.read()[-2000:] if run.poll() is not None else seen
-
-
-def _worker_pid(launcher_pid: int, rank: int) -> int | None:
-    """The pid of the hybridrl.train worker of ``rank`` started by the launcher."""
-    for entry in os.listdir("/proc"):
-        try:
-            env = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
-            stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-        except (OSError, ValueError):
-            continue
-        if int(stat[1]) == launcher_pid and f"RANK={rank}".encode() in env:
-            return int(entry)
-    return None
-
-
-@pytest.mark.slow
-def test_launcher_names_a_killed_rank_once(root):
-    """Issue 32 item 7: kill -9 of rank 1 mid-run: one line naming rank 1 (was gloo's raw
-    "Connection closed by peer", not naming it), status 1, no traceback."""
-    tiny = [*base_overrides(root), "algorithm.adv_estimator=grpo", "rollout.temperature=1.0"]
-    run = _launch([*tiny, *run_in(f"{root}/killed"), "trainer.total_steps=500"], root)
-    _wait_for_step_2(run)
-    victim = _worker_pid(run.pid, 1)
-    assert victim is not None
-    os.kill(victim, signal.SIGKILL)
-    _, err = run.communicate(timeout=180)
-    lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
-    assert run.returncode == 1 and len(lines) == 1, err[-3000:]
-    assert "a rank's process is gone" in lines[0] and "rank 1 has sent no heartbeat" in lines[0]
-    assert "Traceback" not in err, err[-3000:]
-
-
-@pytest.mark.slow
-def test_launcher_names_a_stopped_rank_and_a_vanished_one_once(root):
-    """Issue 32 items 6 and 7: ``os._exit(0)`` inside a reward function on rank 1 (status 0, no
-    error of its own), and a SIGSTOPped rank 1 (alive, silent): each is one line naming rank 1,
-    shown once, status 1, no traceback, well before the default 600 s collective timeout."""
-    tiny = [*base_overrides(root), "algorithm.adv_estimator=grpo", "rollout.temperature=1.0"]
-    gone = _launch([*tiny, *run_in(f"{root}/vanished"),
-                    f"reward.reward_fn={root}/rewards.py:exit_on_rank1"], root)
-    _, err = gone.communicate(timeout=300)
-    lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
-    assert gone.returncode == 1 and len(lines) == 1, err[-3000:]
-    assert "rank 1" in lines[0] and "heartbeat" in lines[0], lines
-    assert "Traceback" not in err, err[-3000:]
-    run = _launch([*tiny, *run_in(f"{root}/stopped"), "trainer.total_steps=500",
-                   "trainer.collective_timeout_s=10"], root)
-    _wait_for_step_2(run)
-    victim = _worker_pid(run.pid, 1)
-    assert victim is not None
-    start = time.monotonic()  # from the stop: the launch and its first steps vary with load
-    os.kill(victim, signal.SIGSTOP)
-    try:
-        _, err = run.communicate(timeout=200)
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-    lines = [x for x in err.splitlines() if x.startswith("hybridrl.train: error")]
-    assert run.returncode == 1 and len(lines) == 1, err[-3000:]
-    assert "rank 1 stopped responding (no heartbeat for" in lines[0], lines
-    assert "Traceback" not in err, err[-3000:]
-    # the 10 s collective_timeout_s, staleness and torchrun's 30 s grace for the stopped rank
-    # (~45 s quiet; the launch is not in the span): 180 s leaves load 4x, far from 600 s
-    assert time.monotonic() - start < 180
