@@ -8,7 +8,7 @@ BUILD_INPUTS := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/*/*.cpp c
 
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: .venv test demo layout-demo lint clean
+.PHONY: .venv test test-quick demo layout-demo lint clean
 
 .venv: $(STAMP)
 
@@ -31,6 +31,12 @@ lint: .venv
 
 test: .venv lint
 	$(PY) -m pytest
+
+# the developers' inner loop (docs/architecture.md), not a CI substitute: ruff, the unit tests
+# not marked slow, and one 2-rank PPO smoke (two GRPO runs on DP 2 compared step for step)
+test-quick: .venv lint
+	$(PY) -m pytest -q -m "not slow" tests/unit --file-durations=5
+	$(PY) -m pytest -q tests/distributed/test_on_policy.py --file-durations=0
 
 # SFT warm start, then PPO with a critic (ALGO=grpo: GRPO) on 4 gloo ranks, tp 2 x pp 2, gen tp 1
 # ASYNC=1: a 5th rank generates apart (parallel.placement=split) one step ahead (rollout.async_steps=1)

@@ -11,7 +11,14 @@ import os
 
 import pytest
 
-from tests.distributed.test_kill_resume import STEPS, _finish, _launch, _metrics, kill_after_step_2
+from tests.distributed.test_kill_resume import (
+    STEPS,
+    _finish,
+    _killed_and_resumed,
+    _launch,
+    _metrics,
+    in_parallel,
+)
 
 SPLIT = ("parallel.placement=split", "parallel.gen.world=1", "rollout.async_steps=1")
 
@@ -19,12 +26,10 @@ SPLIT = ("parallel.placement=split", "parallel.gen.world=1", "rollout.async_step
 @pytest.mark.slow
 def test_split_async_sigkill_resumes_to_the_uninterrupted_metrics(tmp_path):
     root = str(tmp_path)
-    full = os.path.join(root, "full", "run")
-    _finish(_launch(root, full, *SPLIT))
-    killed = os.path.join(root, "killed", "run")
-    seen = kill_after_step_2(root, killed, *SPLIT)
+    full, killed = os.path.join(root, "full", "run"), os.path.join(root, "killed", "run")
+    _, seen = in_parallel(lambda: _finish(_launch(root, full, *SPLIT)),
+                          lambda: _killed_and_resumed(root, killed, *SPLIT))
     assert "step 2/" in seen
-    _finish(_launch(root, killed, *SPLIT))
     want, got = _metrics(full), _metrics(killed)
     assert sorted(want) == list(range(1, STEPS + 1))
     assert [want[s]["rollout/staleness"] for s in sorted(want)] == [0.0] + [1.0] * (STEPS - 1)

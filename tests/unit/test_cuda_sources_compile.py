@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~70 s of CPU (three nvcc compiles): out of `make test-quick`
 @pytest.mark.skipif(shutil.which("nvcc") is None,
                     reason="nvcc not found: the CUDA sources are compile-checked only where "
                            "nvcc is installed")
