@@ -59,8 +59,15 @@ def test_deprecated_ppo_alias_warns_and_resolves():
         ppo.PPOTrainer  # noqa: B018  (moved to hybridrl.trainer.ppo, not an algos name)
 
 
-def test_deprecated_ppo_submodules_redirect_with_a_warning():
+def _fresh_python(code: str):
+    """``code`` in a new interpreter (nothing of hybridrl imported yet): CompletedProcess."""
     import subprocess
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+def test_deprecated_ppo_submodules_redirect_with_a_warning():
     code = ("import warnings, sys; warnings.simplefilter('always')\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
@@ -70,15 +77,13 @@ def test_deprecated_ppo_submodules_redirect_with_a_warning():
             "assert Checkpointer is c.Checkpointer and old is new\n"
             "print(sorted(str(x.message).split()[0] for x in w))\n"
             "import hybridrl.ppo.nope\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)
+    out = _fresh_python(code)
     assert out.stdout.strip() == "['hybridrl.ppo.checkpointing', 'hybridrl.ppo.losses']", out
     assert "No module named 'hybridrl.ppo.nope'" in out.stderr
 
 
 def test_moved_rollout_and_config_modules_redirect_with_a_warning():
     # issue 36: the rollout rooms and config/verl; the old paths work one release, naming the new
-    import subprocess
     old = {"hybridrl.rollout.engine_weights": "hybridrl.rollout.builtin.weights",
            "hybridrl.rollout.sglang_push": "hybridrl.rollout.sglang.push",
            "hybridrl.rollout.sglang_layout": "hybridrl.rollout.sglang.layout",
@@ -106,8 +111,7 @@ def test_moved_rollout_and_config_modules_redirect_with_a_warning():
             "print(n_face, len(w))\n"
             "for x in w: print(x.message)\n"
             "import hybridrl.rollout.nope\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         timeout=300)
+    out = _fresh_python(code)
     lines = out.stdout.splitlines()
     # one warning per old module and one for the old adapter name; the builtin face's own
     # names are its stable API (no warning), a name that moved out of it warns
