@@ -285,3 +285,46 @@ def test_reference_path_accepts_bool_and_int_masks(monkeypatch):
     for mask in (m, m.long()):
         got = K.gae(r, v, mask, 0.9, 0.8)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ---------------------------------------------------------------- issue 42: inputs checked
+def _kernel_calls(a, b, m):
+    from hybridrl.kernels import gae, kl_penalty, masked_whiten
+
+    return {"kl_penalty": lambda: kl_penalty(a, b, "low_var_kl"),
+            "gae": lambda: gae(b, a, m, 1.0, 0.95),
+            "masked_whiten": lambda: masked_whiten(a, m)}
+
+
+@pytest.mark.parametrize("fn", ["kl_penalty", "gae", "masked_whiten"])
+def test_mixed_devices_are_refused_before_dispatch(fn):
+    # one input on meta: the compiled CPU op read it as host memory (values like 4e37)
+    x = torch.randn(2, 5)
+    meta = torch.empty(2, 5, device="meta")
+    mask = torch.ones(2, 5)
+    calls = {"kl_penalty": _kernel_calls(x, meta, mask), "gae": _kernel_calls(x, meta, mask),
+             "masked_whiten": _kernel_calls(x, x, mask.to("meta"))}
+    with pytest.raises(ValueError, match=r"is on meta but \w+ is on cpu: every input must be on "
+                                         r"one device"):
+        calls[fn][fn]()
+
+
+@pytest.mark.parametrize("fn", ["kl_penalty", "gae", "masked_whiten"])
+def test_numpy_and_integer_inputs_are_named(fn):
+    x, mask = torch.randn(2, 5), torch.ones(2, 5)
+    with pytest.raises(TypeError, match=r"must be a torch.Tensor, got numpy.ndarray"):
+        _kernel_calls(x.numpy(), x, mask.numpy())[fn]()
+    with pytest.raises(ValueError, match=r"must be floating point, got torch.int64"):
+        _kernel_calls(torch.ones(2, 5, dtype=torch.long), x, mask)[fn]()
+
+
+def test_masks_and_rewards_may_be_integer_or_bool_and_inputs_non_contiguous():
+    from hybridrl.kernels import gae, masked_whiten, reference
+
+    v = torch.randn(5, 3).t()  # [3, 5], not contiguous
+    r = torch.randint(0, 2, (3, 5))
+    m = torch.ones(3, 5, dtype=torch.bool)
+    adv, ret = gae(r, v, m, 1.0, 0.95)
+    want = reference.gae_ref(r.float(), v.contiguous(), m.float(), 1.0, 0.95)
+    assert torch.allclose(adv, want[0]) and torch.allclose(ret, want[1])
+    assert torch.allclose(masked_whiten(v, m), reference.masked_whiten_ref(v.contiguous(), m.float()))
