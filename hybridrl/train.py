@@ -157,11 +157,42 @@ def main(argv=None) -> int:
                 dist.destroy_process_group()  # after a failure a peer may be stuck: just exit
             except RuntimeError:  # a peer failed after this rank finished: it reported why
                 status = 1
+        elif dist.is_initialized():
+            _release_groups(status)
         end_handled_region()  # a SIGTERM from here on exits at once, with the line
         sigterm_point("exiting")
     except Terminated:  # before the trainer's reporter (process group set-up) or after it
         status = FailureReporter(rank).report(TERMINATED, "terminated (SIGTERM)")
+        if dist.is_initialized():
+            _release_groups(status)
     return status
+
+
+def _release_groups(status: int, wait_s: float = 10.0) -> None:
+    """After a failure (reported already): free the process groups while the interpreter is
+    alive, without waiting on any peer. Left to the interpreter's exit, gloo's worker threads can
+    end the process with ``terminate called without an active exception`` (SIGABRT: the launcher
+    then shows status 1 instead of this rank's 2 or 143; seen under load when rank 0, which hosts
+    the store, left first). Destroying is local, but bounded anyway: a teardown that does not
+    finish within ``wait_s`` leaves with ``status`` at once."""
+    import threading
+
+    import torch.distributed as dist
+
+    done = threading.Event()
+
+    def destroy():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group half torn down by the failure: nothing left to free
+            pass
+        done.set()
+
+    threading.Thread(target=destroy, name="hybridrl-release-groups", daemon=True).start()
+    if not done.wait(wait_s):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:

@@ -21,6 +21,10 @@ def _sum_of_ranks(rank, world, scale):
 
 
 def _rank1_raises(rank, world):
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank is done joining: a rank that raised while a peer was still
+    # joining made that peer fail its join first, and its failure was the one reported (load)
     if rank == 1:
         raise ZeroDivisionError("planted failure on rank 1")
     time.sleep(120)  # would block the test for minutes if the harness did not kill it
