@@ -14,7 +14,8 @@ Before either runs, every input is checked in one line each: a ``torch.Tensor`` 
 array or a list is a ``TypeError`` naming the argument), all on one device (``ValueError``
 naming both devices: the compiled op reads every input as if it were on the first one's, so a
 mixed call would read memory it does not own), log-probs and values floating point (masks, and
-GAE's rewards, may be bool, integer or floating), the shapes equal. Non-contiguous inputs are fine: the ops copy them.
+GAE's rewards, may be bool, integer or floating), the shapes equal. Non-contiguous inputs are
+fine: the ops copy them.
 """
 
 from __future__ import annotations
@@ -92,8 +93,6 @@ def gae(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: 
     _check_same_shape("values", values, "token_level_rewards", token_level_rewards)
     _check_same_shape("values", values, "response_mask", response_mask)
     dtype = torch.promote_types(token_level_rewards.dtype, values.dtype)
-    if not dtype.is_floating_point:
-        raise ValueError(f"values must be floating point, got {dtype}")
     if not _use_compiled("gae", values):  # the reference needs a float mask (1 - m) as well
         return reference.gae_ref(token_level_rewards, values, response_mask.to(dtype), gamma, lam)
     with torch.no_grad():
