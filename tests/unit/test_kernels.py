@@ -67,7 +67,9 @@ def test_kl_fp64_gradcheck(kind):
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3", "k3+"])
 def test_kl_low_precision_matches_fp32_reference(dtype, kind):
     lp, rl = _kl_inputs((33, 65), seed=11, scale=2.0, dtype=dtype)
-    grad_out = torch.randn(33, 65).to(dtype)
+    # seeded like the inputs: an unseeded draw (the suite's global RNG state varies) found, about
+    # 1 run in 20, a k3 fp16 gradient 1 ulp off the rounded fp32 reference (double rounding)
+    grad_out = torch.randn(33, 65, generator=torch.Generator().manual_seed(12)).to(dtype)
     got = _run(K.kl_penalty, lp, rl, kind, grad_out)
     want = _run(ref.kl_penalty_ref, lp.float(), rl.float(), kind, grad_out.float())
     for g, w in zip(got, want):
@@ -321,10 +323,14 @@ def test_numpy_and_integer_inputs_are_named(fn):
 def test_masks_and_rewards_may_be_integer_or_bool_and_inputs_non_contiguous():
     from hybridrl.kernels import gae, masked_whiten, reference
 
-    v = torch.randn(5, 3).t()  # [3, 5], not contiguous
-    r = torch.randint(0, 2, (3, 5))
+    gen = torch.Generator().manual_seed(3)  # fixed inputs: the suite's global RNG state varies
+    v = torch.randn(5, 3, generator=gen).t()  # [3, 5], not contiguous
+    r = torch.randint(0, 2, (3, 5), generator=gen)
     m = torch.ones(3, 5, dtype=torch.bool)
     adv, ret = gae(r, v, m, 1.0, 0.95)
     want = reference.gae_ref(r.float(), v.contiguous(), m.float(), 1.0, 0.95)
-    assert torch.allclose(adv, want[0]) and torch.allclose(ret, want[1])
-    assert torch.allclose(masked_whiten(v, m), reference.masked_whiten_ref(v.contiguous(), m.float()))
+    torch.testing.assert_close(adv, want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ret, want[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(masked_whiten(v, m),
+                               reference.masked_whiten_ref(v.contiguous(), m.float()),
+                               rtol=1e-6, atol=1e-6)
