@@ -6,7 +6,15 @@ Contract:
 - ``load()`` imports them once and registers, on the Python side, a fake (meta) kernel for every
   op, so the ops trace under torch.compile; the autograd kernels of ``kl_forward`` and
   ``kl_backward`` are C++ (csrc/cpu/kl_autograd.cpp, kl_grad_autograd.cpp), so the op runs in
-  a loss and is twice differentiable.
+  a loss and is twice differentiable. An extension that is not built is not an error (the
+  references serve); one that is there but fails to import (an undefined symbol, a torch it was
+  not built against, a missing shared library) raises ``ExtensionLoadError`` carrying the
+  import error, at every ``load()`` / ``compiled_available()`` (so at the first kernel call)
+  unless ``HYBRIDRL_KERNELS=reference``; it is never swallowed into the fallback.
+- Importing this module is light: it loads no ``torch._dynamo`` (nor sympy) and sets no
+  environment variable or warnings filter. ``compiled_available`` is marked constant for
+  torch.compile with the attribute ``torch.compiler.assume_constant_result`` sets, without
+  importing dynamo to set it (tests/unit/test_kernels_import.py checks both).
 - ``kl_cpu_isa()`` names the SIMD path the compiled CPU KL kernels run: "avx512", "avx2" or
   "baseline" (SSE2 on x86-64, NEON on aarch64), the best this CPU has unless the environment
   variable ``HYBRIDRL_CPU_ISA`` (read once, at the first KL call) forces one; None when the
@@ -30,6 +38,7 @@ Op schemas (see csrc/ops.cpp):
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import warnings
 
@@ -40,25 +49,53 @@ OP_NAMES = ("kl_forward", "kl_backward", "gae", "masked_whiten")
 FORCE_REFERENCE_ENV = "HYBRIDRL_KERNELS"
 
 
+class ExtensionLoadError(RuntimeError):
+    """A compiled extension is installed but cannot be imported (the import error is kept)."""
+
+
+def _import_extension(name: str) -> bool:
+    """Import ``hybridrl.<name>``: True when it loaded, False when it is not built at all;
+    ``ExtensionLoadError`` (one line, with the import error) when it is there but broken."""
+    try:
+        importlib.import_module(f"hybridrl.{name}")
+    except ModuleNotFoundError as err:
+        if err.name == f"hybridrl.{name}":
+            return False  # not built: the references serve
+        cause: Exception = err
+    except (ImportError, OSError) as err:  # e.g. "undefined symbol", a missing libcudart
+        cause = err
+    else:
+        return True
+    raise ExtensionLoadError(
+        f"hybridrl.kernels: the compiled extension hybridrl.{name} is installed but failed to "
+        f"load: {type(cause).__name__}: {cause} (rebuild with `pip install --no-build-isolation "
+        f"-e .`, or set {FORCE_REFERENCE_ENV}=reference / kernels.use_compiled=false to run the "
+        "pure-torch references)") from cause
+
+
 @functools.cache
 def load() -> bool:
-    """Import the compiled extension(s) and register the Python-side pieces; False if unbuilt."""
-    try:
-        from hybridrl import _C  # noqa: F401  (registers schemas + CPU kernels)
-    except ImportError:
+    """Import the compiled extension(s) and register the Python-side pieces; False if unbuilt.
+
+    Raises ``ExtensionLoadError`` (not cached: every call raises it again) when an extension is
+    installed but fails to import."""
+    if not _import_extension("_C"):  # registers schemas + CPU kernels
         return False
-    try:
-        from hybridrl import _C_cuda  # noqa: F401  (registers CUDA kernels)
-    except ImportError:
-        pass
+    _import_extension("_C_cuda")  # registers CUDA kernels (absent on a CPU-only build)
     _register_fake_kernels()  # the autograd kernel of kl_forward is C++ (csrc/cpu/kl_autograd.cpp)
     return True
 
 
-@torch.compiler.assume_constant_result
 def compiled_available(op: str, device_type: str) -> bool:
-    """True when ``hybridrl::op`` has a compiled kernel for ``device_type`` ("cpu", "cuda")."""
+    """True when ``hybridrl::op`` has a compiled kernel for ``device_type`` ("cpu", "cuda").
+
+    Raises ``ExtensionLoadError`` when an extension is installed but broken (module doc)."""
     return _compiled_available(op, device_type)  # dynamo takes the result as a constant
+
+
+# what torch.compiler.assume_constant_result(compiled_available) does, without importing
+# torch._dynamo (and sympy, and inductor's environment) at import (module doc)
+compiled_available._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 @functools.cache
