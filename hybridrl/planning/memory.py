@@ -43,7 +43,11 @@ Contract:
   KV = mfs x F - weights (< 0: SGLang refuses to start, the job does not fit); the builtin
   engine takes what the gen phase leaves. ``gen_concurrent_seqs`` is how many of a replica's
   sequences it holds at once (the engine runs the rest in waves; the job does not fit when not
-  even one sequence does). ``pipeline_bubble`` is (p-1)/(m+p-1) of 1F1B with m micro-batches
+  even one sequence does). SGLang's CUDA graphs (``cuda_graph_bytes``: SGLang 0.5.21's own
+  reserve of 2 MiB per decode batch size up to ``cuda_graph_max_bs``; 0 = graphs disabled) sit
+  outside its static pool and count in ``engine_start`` and ``gen`` only: the adapter starts the
+  engine with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``, so they are released with the rest of the
+  engine before training and resumed after the reshard. ``pipeline_bubble`` is (p-1)/(m+p-1) of 1F1B with m micro-batches
   per pipeline per mini-batch (``micro_batches``, ``critic_micro_batches``; absent when 0),
   ``bubble_warning`` when one exceeds 25 % (``bubble_report(pp, micro_batches)``, which the
   trainer's start-up line shares). It also gives the host memory a KL-guard snapshot
@@ -70,6 +74,9 @@ BUBBLE_WARN = 0.25
 # grad, one fp32 temporary and the 16-bit grad of the logits (4 x 4 + itemsize); a forward
 # without grad holds the fp32 logits, the softmax and one fp32 product (3 x 4)
 LOGITS_TRAIN_FP32, LOGITS_FORWARD_FP32 = 4, 3
+# SGLang 0.5.21 reserves this much for its decode CUDA graphs per captured batch size
+# (arg_groups/memory_hook.py reserve_for_graph_mb: max_bs * 2 MB)
+CUDA_GRAPH_BYTES_PER_BS = 2 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +110,7 @@ class MemoryJob:
     forward_tokens_per_gpu: int = 0  # a forward-only micro-batch; 0 = max_tokens_per_gpu
     micro_batches: int = 0  # per pipeline per mini-batch (actor); 0 = unknown
     critic_micro_batches: int = 0
+    cuda_graph_max_bs: int = 512  # SGLang's largest decode graph batch (0: graphs disabled)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -250,6 +258,14 @@ def kv_pool_bytes(job: MemoryJob, resident_at_start: int, engine_weights: int) -
     return int(job.mem_fraction_static * free - engine_weights)
 
 
+def cuda_graph_bytes(job: MemoryJob) -> int:
+    """SGLang's CUDA-graph memory on one engine rank (outside its static pool; see the
+    module docstring)."""
+    if job.engine != "sglang" or job.cuda_graph_max_bs <= 0:
+        return 0
+    return job.cuda_graph_max_bs * CUDA_GRAPH_BYTES_PER_BS
+
+
 def bubble_fraction(pp: int, micro_batches: int) -> float:
     """Idle share of a 1F1B pipeline: (p - 1) / (m + p - 1)."""
     return (pp - 1) / (micro_batches + pp - 1)
@@ -322,7 +338,8 @@ def _stage_phases(job: MemoryJob, stage: int, gen: dict) -> tuple[dict, int]:
     idle = _resident(job, stage, {})  # what training keeps on the device outside its phases
     if job.engine == "sglang":
         kv = kv_pool_bytes(job, sum(idle.values()), weights)
-        engine = {"engine_weights": weights, "kv_pool": max(kv, 0)}
+        engine = {"engine_weights": weights, "kv_pool": max(kv, 0),
+                  "cuda_graphs": cuda_graph_bytes(job)}
     else:  # the builtin engine's cache takes what the gen phase leaves
         kv = int(job.gpu_gb * GB - RESERVE_BYTES - sum(idle.values()) - weights)
         engine = {"engine_weights": weights}
