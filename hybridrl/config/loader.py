@@ -11,7 +11,12 @@ one-item list, null an empty list. Every bad override is reported in ONE ``Value
 each, in order): an unknown key (with the closest hybridrl or verl key), a refused verl key, a
 value of the wrong type. Then values a section rejects raise ``ValueError`` naming the full key;
 with ``world_size``, ``trainer.n_gpus_per_node * trainer.nnodes`` must equal it. Keys under a
-pass-through dict (``engine_kwargs``) are free. ``resolve_config_name(name, path)`` turns Hydra's
+pass-through dict (``engine_kwargs``) are free. verl's rule for the critic holds for hybridrl's
+keys too: ``critic.ppo_mini_batch_size``, ``critic.ppo_epochs`` and ``critic.loss_agg_mode``
+that no YAML file or override sets take the actor's (merged) value (verl's critic config reads
+them with ``${oc.select:actor_rollout_ref.actor...}``). Every error is a ``ValueError`` raised
+here with one line per problem and no chained OmegaConf or dataclass frames (a section's
+``__post_init__`` error is re-raised as is, from this function). ``resolve_config_name(name, path)`` turns Hydra's
 ``--config-name``/``--config-path`` into a YAML path. ``dump_config`` writes a config back as
 YAML that ``load_config`` reads to an equal config.
 """
@@ -28,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hybridrl.config.root import HybridRLConfig
 from hybridrl.config.schema import key_kinds
 from hybridrl.config.verl.keys import VERL_BASE_CONFIGS, VERL_RULES, rule_for
-from hybridrl.config.verl.translate import translate_overrides
+from hybridrl.config.verl.translate import CRITIC_FOLLOWS_ACTOR, translate_overrides
 
 
 def load_config(yaml_paths: Sequence[str] = (), overrides: Sequence[str] = (), *,
@@ -38,9 +43,11 @@ def load_config(yaml_paths: Sequence[str] = (), overrides: Sequence[str] = (), *
         raise TypeError("load_config takes lists: yaml_paths=[...], overrides=[...]")
     kinds = key_kinds(HybridRLConfig)
     merged = OmegaConf.structured(HybridRLConfig)
+    given: set[str] = set()  # every leaf key a file or an override sets
     for path in yaml_paths:
         layer = _read_yaml(str(path))
         merged = _merge(merged, layer, kinds, source=str(path))
+        given |= _given_keys(layer)
     translation = translate_overrides(overrides)
     problems = []
     for source, item, problem in translation.steps:
@@ -48,18 +55,49 @@ def load_config(yaml_paths: Sequence[str] = (), overrides: Sequence[str] = (), *
             problems.append(problem)
             continue
         try:
-            merged = _merge(merged, _parse_item(item, source), kinds, source=f"override {source!r}")
+            layer = _parse_item(item, source)
+            merged = _merge(merged, layer, kinds, source=f"override {source!r}")
+            given |= _given_keys(layer)
         except ValueError as err:
             problems.append(str(err))
     _raise_all(problems, "bad overrides")
+    _critic_follows_actor(merged, given)
+    error = None
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        raise ValueError(f"{err.full_key}: {_first_line(err)}") from None
+        error = f"{err.full_key}: {_first_line(err)}"
+    except ValueError as err:  # a section's __post_init__: re-raised here, without the frames
+        error = str(err)  # of OmegaConf and the dataclass constructors it went through
+    if error is not None:
+        raise ValueError(error)
     _raise_all(translation.check(cfg, world_size), "problems")
     if notices is not None and translation.notice:
         notices.append(translation.notice)
     return cfg
+
+
+def _given_keys(layer: DictConfig) -> set[str]:
+    """The dotted leaf keys ``layer`` sets (a mapping value counts as its own key too)."""
+    out: set[str] = set()
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, Mapping):
+            for name, value in node.items():
+                out.add(f"{prefix}{name}")
+                walk(value, f"{prefix}{name}.")
+
+    walk(OmegaConf.to_container(layer, resolve=False), "")
+    return out
+
+
+def _critic_follows_actor(merged: DictConfig, given: set[str]) -> None:
+    """verl's rule: the critic's mini-batch size, epochs and loss aggregation are the actor's
+    unless a file or an override sets them."""
+    for name in CRITIC_FOLLOWS_ACTOR:
+        if f"critic.{name}" not in given:
+            with read_write(merged.critic):
+                setattr(merged.critic, name, getattr(merged.actor, name))
 
 
 def resolve_config_name(name: str, path: str = "configs") -> str | None:

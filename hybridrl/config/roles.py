@@ -4,9 +4,15 @@ Contract: ``ActorConfig`` and ``CriticConfig`` share the trained-role fields of
 ``TrainedRoleConfig`` (optimizer, LR schedule, PPO epochs and batch sizes); each adds its loss
 knobs. Batch sizes follow verl's units: ``ppo_mini_batch_size`` counts prompts (the trainer
 multiplies by ``rollout.n``), micro-batch sizes and token budgets are per GPU (per DP rank).
-Every ``__post_init__`` raises ``ValueError`` naming the full key and the allowed values.
+Every ``__post_init__`` raises ``ValueError`` naming the full key and the allowed values; every
+float knob of these sections must be finite (``actor.lr=inf`` or ``nan`` is refused: a ``nan``
+fails every comparison and an ``inf`` would pass ``> 0`` and then train on non-finite weights).
+When the config comes from ``load_config``, the critic's ``ppo_mini_batch_size``, ``ppo_epochs``
+and ``loss_agg_mode`` follow the actor's unless set (verl's rule; ``hybridrl.config.loader``).
 """
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,6 +30,16 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 _KL_BASE = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 KL_KINDS = _KL_BASE + tuple(k + "+" for k in _KL_BASE)
 ROLLOUT_IS_CHOICES = ("", "token", "sequence")
+
+
+def check_finite_floats(section: str, obj: object) -> None:
+    """Every float field of the dataclass ``obj`` (and every float in a list field) is finite."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            what = "finite numbers" if values is value else "a finite number"
+            raise ValueError(f"{section}.{f.name} must be {what}; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -76,6 +92,7 @@ class TrainedRoleConfig:
 
     def __post_init__(self) -> None:
         s = self.SECTION
+        check_finite_floats(s, self)
         check_positive(f"{s}.lr", self.lr)
         check_choice(f"{s}.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_non_negative(f"{s}.warmup_steps", self.warmup_steps)
