@@ -1,7 +1,7 @@
 """Packed vs padded micro-batches on a length-varied PPO batch: the training phases of one step.
 
     .venv/bin/python benchmarks/packing.py [--worlds 1 2] [--rounds 3] [--seqs 64]
-    .venv/bin/python benchmarks/packing.py --attention   # the varlen attention's two paths
+    .venv/bin/python benchmarks/packing.py --attention   # the varlen attention's paths
     .venv/bin/python benchmarks/packing.py --pipeline    # pp 2: variable vs fixed pack shapes
 
 The workload: ``--seqs`` sequences of a GAE PPO step, prompts 16-64 tokens (uniform), responses
@@ -240,32 +240,37 @@ def pipeline_report(args) -> None:
 
 
 def attention_table() -> None:
-    """Fwd + bwd ms of ``varlen_attention``: block-diagonal mask vs one SDPA per sequence."""
-    import numpy as np
+    """Fwd + bwd ms of ``varlen_attention`` on each exact path, and the path the model picks."""
+    import random
+
     import torch
 
     from hybridrl.models import packing
 
     torch.set_num_threads(1)
-    ratio, rng = packing.MASK_COST_RATIO, np.random.default_rng(0)
-    print("pack S, sequences | block mask ms | one SDPA per sequence ms (4 q / 2 kv heads of 16)")
-    for total, mean, cap in ((64, 6, 40), (256, 6, 40), (512, 6, 40), (256, 40, 400),
-                             (1024, 40, 400), (4096, 40, 400)):
-        lens = []
-        while sum(lens) < total:
-            lens.append(int(min(max(rng.lognormal(np.log(mean), 0.6), 1), cap)))
+    rng = random.Random(0)
+    print(f"fwd + bwd ms per path, one thread, 4 q / 2 kv heads of 32; call cost "
+          f"{packing.CALL_COST_ELEMENTS} score elements; * = the path attention_path picks")
+    print(f"{'pack':<28} {'S':>5} {'n':>3} " + " ".join(f"{p:>8}" for p in packing.PATHS[1:]))
+    cells = (("uniform 16 x 83", [83] * 16), ("uniform 64 x 12", [12] * 64),
+             ("lognormal mean ~80, n 16",
+              [int(min(max(rng.lognormvariate(4.38, 0.7), 5), 400)) for _ in range(16)]),
+             ("long tail 15 x 30 + 400", [30] * 15 + [400]),
+             ("60 x 1 + 200", [1] * 60 + [200]), ("short mean 7, n 38",
+                                                 [int(min(max(rng.lognormvariate(1.8, 0.6), 1),
+                                                              40)) for _ in range(38)]))
+    for name, lens in cells:
         s, cu = sum(lens), torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-        qkv = [torch.randn(1, h, s, 16, requires_grad=True) for h in (4, 2, 2)]
-        ms = []
-        for packing.MASK_COST_RATIO in (10**12, 0):
+        qkv = [torch.randn(1, h, s, 32, requires_grad=True) for h in (4, 2, 2)]
+        chosen, row = packing.attention_path(cu), []
+        for path in packing.PATHS[1:]:
             best = float("inf")
             for _ in range(5):
                 t0 = time.perf_counter()
-                packing.varlen_attention(*qkv, cu, 0.25).sum().backward()
+                packing.varlen_attention(*qkv, cu, 0.25, path=path).sum().backward()
                 best = min(best, time.perf_counter() - t0)
-            ms.append(1e3 * best)
-        print(f"{s}, {len(lens)} | {ms[0]:.2f} | {ms[1]:.2f}")
-    packing.MASK_COST_RATIO = ratio
+            row.append(f"{1e3 * best:>7.2f}{'*' if path == chosen else ' '}")
+        print(f"{name:<28} {s:>5} {len(lens):>3} " + " ".join(row))
 
 
 def main(argv=None):
@@ -279,7 +284,7 @@ def main(argv=None):
     parser.add_argument("--pipeline", action="store_true",
                         help="only pp 2: variable-shape packs vs packs padded to one shape")
     parser.add_argument("--attention", action="store_true",
-                        help="only the varlen attention table (mask vs one SDPA per sequence)")
+                        help="only the varlen attention table (each exact path, and the pick)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.attention:

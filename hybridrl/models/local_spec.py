@@ -70,11 +70,12 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
 from hybridrl.models.packing import (
+    attention_path,
+    batch_index,
     block_causal_mask,
     host_cu_seqlens,
     pack_cached,
     positions,
-    use_mask,
     varlen_attention,
 )
 
@@ -148,8 +149,14 @@ class SDPACoreAttention(MegatronModule):
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         t, _, heads, hn = query.shape
         cu = host_cu_seqlens(params)  # host bounds: no device read per layer
-        mask = pack_cached(params, ("mask", query.device),  # one per pack, shared by the layers
-                           lambda: block_causal_mask(cu, query.device) if use_mask(cu) else None)
+        path = pack_cached(params, "attention_path", lambda: attention_path(cu))
+        mask = index = None  # built once per pack, shared by the layers
+        if path == "mask":
+            mask = pack_cached(params, ("mask", query.device),
+                               lambda: block_causal_mask(cu, query.device))
+        elif path == "batch":
+            index = pack_cached(params, ("batch_index", query.device),
+                                lambda: batch_index(cu, query.device))
         q_BNSD = query.permute(1, 2, 0, 3)
         k_BGSD, v_BGSD = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
         dropout = self.dropout_p if self.training else 0.0
@@ -157,7 +164,7 @@ class SDPACoreAttention(MegatronModule):
                else contextlib.nullcontext())
         with rng:
             out_BNSD = varlen_attention(q_BNSD, k_BGSD, v_BGSD, cu, self.softmax_scale,
-                                        dropout, mask=mask)
+                                        dropout, mask=mask, path=path, index=index)
         return out_BNSD.permute(2, 0, 1, 3).reshape(t, 1, heads * hn)  # [t, 1, np*hn]
 
 

@@ -23,11 +23,19 @@ Contract:
   ``PackedSeqParams`` object itself, so it lives exactly as long as the pack.
 - ``varlen_attention(q, k, v, cu_seqlens, scale, dropout_p)``: causal attention of each
   sequence over itself alone; q [1, np, S, hn], k/v [1, ng, S, hn] (GQA when np > ng) ->
-  [1, np, S, hn]. A pack of one sequence is one causal SDPA call; a pack of many short
-  sequences (``use_mask``: S^2 <= ``MASK_COST_RATIO`` x n) one SDPA call with a block-diagonal
-  causal mask (``block_causal_mask``, or the given ``mask``); otherwise one causal SDPA call per
-  sequence (the mask costs S^2; measured in docs/models.md). All three are exact: a token's
-  softmax runs over the keys of its own sequence only.
+  [1, np, S, hn]. ``attention_path(cu_seqlens)`` picks the cheapest of four exact ways:
+  ``one`` (a pack of one sequence: one causal SDPA call), ``batch`` (the sequences laid out
+  as a right-padded batch [n, np, L_max, hn], one causal SDPA call, the real positions read
+  back: a pure view when every length is equal, so a pack of uniform lengths costs what the
+  padded layout costs), ``mask`` (one SDPA call with a block-diagonal causal [S, S] mask,
+  ``block_causal_mask``) and ``loop`` (one causal SDPA call per sequence). The cost model
+  counts attention score elements (batch n * L_max^2, mask S^2, loop sum L_i^2) plus
+  ``CALL_COST_ELEMENTS`` per SDPA call (batch counts two: its copies), from fwd + bwd timings
+  at one CPU thread (docs/models.md: a call's overhead is worth ~12,000 score elements at
+  head dims 16-64). All four are exact: a real token's softmax runs over the keys of its own
+  sequence only (right padding is invisible to causal attention). ``use_mask(cu_seqlens)``:
+  the path is ``mask``. ``batch_index(cu_seqlens)``: the batch path's gather index, which a
+  caller may compute once per pack and pass in (``index=``) with the path (``path=``).
 - ``token_counts(micro_batches, multiple)`` -> (real, computed): the real tokens of micro-batches
   (packed: ``cu_seqlens[-1]``; padded: ``seq_lens`` when given, else the non-pad count is
   unknown and every token is real) and the tokens the forward computes (``input_ids.numel()``
@@ -39,16 +47,45 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# one masked SDPA call over the pack when S^2 <= MASK_COST_RATIO x (number of sequences): the
-# [S, S] mask costs ~5e-5 ms x S^2, a call per sequence ~0.2 ms (fwd + bwd, one CPU thread,
-# 4 heads x 16; docs/models.md)
-MASK_COST_RATIO = 4000
+# what one SDPA call costs beyond its attention scores, in score elements: fwd + bwd at one CPU
+# thread, 4 q / 2 kv heads of 16, 32 and 64 dims, the overhead of a call per sequence (slicing,
+# the gradient's scatter back) is 0.14-0.43 ms and a score element 1.2e-5 to 3e-5 ms: ~12,000
+# elements at every head dim measured (docs/models.md, benchmarks/packing.py --attention)
+CALL_COST_ELEMENTS = 12000
+PATHS = ("one", "batch", "mask", "loop")
+
+
+def attention_path(cu_seqlens: torch.Tensor) -> str:
+    """The cheapest exact attention path of a pack (see the module docstring)."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    n = len(lens)
+    if n == 1:
+        return "one"
+    if min(lens) == max(lens):
+        return "batch"  # a view: the padded layout's single call, no copy, no pad
+    call = CALL_COST_ELEMENTS
+    costs = {"batch": 2 * call + n * max(lens) ** 2, "mask": call + cu[-1] ** 2,
+             "loop": n * call + sum(x * x for x in lens)}
+    return min(costs, key=costs.__getitem__)
 
 
 def use_mask(cu_seqlens: torch.Tensor) -> bool:
-    """True when one block-masked SDPA call beats one call per sequence (several sequences)."""
-    n = len(cu_seqlens) - 1
-    return n > 1 and int(cu_seqlens[-1]) ** 2 <= MASK_COST_RATIO * n
+    """True when the pack's cheapest path is one block-masked SDPA call."""
+    return attention_path(cu_seqlens) == "mask"
+
+
+def batch_index(cu_seqlens: torch.Tensor, device=None) -> torch.Tensor | None:
+    """[S] row-major slot of each packed token in the [n, L_max] batch layout; None when every
+    length is equal (the layout is then a pure view of the pack)."""
+    cu = cu_seqlens.long().cpu()
+    lens = cu[1:] - cu[:-1]
+    width = int(lens.max())
+    if int(lens.min()) == width:
+        return None
+    seg = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    index = seg * width + positions(cu)
+    return index.to(device) if device is not None else index
 
 
 def pack_sequences(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,16 +153,28 @@ def block_causal_mask(cu_seqlens: torch.Tensor, device=None) -> torch.Tensor:
 
 
 def varlen_attention(q_BNSD, k_BGSD, v_BGSD, cu_seqlens, scale: float,
-                     dropout_p: float = 0.0, mask=None) -> torch.Tensor:
-    """Causal attention of each packed sequence over itself (see the module docstring)."""
+                     dropout_p: float = 0.0, mask=None, path: str | None = None,
+                     index=None) -> torch.Tensor:
+    """Causal attention of each packed sequence over itself (see the module docstring).
+
+    ``mask`` (the block mask) implies the mask path; ``path`` forces one of ``PATHS``;
+    ``index``: ``batch_index(cu_seqlens)`` computed once by the caller."""
     gqa = q_BNSD.shape[1] != k_BGSD.shape[1]
     kwargs = dict(scale=scale, enable_gqa=gqa, dropout_p=dropout_p)
+    if path is None:
+        path = "mask" if mask is not None else attention_path(cu_seqlens)
+    if path not in PATHS:
+        raise ValueError(f"attention path must be one of {PATHS}, got {path!r}")
     bounds = [int(x) for x in cu_seqlens.tolist()]
-    total = bounds[-1]
+    if path == "one" and len(bounds) > 2:
+        raise ValueError(f"attention path 'one' needs a pack of one sequence, got "
+                         f"{len(bounds) - 1}")
     if len(bounds) == 2:  # one sequence: plain causal attention
-        return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=total > 1,
-                                              **kwargs)
-    if mask is not None or use_mask(cu_seqlens):
+        return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD,
+                                              is_causal=bounds[-1] > 1, **kwargs)
+    if path == "batch":
+        return _batched(q_BNSD, k_BGSD, v_BGSD, bounds, kwargs, index)
+    if path == "mask":
         if mask is None:
             mask = block_causal_mask(cu_seqlens, q_BNSD.device)
         return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, attn_mask=mask, **kwargs)
@@ -135,6 +184,31 @@ def varlen_attention(q_BNSD, k_BGSD, v_BGSD, cu_seqlens, scale: float,
             q_BNSD[:, :, lo:hi], k_BGSD[:, :, lo:hi], v_BGSD[:, :, lo:hi],
             is_causal=hi - lo > 1, **kwargs))
     return torch.cat(outs, dim=2)
+
+
+def _batched(q_BNSD, k_BGSD, v_BGSD, bounds, kwargs, index) -> torch.Tensor:
+    """The pack as a right-padded batch [n, heads, L_max, hn]: one causal SDPA call (exact for
+    the real positions: causal attention never looks right, at the pad)."""
+    n = len(bounds) - 1
+    width = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    uniform = width * n == bounds[-1]
+    if not uniform and index is None:
+        index = batch_index(torch.tensor(bounds), q_BNSD.device)
+
+    def to_batch(x_1HSD):
+        x_HSD = x_1HSD[0]
+        if not uniform:
+            slots = x_HSD.new_zeros(x_HSD.shape[0], n * width, x_HSD.shape[2])
+            x_HSD = slots.index_copy(1, index, x_HSD)
+        return x_HSD.reshape(x_HSD.shape[0], n, width, x_HSD.shape[2]).transpose(0, 1)
+
+    out_BNLD = F.scaled_dot_product_attention(to_batch(q_BNSD), to_batch(k_BGSD),
+                                              to_batch(v_BGSD), is_causal=width > 1, **kwargs)
+    out_NSD = out_BNLD.transpose(0, 1).reshape(out_BNLD.shape[1], n * width,
+                                               out_BNLD.shape[3])
+    if not uniform:
+        out_NSD = out_NSD.index_select(1, index)
+    return out_NSD.unsqueeze(0)
 
 
 def token_counts(micro_batches, multiple: int = 1) -> tuple[int, int]:

@@ -17,7 +17,9 @@ Contract:
   (``hybridrl.models.packing``): ``input_ids`` [1, S] (S = the sum of the rows' lengths, no pad
   token), ``cu_seqlens`` [b + 1], and ``resp_index`` [b, R] points into the pack (row b's start
   + prompt_len - 1 + j, clamped to its last token, so a masked column never reads another
-  sequence): losses read both layouts alike through ``gather_response``.
+  sequence): losses read both layouts alike through ``gather_response``. Rows of one length
+  have no padding to remove: ``packed=True`` then returns the padded layout (the same tokens,
+  the same budget, no per-sequence bookkeeping: ``pack_pays``).
 - ``batch_metrics(rb, tensors, max_response_length, step_s, world, dp_group, device)``:
   response/prompt lengths, advantage/return means, |engine - actor| log-prob gap (mean, max),
   tokens and tokens/s per rank; with ``dp_group`` every value is over the whole batch (sums,
@@ -70,11 +72,11 @@ class RolloutBatch:
         """The megatron micro-batch of rows ``idx`` (see the module docstring)."""
         if not idx:
             raise ValueError("a micro-batch needs at least one row, got 0")
-        if packed:
+        lens = [len(self.prompt_ids[i]) + int(self.response_mask[i].sum()) for i in idx]
+        if packed and pack_pays(lens):
             return self._packed(idx, tensors)
         rows = torch.as_tensor(idx, dtype=torch.long)
         R = self.response_ids.shape[1]
-        lens = [len(self.prompt_ids[i]) + int(self.response_mask[i].sum()) for i in idx]
         T = max(lens)
         input_ids_bT = torch.full((len(idx), T), pad_token_id, dtype=torch.long)
         resp_index_bR = torch.empty(len(idx), R, dtype=torch.long)
@@ -108,6 +110,11 @@ class RolloutBatch:
         for key, value in (tensors or {}).items():
             out[key] = value[rows]
         return out
+
+
+def pack_pays(lens: list[int]) -> bool:
+    """True when packing rows of these lengths removes padding (they are not all one length)."""
+    return min(lens) != max(lens)
 
 
 def gather_response(out_bT: torch.Tensor, resp_index_bR: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 
 from hybridrl.models import packing
 
-MASK_COST_RATIO = packing.MASK_COST_RATIO  # the library's choice, restored after a "loop" case
+CALL_COST_ELEMENTS = packing.CALL_COST_ELEMENTS  # the library's choice, restored after "loop"
 
 N_SEQS, R = 8, 8
 PROMPT_LENS = [1, 3, 6, 2, 5, 1, 4, 6]
@@ -97,7 +97,7 @@ def _mode(groups, case, rb, tensors, parts, packed: bool) -> dict:
 
 
 def packed_vs_padded(groups, case: dict) -> dict:
-    packing.MASK_COST_RATIO = 0 if case.get("loop") else MASK_COST_RATIO  # loop: SDPA per seq
+    packing.CALL_COST_ELEMENTS = 0 if case.get("loop") else CALL_COST_ELEMENTS  # 0: SDPA per seq
     rb, tensors = make_rollout()
     parts = _parts(groups.dp_size, groups.dp_rank)
     padded = _mode(groups, case, rb, tensors, parts, packed=False)

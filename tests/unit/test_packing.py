@@ -33,10 +33,21 @@ def test_pack_positions_and_tail():
         packing.pack_sequences([torch.tensor([1]), torch.tensor([], dtype=torch.long)])
 
 
-def test_mask_only_for_many_short_sequences():
-    assert not packing.use_mask(torch.tensor([0, 64]))  # one sequence: plain causal SDPA
-    assert packing.use_mask(torch.tensor([0, 5, 10, 15]))
-    assert not packing.use_mask(torch.tensor([0, 500, 1000]))
+def test_attention_path_picks_the_cheapest_exact_way():
+    cu = lambda lens: torch.tensor([0] + lens).cumsum(0).to(torch.int32)  # noqa: E731
+    assert packing.attention_path(cu([64])) == "one"
+    assert packing.attention_path(cu([83] * 16)) == "batch"  # uniform: the padded layout's cost
+    assert packing.attention_path(cu([12] * 63 + [13])) == "batch"  # many short, little pad
+    assert packing.attention_path(cu([30] * 15 + [400])) == "loop"  # a long tail: pad would cost
+    assert packing.attention_path(cu([500, 500, 1])) == "loop"
+    assert packing.use_mask(cu([1] * 60 + [200]))  # very many tiny + one long: the block mask
+    assert not packing.use_mask(cu([83] * 16))
+
+
+def test_batch_index_places_each_token_in_its_row():
+    index = packing.batch_index(torch.tensor([0, 2, 3, 6]))  # lengths 2, 1, 3: rows of 3
+    assert index.tolist() == [0, 1, 3, 6, 7, 8]
+    assert packing.batch_index(torch.tensor([0, 4, 8])) is None  # uniform: a view, no index
 
 
 def test_block_mask_is_causal_inside_each_sequence():
@@ -47,8 +58,8 @@ def test_block_mask_is_causal_inside_each_sequence():
 
 
 @pytest.mark.parametrize("lens", [[1], [9], [1, 1, 1], [3, 1, 7, 2], [700, 1, 400]])
-def test_varlen_attention_equals_each_sequence_alone(lens, monkeypatch):
-    """Each path (one sequence, block mask, per-sequence loop) equals SDPA on each sequence."""
+def test_varlen_attention_equals_each_sequence_alone(lens):
+    """Each path (one, batch, block mask, per-sequence loop) equals SDPA on each sequence."""
     torch.manual_seed(0)
     s = sum(lens)
     q, k, v = torch.randn(1, 4, s, 8), torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8)
@@ -57,10 +68,32 @@ def test_varlen_attention_equals_each_sequence_alone(lens, monkeypatch):
     expect = torch.cat([F.scaled_dot_product_attention(
         q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=0.3, enable_gqa=True)
         for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
-    for ratio in (0, 10**9):  # the loop, then the mask (one sequence: one causal call)
-        monkeypatch.setattr(packing, "MASK_COST_RATIO", ratio)
-        got = packing.varlen_attention(q, k, v, cu, 0.3)
+    paths = (None,) + packing.PATHS[len(lens) > 1:]  # the chosen one, then each ("one": n 1)
+    for path in paths:
+        got = packing.varlen_attention(q, k, v, cu, 0.3, path=path)
         torch.testing.assert_close(got, expect, atol=1e-6, rtol=0)
+    if len(lens) > 1:
+        with pytest.raises(ValueError, match="one sequence"):
+            packing.varlen_attention(q, k, v, cu, 0.3, path="one")
+
+
+@pytest.mark.parametrize("lens", [[5, 5, 5], [3, 1, 7, 2], [700, 1, 400]])
+def test_varlen_attention_gradients_equal_on_every_path(lens):
+    """The batch path's copies (index_copy / index_select) carry the gradient of real tokens
+    only: q/k/v gradients equal the per-sequence loop's on every path."""
+    torch.manual_seed(1)
+    s = sum(lens)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    base = [torch.randn(1, h, s, 8) for h in (4, 2, 2)]
+    weight = torch.randn(1, 4, s, 8)
+    grads = {}
+    for path in packing.PATHS[1:]:
+        qkv = [t.clone().requires_grad_() for t in base]
+        (packing.varlen_attention(*qkv, cu, 0.3, path=path) * weight).sum().backward()
+        grads[path] = [t.grad for t in qkv]
+    for path in ("batch", "mask"):
+        for got, expect in zip(grads[path], grads["loop"]):
+            torch.testing.assert_close(got, expect, atol=1e-5, rtol=0)
 
 
 def test_packed_plan_counts_real_tokens():
@@ -128,6 +161,16 @@ def test_packed_microbatch_reads_the_same_columns_as_the_padded_one():
     assert torch.equal(seq_of[pk["resp_index"]], torch.arange(3)[:, None].expand(3, 3))
     assert packing.token_counts([pad]) == (11, 15) and packing.token_counts([pk]) == (11, 11)
     assert packing.token_counts([pk], multiple=4) == (11, 12)
+
+
+def test_rows_of_one_length_keep_the_padded_layout():
+    """Nothing to unpad (rows 1 and 2 are both 5 tokens): packed=True gives the padded layout,
+    the same tensors as packed=False, so uniform lengths cost what padding costs."""
+    rb = _batch()
+    pk, pad = rb.microbatch([1, 2], packed=True), rb.microbatch([1, 2])
+    assert "cu_seqlens" not in pk and pk.keys() == pad.keys()
+    assert all(torch.equal(pk[k], pad[k]) for k in pad)
+    assert "cu_seqlens" in rb.microbatch([0, 1], packed=True)  # 1 and 5 tokens: a pack
 
 
 def test_token_tally_reports_pad_fraction_and_starts_over():
