@@ -30,6 +30,11 @@ LOGGERS = ("console", "jsonl", "wandb", "mlflow", "tensorboard")  # hybridrl.tra
 DEVICES = ("auto", "cpu", "cuda")
 
 
+# the post-update KL forward reads one row in four by default: 15-20 % of a demo step at every
+# row (issue 45), about a quarter of that sampled (docs/trainer.md)
+ROW_FRACTION = 0.25
+
+
 @dataclass(frozen=True)
 class KLGuardConfig:
     """Guard against a policy step that moves too far from the rollout policy."""
@@ -45,6 +50,10 @@ class KLGuardConfig:
                      "saves global_step_0 when there is no checkpoint yet).")
     lr_factor: float = knob(0.5, "mode checkpoint: lr multiplier applied at each rollback "
                             "(logged as training/kl_guard_lr).")
+    row_fraction: float = knob(ROW_FRACTION, "Share of each rank's rows the post-update KL "
+                               "forward reads (actor/ppo_kl_final: every round(1/f)-th row; "
+                               "1.0 = all). The in-update actor/ppo_kl is checked on every "
+                               "row whatever this is (docs/trainer.md: cost and protection).")
 
     def __post_init__(self) -> None:
         check_non_negative("trainer.kl_guard.max_kl", self.max_kl)
@@ -52,6 +61,9 @@ class KLGuardConfig:
         check_choice("trainer.kl_guard.mode", self.mode, KL_GUARD_MODES)
         if not 0 < self.lr_factor <= 1:
             raise ValueError(f"trainer.kl_guard.lr_factor must be in (0, 1]; got {self.lr_factor}")
+        if not 0 < self.row_fraction <= 1:  # NaN fails too
+            raise ValueError("trainer.kl_guard.row_fraction must be in (0, 1]; got "
+                             f"{self.row_fraction}")
 
 
 @dataclass(frozen=True)

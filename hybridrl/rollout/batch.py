@@ -8,6 +8,7 @@ Contract:
   (old/ref log-probs, values, advantages, returns) live beside it as [N, R] tensors. On a DP
   rank it holds only that rank's rows: ``rows`` are their indices in the step's batch
   (ascending; ``range(N)`` for a whole batch).
+- ``subset(idx)``: rows ``idx`` as a batch of their own (``rows`` kept).
 - ``microbatch(idx, tensors)``: the megatron input for rows ``idx``: ``input_ids`` [b, T]
   right-padded (prompt then response, starting at position 0 as megatron's RoPE needs, T = the
   longest prompt + response among the rows), ``resp_index`` [b, R] = the output positions that
@@ -66,6 +67,16 @@ class RolloutBatch:
     def seq_lengths(self) -> list[int]:
         """Prompt + response tokens of each sequence (for token-budget micro-batches)."""
         return [len(p) + int(r) for p, r in zip(self.prompt_ids, self.response_lengths)]
+
+    def subset(self, idx: list[int]) -> RolloutBatch:
+        """Rows ``idx`` (positions in this batch) as a batch of their own; ``rows`` keeps their
+        indices in the step's batch."""
+        sel = torch.as_tensor(idx, dtype=torch.long)
+        return RolloutBatch([self.prompt_ids[i] for i in idx], self.response_ids[sel],
+                            self.response_mask[sel], self.rollout_logprobs[sel],
+                            [self.uid[i] for i in idx], [self.ground_truth[i] for i in idx],
+                            [self.data_source[i] for i in idx], [self.extra_info[i] for i in idx],
+                            rows=[self.rows[i] for i in idx])
 
     def microbatch(self, idx: list[int], tensors: dict[str, torch.Tensor] | None = None,
                    pad_token_id: int = 0, packed: bool = False) -> dict[str, torch.Tensor]:

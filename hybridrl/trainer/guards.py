@@ -31,6 +31,11 @@ Contract:
   latest checkpoint with a lower lr (``hybridrl.checkpoint.checkpointer``); the
   ``kl_guard.max_rollbacks``-th + 1 such rollback of the run raises ``RuntimeError`` naming
   the step, the KL and the limit.
+- ``final_kl(rb, old, mask, logprobs, dp_group)`` (collective over the replica's ranks and DP):
+  ``actor/ppo_kl_final``, the policy KL of the weights the step would keep, from one forward
+  (``logprobs(sub_batch)``) over ``kl_rows(n, kl_guard.row_fraction)`` of this rank's rows
+  (every k-th row, k = round(1 / fraction); 1.0 = every row), token-weighted over every DP
+  rank's sampled rows; also ``actor/ppo_kl_final_rows`` (rows read, all DP ranks).
 - ``state_dict()`` / ``load_state_dict()``: the counters, saved with checkpoints.
 """
 
@@ -81,6 +86,12 @@ def params_finite(models) -> bool:
     empty until their next phase)."""
     return all(bool(torch.isfinite(p).all()) for m, _ in models for p in m.module.parameters()
                if p.untyped_storage().nbytes())
+
+
+def kl_rows(n: int, fraction: float) -> list[int]:
+    """The rows the final-KL forward reads: every k-th of ``n`` (k = round(1 / fraction)), so a
+    prompt group of consecutive samples is read at its first sample at k >= its size."""
+    return list(range(0, n, max(1, round(1.0 / fraction))))
 
 
 class StepGuard:
@@ -137,6 +148,19 @@ class StepGuard:
             return "non-finite rewards or advantages"
         others = f" (rank {ranks[0]}" + (f"; also ranks {ranks[1:]})" if ranks[1:] else ")")
         return seen[ranks[0]] + (others if ranks != [0] else "")
+
+    def final_kl(self, rb, old: torch.Tensor, mask: torch.Tensor, logprobs, dp_group) -> dict:
+        """``actor/ppo_kl_final`` over a sample of the rows (see the module docstring)."""
+        rows = kl_rows(len(rb), self.kl.row_fraction)
+        sub = rb if len(rows) == len(rb) else rb.subset(rows)
+        new = logprobs(sub)
+        m = mask[rows].float()
+        kl = torch.stack([((old[rows] - new) * m).sum().double(), m.sum().double(),
+                          torch.tensor(float(len(rows)), dtype=torch.float64)])
+        if dp_group is not None:  # over every DP rank's sampled rows
+            dist.all_reduce(kl, group=dp_group)
+        return {"actor/ppo_kl_final": float(kl[0] / kl[1].clamp(min=1)),
+                "actor/ppo_kl_final_rows": float(kl[2])}
 
     def judge(self, step: int, metrics: dict, input_problem: str | None, snapshot, restore,
               models) -> dict:

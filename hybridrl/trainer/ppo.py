@@ -305,13 +305,9 @@ class PPOTrainer:
             metrics.update({} if skip else self._update(self.actor, self.actor_opt, a, rb,
                                                         tensors, self._actor_loss, "actor"))
         if cfg.trainer.kl_guard.max_kl > 0 and not skip:  # the weights it would keep: a forward
-            with self.memory.timed(timing, "kl_guard"):
-                new = self._logprobs(self.actor, rb)
-                m = mask.float()
-                kl = torch.stack([((old - new) * m).sum().double(), m.sum().double()])
-                if self._gloo_dp() is not None:  # over every row of the step
-                    dist.all_reduce(kl, group=self._gloo_dp())
-                metrics["actor/ppo_kl_final"] = float(kl[0] / kl[1].clamp(min=1))
+            with self.memory.timed(timing, "kl_guard"):  # over kl_guard.row_fraction of the rows
+                metrics.update(self.guard.final_kl(
+                    rb, old, mask, lambda sub: self._logprobs(self.actor, sub), self._gloo_dp()))
         metrics.update(self.guard.judge(self.step + 1, metrics, skip, snapshot, self._restore,
                                         self._models()))
         timing["timing_s/step"] = time.perf_counter() - t0
