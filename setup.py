@@ -72,6 +72,7 @@ setup(
     description="3D-parallel RLHF (PPO/GRPO) with a zero-redundancy train->generation reshard",
     python_requires=">=3.10",
     packages=find_packages(include=["hybridrl", "hybridrl.*"]),
+    package_data={"hybridrl": ["py.typed"]},  # PEP 561: the package's type hints are public
     install_requires=[
         "torch>=2.5",  # scaled_dot_product_attention(enable_gqa=)
         "megatron-core==0.16.1",

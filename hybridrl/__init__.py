@@ -17,7 +17,9 @@ module namespace by Python afterwards. docs/api.md describes every name; the gro
   ``AdaptiveKLController``, ``build_kl_controller``, ``apply_kl_in_reward``;
 - rewards: ``REWARD_FNS`` (data_source -> function), ``RewardScorer``;
 - rollout: ``RolloutEngine``, ``SamplingParams``, ``GenerationOutput``, ``BuiltinEngine``;
-- the trainer: ``load_config``, ``HybridRLConfig``, ``PPOTrainer``.
+- the trainer: ``load_config``, ``HybridRLConfig``, ``PPOTrainer``, ``build_trainer`` (layout,
+  groups and trainer from a config, with prompts / rewards / estimator as Python objects),
+  ``build_layout``, ``PromptRow``.
 An unknown attribute raises ``AttributeError`` naming the module.
 """
 
@@ -53,12 +55,15 @@ _HOME = MappingProxyType({
     "hybridrl.rollout.builtin.engine": ("BuiltinEngine",),
     "hybridrl.config": ("load_config", "HybridRLConfig"),
     "hybridrl.trainer.ppo": ("PPOTrainer",),
+    "hybridrl.trainer.entry": ("build_trainer", "build_layout"),
+    "hybridrl.data.schema": ("PromptRow",),
 })
 
 __all__ = sorted(name for names in _HOME.values() for name in names)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
+    """The exported ``name``, imported from its home module (see the module docstring)."""
     for module, names in _HOME.items():
         if name in names:
             return getattr(importlib.import_module(module), name)
@@ -66,4 +71,5 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
+    """The module's names and every exported one."""
     return sorted([*globals(), *__all__])

@@ -7,21 +7,32 @@ the configured parquet files, or, when ``data.train_files`` is empty, the synthe
 for validation unless ``data.val_files`` is set). ``build_loaders(data_cfg, tokenizer)`` returns
 ``(train_loader, val_loader)``: the train loader shuffles with ``data.seed`` and drops the last
 partial batch; the validation loader (None without validation files) keeps order and every prompt.
+With ``train_rows`` (``PromptRow`` list, in memory: ``hybridrl.data.records``) the training
+prompts are those rows instead of files (``data.train_files`` must then be empty: ValueError
+otherwise) and nothing is generated; validation then uses ``val_rows`` when given, else
+``data.val_files``, else none. ``val_rows`` alone replaces ``data.val_files`` for parquet or
+synthetic training data. Either way the loaders are the same seeded ``PromptLoader`` s: every
+rank builds the same loaders from the same rows and draws the same batches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hybridrl.data.arithmetic import write_dataset
 from hybridrl.data.dataset import PromptDataset
 from hybridrl.data.loader import PromptLoader
+from hybridrl.data.schema import PromptRow
 from hybridrl.data.tokenizer import load_tokenizer
 
 
 def build_tokenizer(model_cfg):
+    """The tokenizer of the ``model`` section (see the module docstring)."""
     return load_tokenizer(model_cfg.tokenizer_path or model_cfg.path or "char")
 
 
 def resolve_files(data_cfg) -> tuple[list[str], list[str]]:
+    """(train_files, val_files): configured, or the synthetic task's (written now)."""
     train, val = list(data_cfg.train_files), list(data_cfg.val_files)
     if train:
         return train, val
@@ -43,21 +54,38 @@ def _dataset(files: list[str], tokenizer, data_cfg) -> PromptDataset:
     )
 
 
-def build_loaders(data_cfg, tokenizer) -> tuple[PromptLoader, PromptLoader | None]:
-    train_files, val_files = resolve_files(data_cfg)
+def build_loaders(
+    data_cfg, tokenizer, train_rows: Sequence[PromptRow] | None = None,
+    val_rows: Sequence[PromptRow] | None = None,
+) -> tuple[PromptLoader, PromptLoader | None]:
+    """(train_loader, val_loader or None) from files or rows (see the module docstring)."""
+    if train_rows is not None:
+        if data_cfg.train_files:
+            raise ValueError(
+                f"training prompts given twice: train_data ({len(train_rows)} rows) and "
+                f"data.train_files={list(data_cfg.train_files)}; give one of them"
+            )
+        train_set = PromptDataset.from_rows(
+            train_rows, tokenizer, data_cfg.max_prompt_length, data_cfg.truncation, "train_data"
+        )
+        val_files = list(data_cfg.val_files)
+    else:
+        train_files, val_files = resolve_files(data_cfg)
+        train_set = _dataset(train_files, tokenizer, data_cfg)
     train = PromptLoader(
-        _dataset(train_files, tokenizer, data_cfg),
+        train_set,
         data_cfg.train_batch_size,
         shuffle=data_cfg.shuffle,
         seed=data_cfg.seed,
         drop_last=True,
     )
-    if not val_files:
+    if val_rows is not None:
+        val_set = PromptDataset.from_rows(
+            val_rows, tokenizer, data_cfg.max_prompt_length, data_cfg.truncation, "val_data"
+        )
+    elif val_files:
+        val_set = _dataset(val_files, tokenizer, data_cfg)
+    else:
         return train, None
-    val = PromptLoader(
-        _dataset(val_files, tokenizer, data_cfg),
-        data_cfg.val_batch_size,
-        shuffle=False,
-        drop_last=False,
-    )
+    val = PromptLoader(val_set, data_cfg.val_batch_size, shuffle=False, drop_last=False)
     return train, val

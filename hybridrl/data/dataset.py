@@ -9,6 +9,11 @@ Contract. ``PromptDataset(files, tokenizer, max_prompt_length, truncation)`` rea
                           the generation prompt); counted in stats["n_truncated"]
                = "drop"   leave the row out; counted in stats["n_dropped"]
 
+``PromptDataset.from_rows(rows, tokenizer, max_prompt_length, truncation, source)`` does the same
+for rows already in memory (``hybridrl.data.records.rows_from_records``; errors name ``source``
+and the row instead of a file). ``digest()``: a sha256 of every kept row and its token ids, in
+order (two ranks hold the same prompts exactly when their digests agree).
+
 ``stats`` = {n_rows, n_kept, n_truncated, n_dropped}, also logged once. ``dataset[i]`` is a
 :class:`PromptExample`; ``collate(examples, pad_token_id)`` builds a :class:`PromptBatch` whose
 ``input_ids`` are left-padded to the longest prompt (``[B, T]``, mask 1 on real tokens), which is
@@ -17,12 +22,15 @@ what generation engines expect. Order, shuffling and resume live in :mod:`hybrid
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hybridrl.data.records import rows_digest
 from hybridrl.data.schema import PromptRow, read_rows
 from hybridrl.data.tokenizer import encode_prompt
 
@@ -94,30 +102,52 @@ class PromptDataset:
         truncation: str = "error",
         prompt_key: str = "prompt",
     ) -> None:
+        files = [files] if isinstance(files, str) else list(files)
+        self._start(tokenizer, max_prompt_length, truncation)
+        if not files:
+            raise ValueError("data files: empty list; allowed: one or more parquet paths")
+        for path in files:
+            self._add_rows(read_rows(path, prompt_key), path, prompt_key)
+        self._finish(files)
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Sequence[PromptRow],
+        tokenizer,
+        max_prompt_length: int,
+        truncation: str = "error",
+        source: str = "train_data",
+    ) -> PromptDataset:
+        """The dataset of ``rows`` (in memory), tokenized as the parquet rows would be."""
+        self = cls.__new__(cls)
+        self._start(tokenizer, max_prompt_length, truncation)
+        self._add_rows(rows, source, "prompt")
+        self._finish(source)
+        return self
+
+    def _start(self, tokenizer, max_prompt_length: int, truncation: str) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(
                 f"data.truncation={truncation!r} is not supported; allowed: {TRUNCATION_MODES}"
             )
         if int(max_prompt_length) < 1:
             raise ValueError(f"data.max_prompt_length={max_prompt_length}; allowed: >= 1")
-        files = [files] if isinstance(files, str) else list(files)
-        if not files:
-            raise ValueError("data files: empty list; allowed: one or more parquet paths")
         self.tokenizer = tokenizer
         self.max_prompt_length = int(max_prompt_length)
         self.truncation = truncation
         self.examples: list[PromptExample] = []
         self.stats = {"n_rows": 0, "n_kept": 0, "n_truncated": 0, "n_dropped": 0}
-        for path in files:
-            self._add_file(path, prompt_key)
+
+    def _finish(self, where) -> None:
         if not self.examples:
             raise ValueError(
-                f"{files}: every prompt is longer than max_prompt_length={self.max_prompt_length} "
+                f"{where}: every prompt is longer than max_prompt_length={self.max_prompt_length} "
                 "and truncation='drop' left nothing"
             )
         logger.info(
             "prompt dataset %s: %d rows, %d kept, %d truncated (left), %d dropped (> %d tokens)",
-            files,
+            where,
             self.stats["n_rows"],
             self.stats["n_kept"],
             self.stats["n_truncated"],
@@ -125,9 +155,9 @@ class PromptDataset:
             self.max_prompt_length,
         )
 
-    def _add_file(self, path: str, prompt_key: str) -> None:
+    def _add_rows(self, rows: Sequence[PromptRow], path: str, prompt_key: str) -> None:
         limit = self.max_prompt_length
-        for row_idx, row in enumerate(read_rows(path, prompt_key)):
+        for row_idx, row in enumerate(rows):
             self.stats["n_rows"] += 1
             ids = encode_prompt(self.tokenizer, row.messages)
             if len(ids) > limit:
@@ -144,6 +174,13 @@ class PromptDataset:
                 self.stats["n_truncated"] += 1
             self.stats["n_kept"] += 1
             self.examples.append(PromptExample(len(self.examples), ids, row, path))
+
+    def digest(self) -> str:
+        """sha256 of the kept rows and their token ids, in order (see the module docstring)."""
+        h = hashlib.sha256(rows_digest([e.row for e in self.examples]).encode())
+        for e in self.examples:
+            h.update(",".join(map(str, e.prompt_ids)).encode() + b"\n")
+        return h.hexdigest()
 
     def __len__(self) -> int:
         return len(self.examples)

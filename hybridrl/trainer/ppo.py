@@ -1,8 +1,10 @@
 """The PPO / GRPO loop: one step = reshard, rollout, score, log-probs, advantages, updates.
 
 Contract:
-- ``PPOTrainer(cfg, groups)`` (collective: every rank, same config) builds the tokenizer, the
-  loaders, the megatron actor / reference (/ critic for GAE) on the training layout, their
+- ``PPOTrainer(cfg, groups, *, train_data=None, val_data=None, reward_fn=None,
+  adv_estimator=None)`` (collective: every rank, same config and arguments) builds the
+  tokenizer, the loaders (parquet / synthetic, or the rows given in memory; a reward callable
+  or mapping and an estimator callable or name: ``hybridrl.trainer.inputs``), the megatron actor / reference (/ critic for GAE) on the training layout, their
   optimizers, the KL controller, the reward scorer and the ``RolloutWorker`` (engine on the
   generation layout + the reshard plan). ``fit()`` resumes when configured (only a checkpoint of
   the same run id: ``hybridrl.checkpoint.run_identity``), runs
@@ -44,6 +46,8 @@ Contract:
 - Each phase of a step runs with exactly its models' parts on the device and is timed
   (``PhaseMemory.timed``); validation is ``hybridrl.trainer.validation.validate_actor``, its samples
   go to ``<run folder>/generations.jsonl``.
+- The trainer draws from random states of its own (``hybridrl.trainer.rng``: seeded by the
+  model build, checkpointed): its public methods leave the caller's global states as they were.
 - Log-probs are those of ``log_softmax(logits / T)`` with T = ``rollout.temperature`` (1 when
   greedy), as the engine reports them.
 """
@@ -52,7 +56,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,40 +68,54 @@ from hybridrl.algos.kl_control import apply_kl_in_reward, build_kl_controller
 from hybridrl.checkpoint.checkpointer import Checkpointer
 from hybridrl.checkpoint.folder import capture_state, restore_state
 from hybridrl.checkpoint.run_identity import run_id
+from hybridrl.config.root import HybridRLConfig
 from hybridrl.data.batching import inverse_order
-from hybridrl.data.build import build_loaders, build_tokenizer
+from hybridrl.data.build import build_tokenizer
 from hybridrl.data.tokenizer import CharTokenizer, vocab_size
 from hybridrl.models.forward import broadcast_from_last_stage, run_microbatches
 from hybridrl.models.hf_io import build_from_config
 from hybridrl.models.train_step import ModelOptimizer, OptimConfig
+from hybridrl.parallel.groups import ParallelGroups
 from hybridrl.planning.report import pipeline_lines
 from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
 from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
-from hybridrl.rewards.scoring import build_reward_scorer
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
 from hybridrl.rollout.partition import plan_rollout_partition
 from hybridrl.rollout.split.remote import build_rollout_worker
 from hybridrl.rollout.worker import reshard_metrics
 from hybridrl.trainer import dynamic_sampling
 from hybridrl.trainer.guards import StepGuard
+from hybridrl.trainer.inputs import build_data, reward_scorer, with_estimator
 from hybridrl.trainer.metrics_log import build_metrics_log
 from hybridrl.trainer.microbatches import TokenTally, forward_parts, sp_multiple
 from hybridrl.trainer.on_policy import GAP_METRICS, skip_old_forward
 from hybridrl.trainer.overlap import Overlap
 from hybridrl.trainer.phase_memory import PhaseMemory
+from hybridrl.trainer.rng import RngScope, own_rng
 from hybridrl.trainer.updates import actor_loss_fn, critic_loss_fn, ddp_options, ppo_updates
 from hybridrl.trainer.validation import validate_actor
 
 
 class PPOTrainer:
-    """The loop (see module docstring); ``groups`` come from ``hybridrl.parallel.build_groups``."""
+    """The PPO / GRPO loop (see module docstring); ``groups`` come from
+    ``hybridrl.build_groups`` (``hybridrl.build_trainer`` makes both from a config)."""
 
-    def __init__(self, cfg, groups, *, print_fn=print, split=None):
+    def __init__(self, cfg: HybridRLConfig, groups: ParallelGroups, *, train_data: Any = None,
+                 val_data: Any = None, reward_fn: Callable | Mapping[str, Callable] | None = None,
+                 adv_estimator: str | Callable | None = None,
+                 print_fn: Callable[..., None] = print, split: Any = None) -> None:
+        self._rng = RngScope()
+        with self._rng:
+            self._build(with_estimator(cfg, adv_estimator), groups, train_data, val_data,
+                        reward_fn, print_fn, split)
+
+    def _build(self, cfg, groups, train_data, val_data, reward_fn, print_fn, split) -> None:
         t_start = time.perf_counter()  # start-up phases are printed once the log exists
         self.cfg, self.groups = cfg, groups
         self.rank, self.world = groups.rank, dist.get_world_size()
         self.tokenizer = build_tokenizer(cfg.model)
-        self.loader, self.val_loader = build_loaders(cfg.data, self.tokenizer)
+        self.loader, self.val_loader = build_data(cfg, self.tokenizer, train_data, val_data,
+                                                  reward_fn)
         seed = cfg.trainer.seed
         self.actor = build_from_config(cfg.model, groups, "actor", seed=seed,
                                        ddp_options=ddp_options(cfg.actor))
@@ -127,7 +147,7 @@ class PPOTrainer:
                     f"{self.actor.spec.vocab_size}: the reward model reads the actor's token "
                     "ids, so both must use the same tokenizer")
         t_models = time.perf_counter()
-        self.scorer = build_reward_scorer(cfg.reward)
+        self.scorer = reward_scorer(cfg, reward_fn)
         self.dist_scorer = DistributedScorer(self.scorer, self.tokenizer, cfg.reward,
                                              cfg.rollout.response_length)
         self.partition = None  # this step's (rows per DP rank, global sequence lengths)
@@ -240,7 +260,9 @@ class PPOTrainer:
                            tally=self.tally)
 
     # ------------------------------------------------------------------ one step
+    @own_rng
     def train_step(self) -> dict:
+        """One PPO step (module docstring) on every rank; the step's metrics."""
         cfg, t0 = self.cfg, time.perf_counter()
         timing = self.phases.step_timing(self.step + 1) if self.phases else {}
         snapshot = self._snapshot() if self.guard.needs_snapshot else None
@@ -331,6 +353,7 @@ class PPOTrainer:
         restore_state(self._models(), snap, self.kl_ctrl)
 
     # ------------------------------------------------------------------ validation
+    @own_rng
     def validate(self) -> dict:
         """Greedy (``rollout.val_temperature``) responses on the validation prompts."""
         if self.val_loader is None:
@@ -343,11 +366,13 @@ class PPOTrainer:
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
+    @own_rng
     def save(self) -> Path:
         """Checkpoint ``global_step_<step>`` (``hybridrl.checkpoint.checkpointer``)."""
         return self.ckpt.save()
 
     # ------------------------------------------------------------------ driver
+    @own_rng
     def fit(self) -> list[dict]:
         """Resume if configured, then train to ``total_steps``; per-step metrics."""
         t = self.cfg.trainer

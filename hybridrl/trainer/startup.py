@@ -1,9 +1,9 @@
 """Start-up checks: run on every rank before any collective, each failure one line naming a path or key.
 
-Contract: ``check_startup(cfg, rank)`` returns the list of problems (empty when the run can
+Contract: ``check_startup(cfg, rank, data_given=False)`` returns the list of problems (empty when the run can
 start); it reads but never changes anything except creating the run folder
 ``<trainer.output_dir>/<trainer.experiment_name>`` (and ``trainer.checkpoint_dir`` when set, and
-the synthetic data folder) and removing its own probe file. Checked:
+the synthetic data folder unless ``data_given``) and removing its own probe file. Checked:
 - the run folder (``trainer.output_dir: the run folder '<path>' cannot be created or written
   (...)``), ``trainer.checkpoint_dir`` when set and ``data.synthetic.dir`` when the data is
   generated can be created and written (a folder under a regular file, no permission, ...);
@@ -22,6 +22,10 @@ the synthetic data folder) and removing its own probe file. Checked:
 - with neither ``reward.reward_fn`` nor ``reward.reward_model_path``, every ``data_source`` of
   the training/validation parquet files has a registered reward function (``REWARD_FNS``), and
   no prompt has empty content.
+``row_problems(rows, name, known_sources)`` runs the last check on prompt rows given in memory
+(``PPOTrainer(train_data=...)``): the first row whose ``data_source`` is not in
+``known_sources`` (None: no check, a reward function scores every row) and the first empty
+prompt, each one line naming ``name`` and the row.
 """
 
 from __future__ import annotations
@@ -162,14 +166,32 @@ def _data_problems(cfg) -> list[str]:
     return problems
 
 
-def check_startup(cfg, rank: int) -> list[str]:
-    """Every problem found (one line each; see module docstring)."""
+def row_problems(rows, name: str, known_sources) -> list[str]:
+    """Unknown data_sources and empty prompts of in-memory rows (see module docstring)."""
+    problems = []
+    if known_sources is not None:
+        known = set(known_sources)
+        bad = [i for i, r in enumerate(rows) if r.data_source not in known]
+        if bad:
+            problems.append(f"{name} row {bad[0]}: data_source {rows[bad[0]].data_source!r} "
+                            f"(rows {bad[:3]}) has no reward function; registered: "
+                            f"{', '.join(sorted(known))}; pass reward_fn or register one")
+    empty = [i for i, r in enumerate(rows)
+             if not any(str(m.get("content") or "").strip() for m in r.messages)]
+    if empty:
+        problems.append(f"{name} row {empty[0]} has an empty prompt")
+    return problems
+
+
+def check_startup(cfg, rank: int, *, data_given: bool = False) -> list[str]:
+    """Every problem found (one line each; see module docstring). ``data_given``: the training
+    prompts come from memory (``PPOTrainer(train_data=...)``): no synthetic data folder."""
     t = cfg.trainer
     problems = [_writable("trainer.output_dir: the run folder", t.run_dir, rank)]
     if t.checkpoint_dir:
         problems.append(_writable("trainer.checkpoint_dir", t.checkpoint_dir, rank))
     problems = [p for p in problems if p]
-    if not cfg.data.train_files and cfg.data.synthetic.task != "none":
+    if not cfg.data.train_files and cfg.data.synthetic.task != "none" and not data_given:
         problem = _writable("data.synthetic.dir", cfg.data.synthetic.dir, rank)
         problems += [problem] if problem else []
     from hybridrl.trainer.tracking import missing_loggers

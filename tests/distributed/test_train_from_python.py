@@ -1,0 +1,102 @@
+"""The trainer driven from Python on 2 gloo ranks, in ONE process group (issue 42 item 4):
+
+- examples/train_from_python.py: prompts as a list of dicts, the reward and the estimator as
+  callables, built with ``hybridrl.build_trainer``: 2 steps; the callables drive every step (the
+  estimator sees the whole batch at dp 2, the reward's data_source metric is there, its
+  0 / 0.2 / 1 values bound the scores); every rank's torch / numpy / random global states are
+  exactly what they were before the build and the steps;
+- misuse, each raised on BOTH ranks as one line before any model is built (no hang): ranks
+  holding different prompts; a malformed row on one rank only; a data_source no reward
+  function covers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from hybridrl.testing.dist import run_on_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _example():
+    path = os.path.join(ROOT, "examples", "train_from_python.py")
+    spec = importlib.util.spec_from_file_location("train_from_python", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def _rank(rank, world, workdir):
+    import hybridrl
+
+    ex = _example()
+    cfg = hybridrl.load_config([], ["model.num_layers=2", "data.max_prompt_length=40",
+                                    "data.train_batch_size=4", "rollout.n=2",
+                                    "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2",
+                                    "trainer.device=cpu",
+                                    "algorithm.adv_estimator=grpo", "trainer.logger=[console]",
+                                    f"trainer.output_dir={workdir}/misuse"])
+    rows = ex.prompts(8)
+    out = {"differ": _error(lambda: hybridrl.build_trainer(
+        cfg, train_data=rows if rank == 0 else rows[::-1], reward_fn=ex.reward))}
+    bad = [{k: v for k, v in r.items() if k != "reward_model"} for r in rows]
+    out["bad_row"] = _error(lambda: hybridrl.build_trainer(
+        cfg, train_data=bad if rank == 1 else rows, reward_fn=ex.reward))
+    out["no_reward"] = _error(lambda: hybridrl.build_trainer(cfg, train_data=rows))
+
+    torch.manual_seed(1000 + rank)
+    np.random.seed(2000 + rank)
+    random.seed(3000 + rank)
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    out["history"], out["calls"] = ex.main(f"{workdir}/run", steps=2)
+    after = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    out["rng_kept"] = [torch.equal(before[0], after[0]), bool((before[1] == after[1]).all()),
+                       before[2] == after[2]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_on_ranks(_rank, 2, str(tmp_path_factory.mktemp("from_python")), timeout=400)
+
+
+@pytest.mark.slow
+def test_in_memory_prompts_reward_and_estimator_drive_two_ranks(results):
+    for out in results:
+        history, calls = out["history"], out["calls"]
+        assert len(history) == 2 and calls == [(8, 4), (8, 4)]  # 4 prompts x n=2, whole batch
+        for m in history:
+            assert "reward/source/example/sum/mean" in m
+            assert 0.0 <= m["critic/score/mean"] <= 1.0 and m["critic/score/max"] in (0.0, 0.2, 1.0)
+
+
+@pytest.mark.slow
+def test_building_and_stepping_leave_the_callers_global_rng_as_it_was(results):
+    assert [out["rng_kept"] for out in results] == [[True, True, True]] * 2
+
+
+@pytest.mark.slow
+def test_misuse_is_one_line_on_every_rank(results):
+    differ, bad, none = ([out[k] for out in results] for k in ("differ", "bad_row", "no_reward"))
+    assert differ[0] == differ[1] and differ[0].startswith(
+        "ranks hold different prompts: rank 1's train_data/val_data differ from rank 0's")
+    assert bad[0] == bad[1] and bad[0].startswith(
+        "rank 1: train_data row 0: 'reward_model' is missing")
+    assert none[0] == none[1] and none[0].startswith(
+        "train_data row 0: data_source 'example/sum' (rows [0, 1, 2]) has no reward function")
+    assert all("\n" not in line for line in differ + bad + none)
