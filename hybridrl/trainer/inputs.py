@@ -72,9 +72,8 @@ def _reward_name(fn: Callable) -> str:
 
 def reward_scorer(cfg, reward_fn: Callable | Mapping[str, Callable] | None) -> RewardScorer:
     """The run's scorer, with ``reward_fn`` when given (see the module docstring)."""
-    scorer = build_reward_scorer(cfg.reward)
     if reward_fn is None:
-        return scorer
+        return build_reward_scorer(cfg.reward)
     r = cfg.reward
     if r.reward_fn or r.reward_model_path:
         key = "reward.reward_fn" if r.reward_fn else "reward.reward_model_path"
@@ -83,6 +82,7 @@ def reward_scorer(cfg, reward_fn: Callable | Mapping[str, Callable] | None) -> R
         raise ValueError(f"reward_fn callables score in the rank's own process; "
                          f"reward.num_workers={r.num_workers} must be 0 (a pool's processes "
                          "rebuild the scorer from the config: use reward.reward_fn there)")
+    scorer = build_reward_scorer(r)
     if isinstance(reward_fn, Mapping):
         registry = Registry(REWARD_FNS.kind)
         for name in REWARD_FNS.names():
