@@ -50,6 +50,16 @@ Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 
 class Assembler:
+    """Receives canonical rows, completes this rank's gen shard parameter by parameter and
+    hands each to ``fmt`` / ``sink``, or receives in place into ``into`` (module doc).
+
+    ``plan``/``rank``: the plan and the rank it assembles for (a rank outside the plan is
+    reported by ``run_plan``'s agreement, not raised here); ``fmt``: a format of
+    ``hybridrl.reshard.formats`` (unused with ``into``); ``sink``: called at each flush with
+    the converted ``[(name, tensor)]`` (None: kept for ``result()``); ``dtype``/``device``: of
+    the buffers it allocates (the training tensors' dtype); ``into``, ``zero_padding``,
+    ``sink_every_flush``, ``spare``: see the module doc."""
+
     def __init__(self, plan: Plan, rank: int, fmt: Format | None, sink: Sink | None = None,
                  dtype: torch.dtype = torch.float32, into: dict[str, torch.Tensor] | None = None,
                  device: torch.device | str = "cpu", sink_every_flush: bool = False,
@@ -59,6 +69,14 @@ class Assembler:
         self.sink_every_flush = sink_every_flush
         self.device = torch.device(device)
         self.into = into
+        self.pending, self.regions, self.copies, self.kept = [], {}, None, {}
+        self.open_bytes = self.kept_bytes = self.pending_bytes = 0
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.gen.world:
+            # not raised here (the other ranks would wait in run_plan's agreement): reported
+            # through it, like a wrong ``into=`` target
+            self.into, self.dests = None, {}
+            self.into_error = f"rank {rank!r} is outside the plan's {plan.gen.world} ranks"
+            return
         self.spare = spare  # view -> elements of scratch after it (merged messages' holes)
         self.copies: list | None = None  # (target, source) row copies made, while recording
         self.dests = plan.dests[rank]
@@ -66,7 +84,6 @@ class Assembler:
         self.regions: dict[str, list] = {}  # key -> [buffer, rows filled]
         self.pending: list[tuple[str, torch.Tensor]] = []
         self.kept: dict[str, torch.Tensor] = {}
-        self.open_bytes = self.kept_bytes = self.pending_bytes = 0
         self.into_error = None if into is None else self._into_problem()
         for spec in plan.specs:
             iv = plan.gen.interval(spec, rank)
@@ -82,6 +99,7 @@ class Assembler:
 
     @property
     def live_bytes(self) -> int:
+        """Canonical bytes of open buffers plus converted tensors kept or awaiting a flush."""
         return self.open_bytes + self.kept_bytes + self.pending_bytes
 
     def _into_problem(self) -> str | None:
@@ -214,6 +232,7 @@ class Assembler:
             self._emit(spec, piece)
 
     def flush(self) -> None:
+        """Hand the tensors completed since the last flush to the sink (or keep them)."""
         if not self.pending and not (self.sink_every_flush and self.sink is not None):
             return
         if self.sink is not None:
@@ -223,6 +242,8 @@ class Assembler:
         self.pending, self.pending_bytes = [], 0
 
     def result(self) -> dict[str, torch.Tensor]:
+        """After the run: the kept tensors by name (empty with a sink); AssertionError when a
+        parameter is incomplete."""
         if self.regions:
             raise AssertionError(f"rank {self.rank}: incomplete parameters {sorted(self.regions)}")
         self.flush()

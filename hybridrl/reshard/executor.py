@@ -1,10 +1,18 @@
 """Run a reshard ``Plan`` with torch.distributed, bucket by bucket, overlapping comm and consume.
 
 Contract:
-- ``run_plan(plan, rank, sources, assembler, group=None)`` must be called on every rank of the
-  plan's world with the same plan. ``sources`` maps each parameter key this rank holds to
-  ``(canonical_view, lo)``: its training piece in the canonical layout and the first canonical row
-  it holds (``train_sources`` builds it from megatron's named tensors).
+- ``run_plan(plan, sources, assembler, group=None)`` (or ``run_plan(plan, rank, sources,
+  assembler, ...)``) must be called on every rank of the plan's world with the same plan.
+  ``sources`` maps each parameter key this rank holds to ``(canonical_view, lo)``: its training
+  piece in the canonical layout and the first canonical row it holds (``train_sources(plan,
+  named)`` builds it from megatron's named tensors). ``rank`` defaults to this process's rank in
+  ``group``; an explicit one that is not that rank is a wrong input like any other (below).
+- ``train_sources`` raises nothing for a wrong input: a training tensor the shape description
+  does not match (missing, shaped otherwise than its spec's local piece: e.g. a vocabulary padded
+  to another divisor, another ffn or number of KV groups; a layer past the stage's share), or a
+  wrong ``rank``, is kept in the returned ``Sources.error`` and reported by ``run_plan``'s
+  agreement, so every rank raises the same one line naming the tensor and both shapes, before
+  any transfer.
 - Phases (``hybridrl.reshard.schedule.phase_schedule``, derived from the plan alone): this
   rank's first bucket is posted, then the local phases -L..-1 copy its local-only chunks (each
   at most one bucket of rows, or one larger parameter), then its buckets. Bucket k+1's sends and
@@ -30,9 +38,11 @@ Contract:
   group and the allgather baseline is a p2p emulation of an all_gather; no collective moves
   weights (the only collective is the ``verify`` check below).
 - ``verify=True`` (default) first checks with one small all_gather_object that every rank runs
-  the same plan (``plan_fingerprint``) and that no rank's inputs are wrong (dtype vs itemsize,
-  every ``into=`` target's name/shape/dtype), so a mismatch raises ValueError on all ranks
-  instead of hanging. Verify once per plan; reruns of a verified plan may pass ``verify=False``.
+  the same plan (``plan_fingerprint``) and that no rank's inputs are wrong (its rank and the
+  group's size, every training tensor's presence and shape, the sources' dtype vs itemsize,
+  the assembler's rank and dtype, every ``into=`` target's name/shape/dtype), so a mismatch
+  raises ValueError on all ranks instead of hanging. Verify once per plan; reruns of a verified
+  plan may pass ``verify=False`` (a wrong input then raises on its own rank only).
 - ``run_plan_local(plan, sources_by_rank, assemblers)`` plays every rank in one process, phase by
   phase in the same order (tests); returns each rank's peak ``assembler.live_bytes``.
 - Returns ``RunStats``: bytes of the send / receive buffers this rank posted to isend / irecv
@@ -45,20 +55,28 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.coalesce import Merges, message_numel, message_view, singles
 from hybridrl.reshard.coalesce import source_piece as _piece
 from hybridrl.reshard.planner import Plan, Transfer
 from hybridrl.reshard.schedule import local_phases, phase_schedule
-from hybridrl.reshard.specs import canonical_view
+from hybridrl.reshard.specs import ParamSpec, canonical_view, storage_shape
 
 
 @dataclasses.dataclass(frozen=True)
 class RunStats:
+    """What one ``run_plan`` posted on this rank (module doc): send / receive buffer bytes,
+    buckets taken part in, peak live bytes (comm buffers + assembler), peak comm buffer bytes,
+    peak ``assembler.live_bytes`` and messages posted (isends + irecvs)."""
+
     bytes_sent: int
     bytes_received: int
     buckets: int
@@ -68,18 +86,107 @@ class RunStats:
     messages: int = 0
 
 
-def train_sources(plan: Plan, rank: int, named: dict[str, torch.Tensor]) -> dict:
-    """key -> (canonical view, first row) from this rank's megatron tensors (stage-local names)."""
+class Sources(dict):
+    """``key -> (canonical view, first row)`` of this rank's training pieces (``train_sources``),
+    with ``error``: the first wrong input found (None: none), which ``run_plan`` reports on
+    every rank through its agreement instead of raising on this rank alone."""
+
+    error: str | None = None
+
+
+def group_rank(rank: int | None, group: ProcessGroup | None = None) -> tuple[int, str | None]:
+    """(the rank to run as, a wrong-input line or None). ``rank=None``: this process's rank in
+    ``group`` (torch.distributed must be initialized); an explicit rank must be that rank when
+    it is."""
+    if not dist.is_available() or not dist.is_initialized():
+        if rank is None:
+            raise ValueError("rank= is needed when torch.distributed is not initialized")
+        return rank, None
+    mine = dist.get_rank(group)
+    if rank is None:
+        return mine, None
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank != mine:
+        return mine, (f"rank={rank!r} was passed but this process is rank {mine} of the "
+                      f"process group ({dist.get_world_size(group)} ranks); leave rank= out "
+                      "to use the group's rank")
+    return rank, None
+
+
+_HINTS = {"vocab": "the vocabulary's rows per TP rank: check vocab and "
+                   "make_vocab_size_divisible_by",
+          "qkv": "check num_query_groups, heads, head_dim and hidden",
+          "fc1": "check ffn and hidden", "row": "check hidden, ffn and heads x head_dim",
+          "norm": "check hidden and head_dim"}
+
+
+def _shape_error(spec: ParamSpec, name: str, got: tuple, want: tuple, vocab_chunk: int) -> str:
+    hint = _HINTS[spec.kind]
+    if spec.kind == "vocab":
+        hint = f"{vocab_chunk} = {hint}"
+    return (f"training tensor {name!r} has shape {got} but the reshard's shape description "
+            f"gives {want} ({hint})")
+
+
+def _layer_error(plan: Plan, rank: int, named: Mapping) -> str | None:
+    """A training tensor of a layer past this stage's share (the description has fewer layers
+    per stage than the model), or None."""
     t = plan.train
-    out = {}
-    for spec in plan.specs:
+    per_stage = t.num_layers // t.pp
+    for name in named:
+        m = re.match(r"(?:module\.)*decoder\.layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= per_stage:
+            return (f"training tensor {name!r} is layer {m.group(1)} of its stage but the "
+                    f"reshard's shape description gives {per_stage} layers per stage "
+                    f"(layers={t.num_layers}, pp={t.pp}): check layers")
+    return None
+
+
+@overload
+def train_sources(plan: Plan, named: Mapping[str, torch.Tensor], *, rank: int | None = None,
+                  group: ProcessGroup | None = None) -> Sources: ...
+@overload
+def train_sources(plan: Plan, rank: int | None, named: Mapping[str, torch.Tensor], *,
+                  group: ProcessGroup | None = None) -> Sources: ...
+def train_sources(plan: Plan, *args: Any, rank: int | None = None,  # noqa: E302
+                  group: ProcessGroup | None = None) -> Sources:
+    """``Sources`` (key -> (canonical view, first row)) from this rank's megatron tensors
+    ``named`` (stage-local names, e.g. ``dict(model.named_parameters())``).
+
+    ``train_sources(plan, named)`` or ``train_sources(plan, rank, named)``; ``rank`` defaults
+    to this process's rank in ``group``. A missing or wrongly shaped tensor (its spec's local
+    piece: ``storage_shape``) or a wrong ``rank`` is not raised here but kept in ``.error`` for
+    ``run_plan`` to report on every rank (module doc)."""
+    if len(args) == 2:
+        rank, named = args
+    elif len(args) == 1:
+        (named,) = args
+    else:
+        raise TypeError("train_sources(plan, named) or train_sources(plan, rank, named)")
+    if not isinstance(named, Mapping):
+        raise TypeError(f"named must map megatron names to tensors, got {type(named).__name__}")
+    rank, error = group_rank(rank, group)
+    out = Sources()
+    t = plan.train
+    if error is None and not 0 <= rank < t.world:
+        error = f"rank {rank} is outside the plan's {t.world} ranks"
+    if error is None and t.coords[rank] is not None:
+        error = _layer_error(plan, rank, named)
+    for spec in plan.specs if error is None else ():
         iv = t.interval(spec, rank)
         if iv is None or iv[1] <= iv[0]:
             continue
         name = spec.local_name(t.pp, t.num_layers)
         if name not in named:
-            raise ValueError(f"rank {rank}: missing training tensor {name!r}")
-        out[spec.key] = (canonical_view(spec, named[name], iv[1] - iv[0]), iv[0])
+            error = (f"missing training tensor {name!r} (the model has no tensor of this name "
+                     "on this rank's stage: check the shape description and naming)")
+            break
+        tensor = named[name]
+        want = storage_shape(spec, t.tp, t.vocab_chunk)
+        if tuple(tensor.shape) != want:
+            error = _shape_error(spec, name, tuple(tensor.shape), want, t.vocab_chunk)
+            break
+        out[spec.key] = (canonical_view(spec, tensor, iv[1] - iv[0]), iv[0])
+    out.error = error
     return out
 
 
@@ -181,8 +288,49 @@ def check_same_plan(plan: Plan, group=None, local_error: str | None = None,
                          f"group rank {bad[0]} has {seen[bad[0]][0]}")
 
 
-def _local_error(plan: Plan, sources: dict, assembler: Assembler) -> tuple[str | None, torch.dtype]:
+def _sources_error(plan: Plan, rank: int, sources: Mapping) -> str | None:
+    """A source piece the plan cannot use (missing, or not its spec's canonical piece), or
+    None: checks hand-built sources as ``train_sources`` checks megatron's tensors."""
+    t = plan.train
+    if not 0 <= rank < t.world:
+        return f"rank {rank} is outside the plan's {t.world} ranks"
+    for spec in plan.specs:
+        iv = t.interval(spec, rank)
+        if iv is None or iv[1] <= iv[0] or spec.tied_copy and spec.key in sources:
+            continue
+        if spec.key not in sources:
+            return f"sources lack {spec.key!r} (rows {iv[0]}..{iv[1]} of it are on this rank)"
+        view, lo = sources[spec.key]
+        want = spec.piece_shape(iv[1] - iv[0])
+        if tuple(view.shape) != want or lo != iv[0]:
+            return (f"source {spec.key!r} is rows {lo}.. of shape {tuple(view.shape)} but the "
+                    f"plan needs rows {iv[0]}..{iv[1]} in its canonical shape {want}")
+    return None
+
+
+def _local_error(plan: Plan, sources: Mapping, assembler: Assembler, rank: int | None = None,
+                 group=None, rank_error: str | None = None) -> tuple[str | None, torch.dtype]:
+    """(this rank's first wrong input or None, the sources' dtype): what ``check_same_plan``
+    reports on every rank (module doc)."""
     dtype = next((v.dtype for v, _ in sources.values()), torch.float32)
+    rank = assembler.rank if rank is None else rank
+    if rank_error:
+        return rank_error, dtype
+    if dist.is_available() and dist.is_initialized():
+        size = dist.get_world_size(group)
+        if size != plan.train.world:
+            return (f"the plan is for {plan.train.world} ranks but the process group has "
+                    f"{size}"), dtype
+    if getattr(sources, "error", None):
+        return sources.error, dtype
+    if assembler.rank != rank:
+        return (f"the assembler was built for rank {assembler.rank} but this process runs "
+                f"rank {rank}"), dtype
+    if error := _sources_error(plan, rank, sources):
+        return error, dtype
+    other = next((v.dtype for v, _ in sources.values() if v.dtype != dtype), None)
+    if other is not None:
+        return f"the training tensors mix {dtype} and {other}", dtype
     if torch.empty((), dtype=dtype).element_size() != plan.itemsize:
         return f"plan itemsize={plan.itemsize} but the training tensors are {dtype}", dtype
     if assembler.dtype != dtype:
@@ -221,12 +369,37 @@ class Replay:
         return self.stats
 
 
-def run_plan(plan: Plan, rank: int, sources: dict, assembler: Assembler, group=None,
-             verify: bool = True, merges: Merges | None = None,
-             recorder: list | None = None) -> RunStats:
-    """Execute this rank's part of ``plan`` (see module doc). ``recorder``: a list that gets a
-    ``Replay`` of this run when it received in place with no temporary buffer."""
-    error, _ = _local_error(plan, sources, assembler)
+@overload
+def run_plan(plan: Plan, sources: Mapping, assembler: Assembler,
+             group: ProcessGroup | None = None, *, rank: int | None = None, verify: bool = True,
+             merges: Merges | None = None, recorder: list | None = None) -> RunStats: ...
+@overload
+def run_plan(plan: Plan, rank: int | None, sources: Mapping, assembler: Assembler,
+             group: ProcessGroup | None = None, verify: bool = True,
+             merges: Merges | None = None, recorder: list | None = None) -> RunStats: ...
+def run_plan(plan: Plan, *args: Any, rank: int | None = None,  # noqa: E302
+             group: ProcessGroup | None = None, verify: bool = True,
+             merges: Merges | None = None, recorder: list | None = None) -> RunStats:
+    """Execute this rank's part of ``plan`` (see module doc); collective over ``group``.
+
+    ``run_plan(plan, sources, assembler)`` or ``run_plan(plan, rank, sources, assembler)``;
+    ``rank`` defaults to this process's rank in ``group``. ``verify``: the agreement that makes
+    a wrong input on any rank raise the same ValueError on every rank (module doc).
+    ``merges``: agreed merged messages (``hybridrl.reshard.coalesce``). ``recorder``: a list
+    that gets a ``Replay`` of this run when it received in place with no temporary buffer."""
+    if args and isinstance(args[0], Mapping):  # (sources, assembler[, group])
+        sources, assembler, *rest = args
+    elif len(args) >= 3:  # (rank, sources, assembler[, group])
+        rank, sources, assembler, *rest = args
+    else:
+        raise TypeError("run_plan(plan, sources, assembler) or "
+                        "run_plan(plan, rank, sources, assembler)")
+    if rest:
+        if len(rest) > 1 or group is not None:
+            raise TypeError("run_plan: too many positional arguments")
+        group = rest[0]
+    rank, rank_error = group_rank(rank, group)
+    error, _ = _local_error(plan, sources, assembler, rank, group, rank_error)
     if verify:
         check_same_plan(plan, group, error, None if merges is None else "run")
     elif error:

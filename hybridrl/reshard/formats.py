@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.reshard.assemble import Format
 from hybridrl.reshard.placement import Placement
 from hybridrl.reshard.specs import (
     EMBED,
@@ -68,7 +69,10 @@ def split_qkv(shape: LlamaShape, piece: torch.Tensor):
     return q, g[:, hpg].reshape(-1, *rest), g[:, hpg + 1].reshape(-1, *rest)
 
 
-def megatron_format(gen: Placement, rank: int):
+def megatron_format(gen: Placement, rank: int) -> Format:
+    """Gen-layout megatron tensors with stage-local names, vocab chunks zero-padded to
+    ``gen.vocab_chunk`` (module doc)."""
+
     def fmt(spec: ParamSpec, piece: torch.Tensor):
         name = spec.local_name(gen.pp, gen.num_layers)
         return [(name, to_storage(spec, piece, gen.vocab_chunk).contiguous())]
@@ -85,7 +89,11 @@ def check_engine_split(shape: LlamaShape, tp: int) -> None:
         )
 
 
-def engine_format(shape: LlamaShape, gen: Placement, rank: int):
+def engine_format(shape: LlamaShape, gen: Placement, rank: int) -> Format:
+    """The per-TP-rank format of SGLang and the builtin engine for ``rank`` of ``gen``: HF
+    names, global layer indices, ``qkv_proj`` = [q; k; v] and ``gate_up_proj`` = [gate; up] of
+    the rank's slice, vocab chunks padded to ``gen.vocab_chunk`` (module doc). ValueError when
+    gen tp does not divide the KV heads."""
     check_engine_split(shape, gen.tp)
 
     def fmt(spec: ParamSpec, piece: torch.Tensor):
@@ -99,7 +107,10 @@ def engine_format(shape: LlamaShape, gen: Placement, rank: int):
     return fmt
 
 
-def hf_format(shape: LlamaShape):
+def hf_format(shape: LlamaShape) -> Format:
+    """Full HF tensors (q/k/v_proj, gate/up_proj, ...; no lm_head when tied) for export; each
+    piece must be the whole tensor (a gen placement with tp = pp = 1), else ValueError."""
+
     def fmt(spec: ParamSpec, piece: torch.Tensor):
         if piece.shape[spec.cut_dim] != spec.rows:
             raise ValueError(f"hf_format needs full tensors; {spec.name} has "

@@ -7,8 +7,10 @@ Contract:
   describes ANY generation layout (e.g. gen tp > train tp), which ``GenLayout`` cannot.
 - ``train_placement(layout, shape)``: megatron's training layout (replica = DP index; vocab padded
   to make_vocab_size_divisible_by * tp, as megatron does).
-- ``gen_placement(train, shape, tp, pp, grouping=..., vocab_pad=None)``: the generation layout.
-  ``grouping="hybridflow"`` / ``"vanilla"`` take the coordinates of ``GenLayout`` (needs tg | t and
+- ``gen_placement(train, shape, tp, pp, grouping="auto", vocab_pad=None)``: the generation
+  layout. ``grouping="auto"`` is ``default_gen_placement``'s choice: ``hybridflow`` when the gen
+  shards nest in the training shards (tg | t and pg | p: what the ``zero_redundancy`` strategy
+  needs), else ``optimal``. ``grouping="hybridflow"`` / ``"vanilla"`` take the coordinates of ``GenLayout`` (needs tg | t and
   pg | p; replica = dp * dg + micro_dp). ``grouping="consecutive"`` works for any (tg, pg) whose
   product divides the world: with ranks listed in training (dp, pp, tp) order, the i-th gets
   gen_tp = i % tg, gen_pp = (i // tg) % pg, replica = i // (tg * pg). When tg*pg | t*p every gen
@@ -42,14 +44,21 @@ from hybridrl.parallel.layout import GenLayout, TrainLayout
 from hybridrl.reshard.assignment import optimal_coords
 from hybridrl.reshard.specs import LlamaShape, ParamSpec, build_specs, check_split
 
-GROUPINGS = ("hybridflow", "vanilla", "consecutive", "optimal")
+GROUPINGS = ("auto", "hybridflow", "vanilla", "consecutive", "optimal")
 
 ENGINE_VOCAB_PAD = 64  # SGLang's vocab padding (the builtin engine pads as training does)
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """tp x pp shards replicated over replicas; ``coords[r] = (tp_rank, pp_rank, replica)``."""
+    """tp x pp shards replicated over replicas (module doc); frozen and pure.
+
+    Fields: ``tp``, ``pp``; ``num_layers`` of the model; ``vocab_chunk``, rows per TP rank of
+    the vocab-parallel tensors (padding included); ``coords``, one entry per rank of the world:
+    ``coords[r] = (tp_rank, pp_rank, replica)`` of rank r, or None for a rank outside this
+    placement (the other side of a split); ``grouping``, how the coordinates were chosen
+    ("train", "hybridflow", "vanilla", "consecutive", "optimal" or "split").
+    """
 
     tp: int
     pp: int
@@ -80,6 +89,7 @@ class Placement:
 
     @property
     def world(self) -> int:
+        """Number of ranks the placement spans (members and, in a split, the others)."""
         return len(self.coords)
 
     def ranks_at(self, tp_rank: int, pp_rank: int) -> tuple[int, ...]:
@@ -96,6 +106,7 @@ class Placement:
         return tuple(r for r, c in enumerate(self.coords) if c is not None)
 
     def replica(self, rank: int) -> int | None:
+        """The replica (training: DP index) ``rank`` belongs to, None outside the placement."""
         c = self.coords[rank]
         return None if c is None else c[2]
 
@@ -135,6 +146,9 @@ def _consecutive(train: TrainLayout, tp: int, pp: int) -> tuple[tuple[int, int, 
 
 
 def train_placement(layout: TrainLayout, shape: LlamaShape) -> Placement:
+    """megatron's training placement of ``shape`` on ``layout`` (replica = DP index; vocab
+    padded to make_vocab_size_divisible_by * tp). ValueError when megatron cannot split the
+    shape that way (KV groups or ffn by tp, layers by pp)."""
     check_split(shape, layout.tp, layout.pp, "train")
     coords = []
     for r in range(layout.world):
@@ -149,12 +163,20 @@ def gen_placement(
     shape: LlamaShape,
     tp: int,
     pp: int = 1,
-    grouping: str = "hybridflow",
+    grouping: str = "auto",
     vocab_pad: int | None = None,
 ) -> Placement:
-    """The generation placement of ``tp`` x ``pp`` shards on the training ranks (see module doc)."""
+    """The generation placement of ``tp`` x ``pp`` shards on the training ranks (see module doc).
+
+    ``grouping``: one of ``GROUPINGS`` ("auto": hybridflow when the shards nest, else
+    optimal); ``vocab_pad``: None for megatron's padding of the training model, or the
+    engine's multiple (SGLang: 64)."""
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+    if grouping == "auto":
+        nested = isinstance(tp, int) and isinstance(pp, int) and tp >= 1 and pp >= 1 and (
+            train.tp % tp == 0 and train.pp % pp == 0)
+        grouping = "hybridflow" if nested else "optimal"
     if not isinstance(tp, int) or not isinstance(pp, int) or tp < 1 or pp < 1:
         raise ValueError(f"gen tp and pp must be positive integers, got tp={tp!r}, pp={pp!r}")
     check_split(shape, tp, pp, "gen")

@@ -1,8 +1,12 @@
 """Pure reshard planner: which rank sends which canonical rows of which parameter to whom.
 
 Contract:
-- ``plan_reshard(train, gen, specs, strategy, bucket_mb, itemsize)`` needs no process group; every
-  rank calls it with the same arguments and gets the same ``Plan``, keeping its own part.
+- ``plan_reshard(train, gen, specs, strategy="auto", bucket_mb, itemsize)`` needs no process
+  group; every rank calls it with the same arguments and gets the same ``Plan``, keeping its own
+  part. ``strategy="auto"`` (the trainer's ``reshard.strategy=auto``) is ``choose_strategy``:
+  ``split`` when the generation ranks are apart, ``zero_redundancy`` when it applies (gen shards
+  nested in the training shards, hybridflow grouping: what ``gen_placement``'s default
+  ``grouping="auto"`` gives them), else ``p2p``.
 - A rank's *destination* is a row interval per parameter key: its generation shard for
   ``zero_redundancy`` and ``p2p``; the whole model for the baselines ``allgather`` and ``vanilla``
   (they materialize full tensors, as DeepSpeed-Chat and HybridFlow-V do, then slice).
@@ -68,6 +72,11 @@ class Transfer:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """The full reshard plan, the same on every rank (module doc): strategy, both placements,
+    the parameter specs, element size, bucket cap; per rank its destination rows (``dests``)
+    and the rows it copies from itself (``locals``); the buckets of transfers. The byte methods
+    count this plan's transfers for one rank (the ``RunStats`` of ``run_plan`` equal them)."""
+
     strategy: str
     train: Placement
     gen: Placement
@@ -80,6 +89,7 @@ class Plan:
     _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def spec(self, key: str) -> ParamSpec:
+        """The (first) spec of parameter ``key`` (a tied output copy shares the embedding's)."""
         if "specs" not in self._cache:
             self._cache["specs"] = {}
             for s in self.specs:
@@ -95,22 +105,27 @@ class Plan:
         return self._cache[("rank", rank)]
 
     def recv_bytes(self, rank: int) -> int:
+        """Bytes ``rank`` receives over the whole reshard (its local copies not counted)."""
         return sum(t.nbytes for b in self.buckets for t in b if t.dst == rank)
 
     def sent_bytes(self, rank: int) -> int:
+        """Bytes ``rank`` sends over the whole reshard."""
         return sum(t.nbytes for b in self.buckets for t in b if t.src == rank)
 
     def dest_bytes(self, rank: int) -> int:
+        """Bytes of what ``rank`` assembles: its gen shard (the full model for the baselines)."""
         return sum((hi - lo) * self.spec(k).row_numel * self.itemsize
                    for k, (lo, hi) in self.dests[rank].items())
 
     def transient_bytes(self, rank: int) -> int:
-        """Largest send+receive buffer bytes of two consecutive buckets (live at once)."""
+        """Largest send+receive buffer bytes of ``rank`` in two consecutive buckets (live at
+        once)."""
         per = [sum(t.nbytes for t in b if rank in (t.src, t.dst)) for b in self.buckets]
         pairs = [a + b for a, b in zip(per, per[1:])] or per or [0]
         return max(pairs)
 
     def peak_bytes(self, rank: int) -> int:
+        """Upper bound of ``rank``'s live bytes while running: destination + two buckets."""
         return self.dest_bytes(rank) + self.transient_bytes(rank)
 
 
@@ -165,7 +180,8 @@ class Sourcer:
 
     def __init__(self, strategy: str, train: Placement, gen: Placement, specs: Sequence[ParamSpec]):
         if strategy not in (*STRATEGIES, SPLIT):
-            raise ValueError(f"strategy must be one of {(*STRATEGIES, SPLIT)}, got {strategy!r}")
+            raise ValueError(f"strategy must be one of {(*STRATEGIES, SPLIT, 'auto')}, "
+                             f"got {strategy!r}")
         if strategy == "zero_redundancy" and (why := zero_redundancy_reason(train, gen)):
             raise ValueError(f"zero_redundancy: {why}")
         if train.world != gen.world:
@@ -289,6 +305,15 @@ class Sourcer:
         return out
 
 
+def choose_strategy(train: Placement, gen: Placement) -> str:
+    """What ``strategy="auto"`` runs: ``split`` for disjoint rank sets, ``zero_redundancy``
+    when it applies (``zero_redundancy_reason`` is None), else ``p2p`` (the same volume
+    whenever both apply, any layout otherwise)."""
+    if is_split(train, gen):
+        return SPLIT
+    return "zero_redundancy" if zero_redundancy_reason(train, gen) is None else "p2p"
+
+
 def destinations(strategy: str, gen: Placement, specs: Sequence[ParamSpec], rank: int):
     """key -> rows this rank must assemble (gen shard, or the full tensor for the baselines)."""
     out: dict[str, tuple[int, int]] = {}
@@ -306,13 +331,20 @@ def plan_reshard(
     train: Placement,
     gen: Placement,
     specs: Sequence[ParamSpec],
-    strategy: str,
+    strategy: str = "auto",
     bucket_mb: float = 64,
     itemsize: int = 2,
 ) -> Plan:
-    """The full, deterministic plan (see module doc)."""
+    """The full, deterministic plan moving ``specs`` from ``train`` to ``gen`` (module doc).
+
+    ``strategy``: one of ``STRATEGIES``, ``"split"`` or ``"auto"`` (``choose_strategy``);
+    ``bucket_mb``: the cap per bucket and rank (MiB); ``itemsize``: bytes per element of the
+    training tensors (2: bf16/fp16, 4: fp32). A strategy that does not apply to the placements
+    is one ValueError saying why."""
     if not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    if strategy == "auto":
+        strategy = choose_strategy(train, gen)
     src = Sourcer(strategy, train, gen, specs)
     dests = tuple(destinations(strategy, gen, specs, r) for r in range(train.world))
     locs: list[list[tuple[str, int, int]]] = [[] for _ in range(train.world)]

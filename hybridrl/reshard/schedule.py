@@ -32,12 +32,16 @@ Piece = tuple[str, int, int]  # (key, lo, hi): canonical rows [lo, hi) of a para
 
 @dataclasses.dataclass(frozen=True)
 class PhaseSchedule:
+    """One rank's phases of a reshard (module doc): ``local`` pieces per local phase,
+    ``at_bucket`` pieces accepted after a bucket's receives, ``buckets`` it takes part in."""
+
     local: tuple[tuple[Piece, ...], ...]
     at_bucket: dict[int, tuple[Piece, ...]]
     buckets: tuple[int, ...]
 
     @property
     def phases(self) -> tuple[int, ...]:
+        """Every phase this rank flushes in: -L..-1, then its buckets."""
         return tuple(range(-len(self.local), 0)) + self.buckets
 
 

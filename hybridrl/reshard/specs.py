@@ -85,6 +85,7 @@ class LlamaShape:
 
     @property
     def heads_per_group(self) -> int:
+        """Query heads per KV group (heads / num_query_groups)."""
         return self.heads // self.num_query_groups
 
     def padded_vocab(self, tp: int) -> int:
@@ -93,6 +94,7 @@ class LlamaShape:
         return -(-self.vocab // m) * m
 
     def num_params(self) -> int:
+        """Number of parameters of the model (a tied output layer counted once)."""
         return sum(s.numel for s in build_specs(self) if not s.tied_copy)
 
     @staticmethod
@@ -135,15 +137,64 @@ class LlamaShape:
         )
 
     @staticmethod
-    def from_model(m) -> LlamaShape:
-        """From hybridrl.models' ``LlamaSpec`` or the config's ``ModelConfig`` (same field names)."""
-        return LlamaShape(
-            hidden=m.hidden_size, ffn=m.ffn_hidden_size, heads=m.num_attention_heads,
-            num_query_groups=m.num_query_groups, layers=m.num_layers, vocab=m.vocab_size,
-            head_dim=getattr(m, "head_dim", None), tied=bool(m.tie_word_embeddings),
-            qkv_bias=bool(getattr(m, "qkv_bias", False)),
-            qk_norm=bool(getattr(m, "qk_norm", False)),
-        )
+    def from_model(m: object, *, vocab: int | None = None, tied: bool | None = None,
+                   make_vocab_size_divisible_by: int = 128) -> LlamaShape:
+        """The shape of a model from its description; ``m`` is one of:
+
+        - hybridrl.models' ``LlamaSpec`` or the config's ``ModelConfig`` (same field names);
+        - megatron-core's ``TransformerConfig``: it has no vocabulary, so ``vocab=`` (the
+          unpadded vocabulary size) is required, ``tied=`` defaults to False;
+        - a megatron-core ``GPTModel`` (its ``.config``, ``.vocab_size`` and
+          ``.share_embeddings_and_output_weights``): its ``vocab_size`` is usually already
+          padded; pass ``vocab=`` the real size to keep padding rows out of the reshard.
+
+        ``vocab`` / ``tied`` override what ``m`` says; ``make_vocab_size_divisible_by`` is
+        megatron's padding divisor (the trainer's default, 128) for a megatron ``m``. A
+        megatron config that is not a llama-family decoder (LayerNorm, no gated linear unit,
+        linear biases, experts, MLA) is one ValueError naming the field."""
+        if hasattr(m, "kv_channels") or hasattr(getattr(m, "config", None), "kv_channels"):
+            return _from_megatron(m, vocab, tied, make_vocab_size_divisible_by)
+        try:
+            return LlamaShape(
+                hidden=m.hidden_size, ffn=m.ffn_hidden_size, heads=m.num_attention_heads,
+                num_query_groups=m.num_query_groups, layers=m.num_layers,
+                vocab=m.vocab_size if vocab is None else vocab,
+                head_dim=getattr(m, "head_dim", None),
+                tied=bool(m.tie_word_embeddings) if tied is None else tied,
+                qkv_bias=bool(getattr(m, "qkv_bias", False)),
+                qk_norm=bool(getattr(m, "qk_norm", False)),
+            )
+        except AttributeError as err:
+            raise ValueError(f"from_model: {type(m).__name__} is not a LlamaSpec, ModelConfig, "
+                             f"megatron TransformerConfig or GPTModel (lacks {err.name!r})"
+                             ) from None
+
+
+def _from_megatron(m, vocab: int | None, tied: bool | None, divisor: int) -> LlamaShape:
+    """``LlamaShape.from_model`` for a megatron-core TransformerConfig or GPTModel."""
+    cfg = m if hasattr(m, "kv_channels") else m.config
+    if vocab is None:
+        vocab = getattr(m, "vocab_size", None)
+        if vocab is None:
+            raise ValueError("from_model(TransformerConfig) needs vocab=: megatron keeps the "
+                             "vocabulary size on the GPTModel, not in its config")
+    if tied is None:
+        tied = bool(getattr(m, "share_embeddings_and_output_weights", False))
+    llama = {"normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
+             "num_moe_experts": None, "multi_latent_attention": False}
+    for field, want in llama.items():
+        got = getattr(cfg, field, want)
+        if got != want:
+            raise ValueError(f"from_model: {field}={got!r} is not a llama-family decoder "
+                             f"(the reshard describes {field}={want!r})")
+    heads = cfg.num_attention_heads
+    return LlamaShape(
+        hidden=cfg.hidden_size, ffn=cfg.ffn_hidden_size, heads=heads,
+        num_query_groups=cfg.num_query_groups or heads, layers=cfg.num_layers, vocab=vocab,
+        head_dim=cfg.kv_channels, tied=tied, make_vocab_size_divisible_by=divisor,
+        qkv_bias=bool(getattr(cfg, "add_qkv_bias", False)),
+        qk_norm=bool(getattr(cfg, "qk_layernorm", False)),
+    )
 
 
 def _presets() -> dict[str, LlamaShape]:
@@ -215,22 +266,27 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
+        """Elements of the full canonical tensor."""
         return math.prod(self.shape)
 
     @property
     def rows(self) -> int:
+        """Rows along ``cut_dim`` (the unit a TP slice and a transfer are counted in)."""
         return self.shape[self.cut_dim]
 
     @property
     def row_numel(self) -> int:
+        """Elements per row along ``cut_dim``."""
         return self.numel // self.rows
 
     def piece_shape(self, rows: int) -> tuple[int, ...]:
+        """Canonical shape of a piece of ``rows`` rows along ``cut_dim``."""
         s = list(self.shape)
         s[self.cut_dim] = rows
         return tuple(s)
 
     def stage(self, pp: int, num_layers: int) -> int:
+        """The pipeline stage of ``pp`` that holds this parameter (megatron's even split)."""
         if self.layer is None:
             return pp - 1 if self.last_stage else 0
         return self.layer // (num_layers // pp)

@@ -28,6 +28,8 @@ from hybridrl.reshard.specs import ParamSpec
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
+    """Per-rank byte counts of one strategy (``summarize``); ``as_dict`` gives the maxima."""
+
     strategy: str
     recv: tuple[int, ...]
     sent: tuple[int, ...]
@@ -97,6 +99,8 @@ def _baseline(src: Sourcer, key: str, n: int, row_bytes: int, recv, sent, dest) 
 
 def summarize(train: Placement, gen: Placement, specs: Sequence[ParamSpec], strategy: str,
               itemsize: int = 2, bucket_bytes: int = 64 << 20) -> Summary:
+    """Per-rank bytes received, sent, assembled and at peak that ``plan_reshard`` with these
+    arguments would plan, counted without listing transfers (module doc)."""
     src = Sourcer(strategy, train, gen, specs)
     w = train.world
     recv, sent, dest = [0] * w, [0] * w, [0] * w
