@@ -1,6 +1,6 @@
 """Rewards 'math' (boxed answer + math-verify) and 'code' (sandboxed execution): correct, wrong,
-malformed, timeout and resource-exhaustion cases; the sandbox keeps the network and the file
-system outside its temp dir out of reach; both are registered and reach the metrics."""
+malformed, timeout and resource-exhaustion cases; assert tests judged outside the sandbox; both
+are registered and reach the metrics."""
 
 import builtins
 import json
@@ -162,28 +162,15 @@ def test_code_resource_exhaustion(program, reason):
     assert res.reason == reason, res
 
 
-@pytest.mark.parametrize("program", [
-    "import socket\nsocket.create_connection(('127.0.0.1', 9))\n",
-    "import socket\nsocket.socket()\n",
-    "import urllib.request\nurllib.request.urlopen('http://example.com')\n",
-    "import os\nos.system('true')\n",
-    "import subprocess\nsubprocess.run(['true'])\n",
-    "import os\nos.fork()\n",
-    "import ctypes\nctypes.CDLL(None)\n",
-])
-def test_code_no_network_no_processes(program):
-    assert code_reward.run_tests(program, STDIO).reason == "sandbox"
-
-
-def test_code_writes_stay_in_its_temp_dir(tmp_path):
+def test_code_writes_stay_in_its_sandbox(tmp_path):
+    """Writes outside fail (the host's folders are not there); its own /work and /tmp work.
+    Hostile programs: tests/unit/test_sandbox_adversarial.py."""
     target = tmp_path / "outside.txt"
     for program in (f"open({str(target)!r}, 'w').write('x')\n",
-                    f"import os\nos.open({str(target)!r}, os.O_CREAT | os.O_WRONLY)\n",
-                    "open('../escape.txt', 'w').write('x')\n",
-                    f"import os\nos.remove({str(tmp_path)!r})\n"):
-        assert code_reward.run_tests(program, STDIO).reason == "sandbox", program
+                    f"import os\nos.open({str(target)!r}, os.O_CREAT | os.O_WRONLY)\n"):
+        assert code_reward.run_tests(program, STDIO).reason == "runtime_error", program
     assert not target.exists() and tmp_path.exists()
-    ok = "open('scratch.txt', 'w').write('x')\n" + ADD  # its own dir is writable
+    ok = "open('scratch.txt', 'w').write('x')\nopen('/tmp/t', 'w').write('x')\n" + ADD
     assert code_reward.run_tests(ok, STDIO).score == 1.0
 
 
@@ -194,14 +181,29 @@ def test_code_environment_is_minimal(monkeypatch):
     assert code_reward.run_tests(program, tests).score == 1.0
 
 
-def test_code_network_namespace_when_available():
-    prefix = code_reward.network_namespace_prefix()
-    assert prefix in ((), (prefix[0] if prefix else "", "-rn"))
-    if prefix:  # no interface but loopback inside the namespace
-        probe = "print(open('/proc/net/dev').read().count(':'))\n"
-        res = code_reward._run_once(probe, "", 5, {"memory_mb": 256, "cpu_s": 5,
-                                                   "max_file_bytes": 1 << 20})
-        assert res[0] == "" and res[1].strip() == "1"
+@pytest.mark.parametrize("tests,reason", [
+    ({"assert": "assert add(1, 2) > 2"}, "assert CALL == LITERAL"),
+    ({"assert": "x = 1"}, "no assert statement"),
+    ({"assert": "assert (\n"}, "do not parse"),
+])
+def test_code_assert_tests_outside_the_convertible_forms_are_an_error(tests, reason):
+    with pytest.raises(ValueError, match=reason):
+        code_reward.parse_tests(tests)
+
+
+def test_code_assert_tests_become_calls_and_expected_values():
+    spec = code_reward.parse_tests({"assert": "import math\nassert add(1, 2) == 3\n"
+                                              "assert [1] == f(x)\nassert ok(1)\nassert not ok(2)"})
+    assert spec.kind == "calls" and spec.setup == "import math"
+    assert spec.cases == [("add(1, 2)", 3, "eq"), ("f(x)", [1], "eq"), ("ok(1)", True, "truthy"),
+                          ("ok(2)", False, "falsy")]
+    program = "def ok(n):\n    return n == 1\ndef add(a, b):\n    return a + b\n" \
+              "def f(x):\n    return [1]\nx = 0\n"
+    assert code_reward.run_tests(program, {"assert": "assert add(1, 2) == 3\nassert [1] == f(x)\n"
+                                                     "assert ok(1)\nassert not ok(2)"}).score == 1
+    res = code_reward.run_tests("def add(a, b):\n    return object()\n",
+                                {"assert": "assert add(1, 2) == 3"})
+    assert (res.score, res.reason) == (0.0, "wrong_answer") and "not a literal" in res.detail
 
 
 # ---------------------------------------------------------------- registry and metrics
