@@ -80,7 +80,8 @@ def _sglang_rank(rank, world):
     if handle.is_src:
         eng = handle.engine
         out["engine"] = {"args": eng.server_args, "calls": eng.calls, "loaded": eng.loaded,
-                         "requests": eng.requests, "pushed": eng.pushed_names}
+                         "requests": eng.requests, "pushed": eng.pushed_names,
+                         "flush_timeouts": eng.flush_timeouts}
     try:  # an engine that fails to start: every rank raises the same line
         build_sglang_engine("hf/", shape=SMALL, all_members=all_members, rank=rank,
                             device="cpu", dtype=torch.float32, rollout=ROLLOUT,
@@ -88,6 +89,44 @@ def _sglang_rank(rank, world):
         out["start_error"] = None
     except RuntimeError as err:
         out["start_error"] = str(err)
+    out.update(_balanced_start(rank, all_members))
+    return out
+
+
+def _balanced_start(rank, all_members):
+    """Issue 37 item 2: every member empties its cache and reports its free memory before any
+    engine starts (the source's engine sees every member's mark); the start-up line lists
+    them; a group whose free memory differs by more than 10 % is refused on every rank."""
+    import dataclasses
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from hybridrl.rollout.sglang.adapter import build_sglang_engine
+    from tests.support.sglang_fake import FakeEngine, fake_backend
+    from tests.unit.test_reshard_oracle import SMALL
+
+    marks = Path(tempfile.gettempdir()) / f"hybridrl_sglang_free_{os.environ['MASTER_PORT']}"
+    marks.mkdir(exist_ok=True)
+    out = {}
+    for case, gib in (("balanced", [70.0, 66.0, 71.0, 65.0]), ("unbalanced", [70, 60, 70, 70])):
+        def measured(device, case=case, gib=gib):
+            (marks / f"{case}{rank}").write_text("")
+            return int(gib[rank] * 2**30)
+
+        class Marked(FakeEngine):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.seen = sorted(os.listdir(marks))
+
+        backend = dataclasses.replace(fake_backend(Marked), free_memory=measured)
+        try:
+            h = build_sglang_engine("hf/", shape=SMALL, all_members=all_members, rank=rank,
+                                    device="cpu", dtype=torch.float32, rollout=ROLLOUT,
+                                    backend=backend)
+            out[case] = {"line": h.start_line, "seen": h.engine.seen if h.is_src else None}
+        except RuntimeError as err:
+            out[case] = {"error": str(err)}
     return out
 
 
@@ -139,8 +178,10 @@ def test_call_order_and_sessions(results):
         one = ["resume_memory_occupation:weights", "begin_weight_update",
                "update_weights_from_tensor", "end_weight_update",
                "resume_memory_occupation:kv_cache,cuda_graph", "flush_cache", "generate",
-               "generate", "release_memory_occupation"]
+               "generate", "flush_cache", "release_memory_occupation"]
         assert step == one + one, step
+        # the flush before each release waits for idle, bounded by half of rollout.timeout_s
+        assert results[s]["engine"]["flush_timeouts"] == [60.0] * 4
 
 
 def _partial_rank(rank, world):
@@ -213,6 +254,24 @@ def test_sampling_params_per_request_with_distinct_seeds(results):
     for r in results:
         assert r["same_outputs"]
         assert torch.equal(r["gen_ids"], results[r["members"][0]]["gen_ids"])  # broadcast
+
+
+@pytest.mark.slow
+def test_engine_starts_after_every_member_measured_its_free_memory(results):
+    for r in results:
+        res, members = r["balanced"], r["members"]
+        assert res["line"].startswith(f"SGLang engine of gen-TP group {members}: free GPU "
+                                      f"memory at start rank {members[0]} ")
+        if res["seen"] is not None:  # the source: its engine started after every member's mark
+            assert {f"balanced{m}" for m in members} <= set(res["seen"]), res["seen"]
+    line = results[0]["balanced"]["line"]
+    assert "rank 0 70.0 GiB, rank 1 66.0 GiB" in line
+    errors = {r["unbalanced"].get("error") for r in results}
+    assert len(errors) == 1  # the same line on every rank, the other group's ranks included
+    (error,) = errors
+    assert error.startswith("rank 0: the SGLang engine failed to start: RuntimeError: free GPU "
+                            "memory differs by more than 10% across gen-TP group [0, 1] "
+                            "(rank 0 70.0 GiB, rank 1 60.0 GiB)"), error
 
 
 @pytest.mark.slow

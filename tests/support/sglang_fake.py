@@ -34,6 +34,11 @@ class _FakeTokenizerManager:
     def __init__(self, engine):
         self.engine = engine
 
+    async def flush_cache(self, timeout_s=None):
+        self.engine.calls.append("flush_cache")
+        self.engine.flush_timeouts.append(timeout_s)
+        return self.engine.flush_answer
+
     async def update_weights_from_tensor(self, obj, request=None):
         eng = self.engine
         eng.calls.append("update_weights_from_tensor")
@@ -56,6 +61,8 @@ class FakeEngine:
         self.loaded: list[dict] = [{} for _ in range(self.tp_size)]
         self.pushed_names: list = []
         self.requests: list = []
+        self.flush_timeouts: list = []
+        self.flush_answer = (True, "")  # what tokenizer_manager.flush_cache answers
         self.loop = asyncio.new_event_loop()
         self.tokenizer_manager = _FakeTokenizerManager(self)
 
@@ -80,7 +87,7 @@ class FakeEngine:
         return outs
 
     def flush_cache(self):
-        self.calls.append("flush_cache")
+        return self.loop.run_until_complete(self.tokenizer_manager.flush_cache())
 
     def begin_weight_update(self, selector: str = "all"):
         self.calls.append("begin_weight_update")

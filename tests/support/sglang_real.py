@@ -135,8 +135,8 @@ class SchedulerRank:
 
 
 class _TokenizerManager:
-    def __init__(self, bridge: SchedulerRank):
-        self.bridge = bridge
+    def __init__(self, bridge: SchedulerRank, engine=None):
+        self.bridge, self.engine = bridge, engine
 
     async def update_weights_from_tensor(self, obj, request=None):
         from sglang.srt.managers.communicator import FanOutCommunicator
@@ -145,6 +145,9 @@ class _TokenizerManager:
         obj.serialized_named_tensors = normalize_serialized_named_tensor_payloads(
             obj.serialized_named_tensors)
         return FanOutCommunicator.merge_results(self.bridge.call(obj))
+
+    async def flush_cache(self, timeout_s=None):
+        return self.engine.flush_cache()
 
 
 class InProcessEngine:
@@ -156,7 +159,7 @@ class InProcessEngine:
         self.server_args = publish(kwargs)
         self.kwargs, self.bridge, self.calls = kwargs, bridge, []
         self.loop = asyncio.new_event_loop()
-        self.tokenizer_manager = _TokenizerManager(bridge)
+        self.tokenizer_manager = _TokenizerManager(bridge, self)
 
     def _fan_out(self, req):
         from sglang.srt.managers.communicator import FanOutCommunicator

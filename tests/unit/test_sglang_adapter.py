@@ -191,12 +191,9 @@ def test_engine_resumes_only_after_every_member_emptied_its_cache_and_flush_is_c
     from hybridrl.rollout.sglang.adapter import SGLangEngine
     from tests.support.sglang_fake import FakeEngine, fake_backend
 
-    class FlushFails(FakeEngine):
-        def flush_cache(self):
-            self.calls.append("flush_cache")
-            return types.SimpleNamespace(success=False, message="pending requests")
-
-    handle = SGLangEngine(FlushFails(tp_size=1), fake_backend(FlushFails), rank=0, members=[0],
+    engine = FakeEngine(tp_size=1)
+    engine.flush_answer = types.SimpleNamespace(success=False, message="pending requests")
+    handle = SGLangEngine(engine, fake_backend(), rank=0, members=[0],
                           tp_group=None, table=engine_param_shapes(SHAPE, 1),
                           dtype=torch.float32)
     emptied = []

@@ -6,12 +6,24 @@ Contract (docs/rollout.md has the diagram, the lifecycle and the memory of each 
   (``hybridrl.rollout.sglang.compat``), refuses ``engine_kwargs`` that set what the layout decides
   (``RESERVED``), creates gloo side groups (one per gen-TP group, whose timeout is
   ``rollout.timeout_s``; one over the world whose timeout is ``rollout.engine_start_timeout_s``),
-  exchanges (host, local GPU) of every rank and places each engine with ``gpu_placement``:
+  exchanges (host, local GPU, free GPU memory) of every rank and places each engine with
+  ``gpu_placement``:
   ``base_gpu_id`` = its source rank's local GPU, ``gpu_id_step`` = the stride of its members'
   GPUs (SGLang puts TP rank k on GPU base + k x step, so members must be listed in that order),
   ``port`` = ``engine_port_base`` + 16 x base_gpu_id (distinct on a node), ``nccl_port`` = port
-  + 1. The source rank starts the engine inside ``engine_start_env()`` (no torchrun agent-store
-  flag for the schedulers; the trainer's NCCL/CUDA variables restored afterwards) with
+  + 1. Balanced memory: SGLang sizes the KV pool from the lowest free memory over its TP ranks
+  and (by default) refuses to start when a rank has less than 90 % of another's. So before the
+  exchange every rank empties its CUDA cache (always, offload flags or not) and reads its free
+  memory (``backend.free_memory``, else ``torch.cuda.mem_get_info``; None on a CPU device); the
+  exchange is the barrier: no source starts before every member emptied its cache. The source
+  logs ``start_line`` (each member's free GiB) and refuses, as a start failure, a group whose
+  lowest free memory is under 90 % of its highest while SGLang's check is on
+  (``SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK``, default on). The source rank starts the engine
+  inside ``engine_start_env(label)`` (hybridrl/rollout/sglang/env.py: no torchrun agent-store
+  flag, ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` so CUDA graphs are released with the engine; the
+  trainer's NCCL/CUDA/SGLANG variables, root logger and SIGTERM handler restored afterwards,
+  SGLang's event-loop signal handlers taken off, SIGQUIT -> ``EngineDied`` naming the engine)
+  with
   ``load_format="dummy"`` (the first sync writes every weight), ``enable_memory_saver=True``,
   ``skip_tokenizer_init=True``, ``mem_fraction_static`` = ``rollout.mem_fraction_static``,
   ``enable_deterministic_inference`` = ``rollout.deterministic``, the training dtype, then any
@@ -26,9 +38,13 @@ Contract (docs/rollout.md has the diagram, the lifecycle and the memory of each 
   serialized with SGLang's reductions patch in force only around CUDA tensors:
   ``hybridrl.rollout.sglang.env.sglang_serializer``); ``finish_update()`` empties every member's CUDA cache
   again (the reshard's buffers), closes the session, resumes the KV cache and CUDA graphs and
-  flushes the cache (a failed flush raises); ``generate``; ``release()`` gives all the engine's
-  GPU memory back before the training phases. Order per step: resume -> update -> flush ->
-  generate -> release.
+  flushes the cache (a failed flush raises); ``generate``; ``release()`` first awaits SGLang's
+  ``flush_cache(timeout_s)`` (the scheduler defers it until it is fully idle, at most
+  ``timeout_s`` = half of ``rollout.timeout_s``, so the members' waits outlast it), then gives
+  all the engine's GPU memory back before the training phases: SGLang asserts the scheduler is
+  idle in ``release_memory_occupation`` and a failed assertion kills the scheduler; a flush that
+  times out raises on every rank instead, naming the engine. Order per step: resume -> update
+  -> flush -> generate -> flush (idle) -> release.
 - ``generate(prompt_ids, params)``: one sampling-params dict per request: max_new_tokens,
   temperature, top_p, top_k, ``stop_token_ids`` = [eos] when known and ``sampling_seed`` =
   ``request_seed(params.seed, i)`` (distinct for the n samples of a prompt), or
@@ -66,6 +82,10 @@ logger = logging.getLogger(__name__)
 
 RESERVED = ("model_path", "tp_size", "base_gpu_id", "gpu_id_step")  # the layout decides these
 PORT_STRIDE = 16
+GIB = 1 << 30
+BALANCE = 0.9  # SGLang: a TP rank with less than 90 % of another's free memory refuses to start
+BALANCE_CHECK = "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"  # SGLang's switch (default on)
+FLUSH_SHARE = 0.5  # the idle flush before a release waits at most this share of timeout_s
 REST = ["kv_cache", "cuda_graph"]  # memory tags resumed after the weights (SGLang's constants)
 
 
@@ -93,6 +113,7 @@ class SGLangBackend:
     request_cls: type  # sglang.srt.managers.io_struct.UpdateWeightsFromTensorReqInput
     serialize: Callable  # [(name, tensor)] -> bytes (MultiprocessingSerializer)
     version: str
+    free_memory: Callable | None = None  # device -> free bytes (tests); None: the CUDA driver's
 
 
 def sglang_backend() -> SGLangBackend:
@@ -127,6 +148,36 @@ def _gloo_groups(all_members: list[list[int]], rank: int, rollout):
     return mine, world
 
 
+def free_memory(device: torch.device, backend: SGLangBackend) -> int | None:
+    """Free bytes on this rank's GPU after emptying its CUDA cache (None on a CPU device)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if backend.free_memory is not None:
+        return backend.free_memory(device)
+    return int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+
+
+def start_line(members: list[int], free: list) -> str:
+    """The source's start-up line: each member's free GPU memory."""
+    cells = ", ".join(f"rank {r} {f / GIB:.1f} GiB" if f is not None else f"rank {r} -"
+                      for r, f in zip(members, free))
+    return (f"SGLang engine of gen-TP group {members}: free GPU memory at start {cells} (SGLang "
+            f"sizes the KV pool from the lowest)")
+
+
+def balance_problem(members: list[int], free: list) -> str | None:
+    """Why SGLang would refuse to start on these members' free memory (None: it starts)."""
+    known = [f for f in free if f is not None]
+    check = os.environ.get(BALANCE_CHECK, "true").strip().lower() not in ("0", "false", "no",
+                                                                          "n", "off")
+    if not check or len(known) < 2 or min(known) >= BALANCE * max(known):
+        return None
+    return (f"free GPU memory differs by more than {1 - BALANCE:.0%} across gen-TP group "
+            f"{members} ({start_line(members, free).split('at start ')[1].split(' (')[0]}): "
+            f"SGLang refuses to start ({BALANCE_CHECK}); another process holds memory on the "
+            f"lower GPU(s), or a training part is still resident there")
+
+
 def engine_start_kwargs(model_path: str, *, tp_size: int, base: int, step: int,
                         dtype: torch.dtype, rollout) -> dict:
     """The ServerArgs keywords the source rank starts its engine with (module docstring)."""
@@ -153,17 +204,27 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
     tp_group, world_group = _gloo_groups(all_members, rank, rollout)
     device = torch.device(device)
     local = device.index if device.type == "cuda" else int(os.environ.get("LOCAL_RANK", rank))
+    mine = (socket.gethostname(), local, free_memory(device, backend))
     gpus: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gpus, (socket.gethostname(), local), group=world_group)
-    placements = [gpu_placement([gpus[r] for r in m]) for m in all_members]  # all fail alike
+    # the barrier of the start: every rank has emptied its cache before any engine starts
+    dist.all_gather_object(gpus, mine, group=world_group)
+    placements = [gpu_placement([gpus[r][:2] for r in m]) for m in all_members]  # all alike
     base, step = placements[all_members.index(members)]
     engine, error = None, None
+    label = (f"rank {rank}: the SGLang engine of gen-TP group {members} (source rank "
+             f"{members[0]})")
     if rank == members[0]:
         kwargs = engine_start_kwargs(model_path, tp_size=len(members), base=base, step=step,
                                      dtype=dtype, rollout=rollout)
+        free = [gpus[r][2] for r in members]
+        logger.info(start_line(members, free))
         try:
-            with engine_start_env():
+            problem = balance_problem(members, free)
+            if problem:
+                raise RuntimeError(problem)
+            with engine_start_env(label) as watch:
                 engine = backend.engine_cls(**kwargs)
+                watch.contain(engine)
             engine.release_memory_occupation()  # training runs first; sync resumes it
         except Exception as err:  # any start failure is reported on every rank below
             line = (str(err).splitlines() or [repr(err)])[0]
@@ -179,6 +240,7 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
         raise RuntimeError(first)
     handle = SGLangEngine(engine, backend, rank=rank, members=members, tp_group=tp_group,
                           table=table, dtype=dtype, device=device, timeout_s=rollout.timeout_s)
+    handle.start_line = start_line(members, [gpus[r][2] for r in members])
     handle.seeds_honoured = bool(rollout.engine_kwargs.get("enable_deterministic_inference",
                                                            rollout.deterministic))
     if handle.is_src and not handle.seeds_honoured:
@@ -197,6 +259,8 @@ class SGLangEngine:
         self.tp_group, self.is_src = tp_group, rank == members[0]
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.sessions = has_weight_update_session(backend.version)
+        self.flush_timeout_s = FLUSH_SHARE * timeout_s
+        self.start_line = ""
         self.released = True
         self.seeds_honoured = False
         self.wait_label = (f"rank {rank}: waiting on the SGLang engine of gen-TP group {members} "
@@ -254,19 +318,33 @@ class SGLangEngine:
                     return False, f"end_weight_update failed: {message}"
             if self.released:
                 self.engine.resume_memory_occupation(tags=REST)
-            ok, message = _pair(self.engine.flush_cache())
+            ok, message = self._flush()
             if not ok:
                 return False, f"flush_cache failed: {message}"
         except Exception as err:
             return False, f"{type(err).__name__}: {err}"
         return True, ""
 
+    def _flush(self) -> tuple[bool, str]:
+        """SGLang's flush_cache, deferred by the scheduler until it is fully idle (bounded)."""
+        manager = self.engine.tokenizer_manager
+        return _pair(self.engine.loop.run_until_complete(
+            manager.flush_cache(timeout_s=self.flush_timeout_s)))
+
     def release(self) -> None:
-        """Give the engine's GPU memory back (weights, KV cache, CUDA graphs) before training."""
+        """Once the scheduler is idle (bounded flush), give the engine's GPU memory back
+        (weights, KV cache, CUDA graphs) before training."""
         result = (True, "")
         if self.is_src and not self.released:
             try:
-                self.engine.release_memory_occupation()
+                ok, message = self._flush()
+                if not ok:
+                    result = (False, f"rank {self.rank}: the SGLang engine of gen-TP group "
+                              f"{self.members}: its scheduler was not idle within "
+                              f"{self.flush_timeout_s:g} s after generate (flush_cache: "
+                              f"{message or 'failed'}); its memory was not released")
+                else:
+                    self.engine.release_memory_occupation()
             except Exception as err:
                 result = (False, f"release_memory_occupation failed: {type(err).__name__}: {err}")
         ok, message = self._share(result)
