@@ -21,10 +21,11 @@ import hybridrl
 
 
 def prompts(n: int = 32) -> list[dict]:
-    """``n`` one-digit additions as verl rows (data_source, prompt, reward_model)."""
+    """``n`` one-digit additions as verl rows (data_source, prompt, reward_model, extra_info)."""
     return [{"data_source": "example/sum",
              "prompt": [{"role": "user", "content": f"{i % 10}+{i // 10 % 10}="}],
-             "reward_model": {"ground_truth": str(i % 10 + i // 10 % 10)}}
+             "reward_model": {"ground_truth": str(i % 10 + i // 10 % 10)},
+             "extra_info": {"index": i}}
             for i in range(n)]
 
 

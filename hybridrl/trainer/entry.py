@@ -89,7 +89,8 @@ def build_trainer(cfg: HybridRLConfig, *, train_data: Any = None, val_data: Any 
         cfg = with_estimator(cfg, adv_estimator)  # it decides whether a critic is trained
         cfg.check_world(world)
         layout = build_layout(cfg, world)
-        problems = check_startup(cfg, rank, data_given=train_data is not None)
+        problems = check_startup(cfg, rank, data_given=train_data is not None,
+                                 reward_fn=reward_fn)
         if problems:
             problem = problems[0] if len(problems) == 1 else (
                 f"{len(problems)} problems: " + "; ".join(problems))

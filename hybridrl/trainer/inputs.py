@@ -41,7 +41,7 @@ from hybridrl.data.records import rows_from_records
 from hybridrl.registry import Registry
 from hybridrl.rewards.custom import check_call
 from hybridrl.rewards.scoring import REWARD_FNS, RewardScorer, build_reward_scorer
-from hybridrl.trainer.startup import row_problems
+from hybridrl.trainer.startup import known_sources, row_problems
 
 
 def with_estimator(cfg, adv_estimator: str | Callable | None):
@@ -100,13 +100,6 @@ def reward_scorer(cfg, reward_fn: Callable | Mapping[str, Callable] | None) -> R
     return scorer
 
 
-def _known_sources(cfg, reward_fn) -> list[str] | None:
-    """The data_sources a reward function covers; None when one scores every row."""
-    if callable(reward_fn) or cfg.reward.reward_fn or cfg.reward.reward_model_path:
-        return None
-    return [*REWARD_FNS.names(), *(reward_fn or {})]
-
-
 def agree(problem: str | None, digest: str | None = None) -> None:
     """Every rank raises the first rank's problem (its text when every rank has the same one,
     else prefixed with its rank), or the first disagreement on ``digest`` (the prompts)."""
@@ -137,7 +130,7 @@ def build_data(cfg, tokenizer, train_data: Any = None, val_data: Any = None,
         return build_loaders(cfg.data, tokenizer)
     problem, digest, loaders = None, None, None
     try:
-        key, known = cfg.data.prompt_key, _known_sources(cfg, reward_fn)
+        key, known = cfg.data.prompt_key, known_sources(cfg, reward_fn)
         rows = {name: None if data is None else rows_from_records(data, prompt_key=key, name=name)
                 for name, data in (("train_data", train_data), ("val_data", val_data))}
         problems = [p for name, r in rows.items() if r is not None

@@ -19,9 +19,10 @@ the synthetic data folder unless ``data_given``) and removing its own probe file
 - ``algorithm.adv_estimator`` and ``actor.policy_loss`` name registered entries (built-in or
   registered by the user's code before the run starts): ``algorithm.adv_estimator 'x' is not a
   registered advantage estimator; registered: [...]``;
-- with neither ``reward.reward_fn`` nor ``reward.reward_model_path``, every ``data_source`` of
-  the training/validation parquet files has a registered reward function (``REWARD_FNS``), and
-  no prompt has empty content.
+- with neither ``reward.reward_fn`` nor ``reward.reward_model_path`` (nor a callable
+  ``reward_fn`` given in Python), every ``data_source`` of the training/validation parquet files
+  has a registered reward function (``REWARD_FNS``, or a ``reward_fn`` mapping's:
+  ``known_sources(cfg, reward_fn)``), and no prompt has empty content.
 ``row_problems(rows, name, known_sources)`` runs the last check on prompt rows given in memory
 (``PPOTrainer(train_data=...)``): the first row whose ``data_source`` is not in
 ``known_sources`` (None: no check, a reward function scores every row) and the first empty
@@ -130,13 +131,23 @@ def _model_problems(cfg) -> list[str]:
     return problems
 
 
-def _data_problems(cfg) -> list[str]:
-    import pyarrow.parquet as pq
-
+def known_sources(cfg, reward_fn=None) -> list[str] | None:
+    """The data_sources a reward function covers (``REWARD_FNS``' and a ``reward_fn`` mapping's);
+    None when one function scores every row (``reward.reward_fn``, a reward model, or a
+    callable ``reward_fn`` given in Python)."""
     from hybridrl.rewards.scoring import REWARD_FNS
 
+    if callable(reward_fn) or cfg.reward.reward_fn or cfg.reward.reward_model_path:
+        return None
+    return [*REWARD_FNS.names(), *(reward_fn or {})]
+
+
+def _data_problems(cfg, reward_fn=None) -> list[str]:
+    import pyarrow.parquet as pq
+
     files = [*cfg.data.train_files, *cfg.data.val_files]
-    check_sources = not (cfg.reward.reward_fn or cfg.reward.reward_model_path)
+    known = known_sources(cfg, reward_fn)
+    check_sources = known is not None
     problems = []
     for file in files:
         if not Path(file).is_file():
@@ -151,11 +162,11 @@ def _data_problems(cfg) -> list[str]:
             problems.append(f"data file {file!r} cannot be read as parquet ({text})")
             continue
         sources = table.get("data_source", [])
-        unknown = sorted({s for s in sources if s not in REWARD_FNS})
+        unknown = sorted({s for s in sources if check_sources and s not in known})
         if check_sources and unknown:
             rows = [i for i, s in enumerate(sources) if s == unknown[0]][:3]
             problems.append(f"data file {file!r}: data_source {unknown[0]!r} (rows {rows}) has "
-                            f"no reward function; registered: {', '.join(REWARD_FNS.names())}; "
+                            f"no reward function; registered: {', '.join(sorted(known))}; "
                             "set reward.reward_fn or register one")
         for i, prompt in enumerate(table.get(cfg.data.prompt_key, [])):
             messages = prompt if isinstance(prompt, list) else [{"content": prompt}]
@@ -183,9 +194,10 @@ def row_problems(rows, name: str, known_sources) -> list[str]:
     return problems
 
 
-def check_startup(cfg, rank: int, *, data_given: bool = False) -> list[str]:
+def check_startup(cfg, rank: int, *, data_given: bool = False, reward_fn=None) -> list[str]:
     """Every problem found (one line each; see module docstring). ``data_given``: the training
-    prompts come from memory (``PPOTrainer(train_data=...)``): no synthetic data folder."""
+    prompts come from memory (``PPOTrainer(train_data=...)``): no synthetic data folder;
+    ``reward_fn``: the one given in Python (``known_sources``)."""
     t = cfg.trainer
     problems = [_writable("trainer.output_dir: the run folder", t.run_dir, rank)]
     if t.checkpoint_dir:
@@ -197,7 +209,8 @@ def check_startup(cfg, rank: int, *, data_given: bool = False) -> list[str]:
     from hybridrl.trainer.tracking import missing_loggers
 
     problems += missing_loggers(cfg.trainer.logger)  # no import of the sinks themselves
-    return problems + _registry_problems(cfg) + _model_problems(cfg) + _data_problems(cfg)
+    return (problems + _registry_problems(cfg) + _model_problems(cfg)
+            + _data_problems(cfg, reward_fn))
 
 
 def _registry_problems(cfg) -> list[str]:

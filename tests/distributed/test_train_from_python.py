@@ -5,6 +5,8 @@
   estimator sees the whole batch at dp 2, the reward's data_source metric is there, its
   0 / 0.2 / 1 values bound the scores); every rank's torch / numpy / random global states are
   exactly what they were before the build and the steps;
+- the same run with the rows written to a parquet file (``data.train_files``) gives the same
+  metrics, step for step (in-memory prompts are loaded as file rows are);
 - misuse, each raised on BOTH ranks as one line before any model is built (no hang): ranks
   holding different prompts; a malformed row on one rank only; a data_source no reward
   function covers.
@@ -67,7 +69,28 @@ def _rank(rank, world, workdir):
     after = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
     out["rng_kept"] = [torch.equal(before[0], after[0]), bool((before[1] == after[1]).all()),
                        before[2] == after[2]]
+    out["parquet_history"] = _as_parquet(ex, hybridrl, f"{workdir}/parquet")
     return out
+
+
+def _as_parquet(ex, hybridrl, workdir):
+    """examples/train_from_python.py's run with its rows in a parquet file instead of memory."""
+    from dataclasses import replace
+
+    from hybridrl.data.records import rows_from_records
+    from hybridrl.data.schema import write_rows
+
+    build = hybridrl.build_trainer
+
+    def from_file(cfg, *, train_data, **kwargs):
+        path = write_rows(f"{workdir}/train.parquet", rows_from_records(train_data))
+        return build(replace(cfg, data=replace(cfg.data, train_files=[path])), **kwargs)
+
+    hybridrl.build_trainer = from_file
+    try:
+        return ex.main(f"{workdir}/run", steps=2)[0]
+    finally:
+        hybridrl.build_trainer = build
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +106,15 @@ def test_in_memory_prompts_reward_and_estimator_drive_two_ranks(results):
         for m in history:
             assert "reward/source/example/sum/mean" in m
             assert 0.0 <= m["critic/score/mean"] <= 1.0 and m["critic/score/max"] in (0.0, 0.2, 1.0)
+
+
+@pytest.mark.slow
+def test_in_memory_rows_train_as_the_same_rows_in_a_parquet_file(results):
+    for out in results:
+        for mem, file in zip(out["history"], out["parquet_history"], strict=True):
+            same = {k for k in mem if not k.startswith(("timing_s/", "perf/"))}
+            assert {k: mem[k] for k in same} == {k: file[k] for k in same}
+            assert len(same) > 20 and "actor/pg_loss" in same
 
 
 @pytest.mark.slow

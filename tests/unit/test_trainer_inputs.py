@@ -112,3 +112,20 @@ def test_gae_kernel_is_unwhitened_and_the_estimator_is_verls():
     torch.testing.assert_close(ret_e, ret_k)
     torch.testing.assert_close(ret_k, adv_k + values)  # returns from the unwhitened advantages
     assert abs(float(adv_k[mask.bool()].mean())) > 1e-3  # the kernel's are not centred
+
+
+def test_startup_check_of_parquet_sources_knows_the_python_reward(tmp_path):
+    from hybridrl.data.arithmetic import make_rows
+    from hybridrl.data.schema import write_rows
+    from hybridrl.trainer.startup import check_startup
+
+    rows = make_rows(4, seed=0, max_digits=1)
+    for row in rows:
+        row.data_source = "mine/src"
+    path = write_rows(str(tmp_path / "t.parquet"), rows)
+    cfg = _cfg(f"data.train_files=[{path}]", f"trainer.output_dir={tmp_path}/out")
+    unknown = [p for p in check_startup(cfg, 0) if "has no reward function" in p]
+    assert len(unknown) == 1 and "data_source 'mine/src' (rows [0, 1, 2])" in unknown[0]
+    assert not [p for p in check_startup(cfg, 0, reward_fn=_mine) if "reward" in p]
+    assert not [p for p in check_startup(cfg, 0, reward_fn={"mine/src": _mine}) if "reward" in p]
+    assert [p for p in check_startup(cfg, 0, reward_fn={"other": _mine}) if "reward" in p]
