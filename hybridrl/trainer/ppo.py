@@ -3,12 +3,13 @@
 Contract:
 - ``PPOTrainer(cfg, groups, *, train_data=None, val_data=None, reward_fn=None,
   adv_estimator=None)`` (collective: every rank, same config and arguments) builds the
-  tokenizer, the loaders (parquet / synthetic, or the rows given in memory; a reward callable
-  or mapping and an estimator callable or name: ``hybridrl.trainer.inputs``), the megatron actor / reference (/ critic for GAE) on the training layout, their
-  optimizers, the KL controller, the reward scorer and the ``RolloutWorker`` (engine on the
-  generation layout + the reshard plan). ``fit()`` resumes when configured (only a checkpoint of
-  the same run id: ``hybridrl.checkpoint.run_identity``), runs
-  ``trainer.total_steps`` steps and returns the list of per-step metric dicts (every rank).
+  tokenizer, the loaders (parquet / synthetic, or rows given in memory; a reward callable or
+  mapping, an estimator callable or name: ``hybridrl.trainer.inputs``), the megatron actor /
+  reference (/ critic for GAE) on the training layout, their optimizers, the KL controller,
+  the reward scorer and the ``RolloutWorker`` (engine on the generation layout + the reshard
+  plan). ``fit()`` resumes when configured (only a checkpoint of the same run id:
+  ``hybridrl.checkpoint.run_identity``), runs ``trainer.total_steps`` steps and returns the
+  list of per-step metric dicts (every rank).
 - One step (``train_step``), every rank:
   1. ``timing_s/reshard``: actor train shards -> engine shards (``RolloutWorker.sync_weights``;
      this rank's bytes and messages as ``reshard/*``; ``parallel.placement=split``: the engine
