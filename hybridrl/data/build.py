@@ -18,6 +18,7 @@ rank builds the same loaders from the same rows and draws the same batches.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from hybridrl.data.arithmetic import write_dataset
 from hybridrl.data.dataset import PromptDataset
@@ -26,12 +27,12 @@ from hybridrl.data.schema import PromptRow
 from hybridrl.data.tokenizer import load_tokenizer
 
 
-def build_tokenizer(model_cfg):
+def build_tokenizer(model_cfg: Any) -> Any:
     """The tokenizer of the ``model`` section (see the module docstring)."""
     return load_tokenizer(model_cfg.tokenizer_path or model_cfg.path or "char")
 
 
-def resolve_files(data_cfg) -> tuple[list[str], list[str]]:
+def resolve_files(data_cfg: Any) -> tuple[list[str], list[str]]:
     """(train_files, val_files): configured, or the synthetic task's (written now)."""
     train, val = list(data_cfg.train_files), list(data_cfg.val_files)
     if train:
@@ -48,14 +49,14 @@ def resolve_files(data_cfg) -> tuple[list[str], list[str]]:
     return [train_path], val or [test_path]
 
 
-def _dataset(files: list[str], tokenizer, data_cfg) -> PromptDataset:
+def _dataset(files: list[str], tokenizer: Any, data_cfg: Any) -> PromptDataset:
     return PromptDataset(
         files, tokenizer, data_cfg.max_prompt_length, data_cfg.truncation, data_cfg.prompt_key
     )
 
 
 def build_loaders(
-    data_cfg, tokenizer, train_rows: Sequence[PromptRow] | None = None,
+    data_cfg: Any, tokenizer: Any, train_rows: Sequence[PromptRow] | None = None,
     val_rows: Sequence[PromptRow] | None = None,
 ) -> tuple[PromptLoader, PromptLoader | None]:
     """(train_loader, val_loader or None) from files or rows (see the module docstring)."""

@@ -97,7 +97,7 @@ class PromptDataset:
     def __init__(
         self,
         files: str | list[str],
-        tokenizer,
+        tokenizer: Any,
         max_prompt_length: int,
         truncation: str = "error",
         prompt_key: str = "prompt",
@@ -114,7 +114,7 @@ class PromptDataset:
     def from_rows(
         cls,
         rows: Sequence[PromptRow],
-        tokenizer,
+        tokenizer: Any,
         max_prompt_length: int,
         truncation: str = "error",
         source: str = "train_data",

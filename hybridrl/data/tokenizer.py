@@ -111,7 +111,7 @@ def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
     return "\n".join(m["content"] for m in messages)
 
 
-def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of :func:`render_prompt` (no special tokens added: the template has them)."""
     return list(tokenizer.encode(render_prompt(tokenizer, messages), add_special_tokens=False))
 
