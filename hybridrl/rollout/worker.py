@@ -39,6 +39,13 @@ Contract:
   ``plan_parts(lengths)`` -> rows per DP rank (``hybridrl.rollout.partition``) and each rank
   receives only its DP replica's rows, point to point. Returns ``(rows, GenerationOutput of
   them, TransportStats)``.
+- One timeout around generation, ``rollout.timeout_s`` (``timeout_s``): the first collective
+  after a generate (the length all-reduce of ``generate_partitioned``, the size all-gather of
+  ``generate``; on NCCL too) is posted asynchronously and waited at most that long, and the gen-
+  TP groups this worker creates get it as their timeout (SGLang's side groups have it too). Each
+  gen-TP source counts its generate calls in the job's store (``GEN_DONE_KEY``, one add per
+  call); a wait that runs out raises RuntimeError naming the engines (gen-TP group, source rank)
+  whose count is behind this rank's, i.e. the late ones, instead of the 600 s collective default.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ from hybridrl.rollout.partition import (
 )
 from hybridrl.rollout.sampling import request_seed
 
+GEN_DONE_KEY = "hybridrl/rollout/gen_done/{}"  # generate calls finished, per gen-TP source rank
+
 
 def reshard_metrics(stats) -> dict:
     """This rank's weight sync as step metrics (``RunStats``: MB received / sent incl. merged
@@ -72,14 +81,15 @@ def reshard_metrics(stats) -> dict:
             "reshard/messages": float(stats.messages)}
 
 
-def _gen_tp_groups(gen, rank: int, groups, grouping: str):
+def _gen_tp_groups(gen, rank: int, groups, grouping: str, timeout_s: float | None = None):
     """(this rank's gen TP group or None, its member ranks in gen TP order).
 
     When ``groups`` was built with this very gen layout (same tp, pp, grouping: the nested
     HybridFlow/vanilla case), its ``gen_tp`` group is reused. Otherwise (consecutive grouping, or
     no/another gen layout in ``groups``) these rank sets are not among ``groups``' families, so one
     group per replica is created here, every rank in the same order, with the same finite timeout
-    as ``build_groups`` so that a missing peer raises instead of blocking forever.
+    ``timeout_s`` (``rollout.timeout_s``; None: ``build_groups``' own) so that a missing peer
+    raises instead of blocking forever.
     """
     per_replica = [[gen.rank_at(b, 0, rep) for b in range(gen.tp)]
                    for rep in range(gen.world // (gen.tp * gen.pp))]
@@ -90,7 +100,7 @@ def _gen_tp_groups(gen, rank: int, groups, grouping: str):
     if g is not None and (g.tp, g.pp, g.grouping) == (gen.tp, gen.pp, grouping):
         assert set(groups.members["gen_tp"]) == set(members), (groups.members["gen_tp"], members)
         return groups.groups["gen_tp"], members
-    timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
     mine = None
     for ranks in per_replica:  # same order on every rank
         group = dist.new_group(ranks, timeout=timeout)
@@ -150,7 +160,9 @@ class RolloutWorker:
         self.strategy, self.dtype = strategy, actor.config.params_dtype
         tp_rank, _, self.replica = self.gen.coords[self.rank]
         self.n_replicas = self.gen.world // (self.gen.tp * self.gen.pp)
-        tp_group, members = _gen_tp_groups(self.gen, self.rank, groups, grouping)
+        self.timeout_s = float(cfg.rollout.timeout_s)
+        self.generates = 0  # generate calls made (every rank counts the same)
+        tp_group, members = _gen_tp_groups(self.gen, self.rank, groups, grouping, self.timeout_s)
         self.is_src = self.rank == members[0]
         self.device = actor.device
         # the builtin engine reads the rank's own training tensors where its gen shard is that
@@ -216,6 +228,7 @@ class RolloutWorker:
         if mine:
             params = dataclasses.replace(params, seed=seed * 1_000_003 + self.replica)
             out = self.engine.generate([prompts[i] for i in mine], params)
+        self._generated()
         return self._gather(len(prompts), mine if self.is_src else [], out)
 
     def generate_partitioned(self, prompts: list[list[int]], params: SamplingParams, seed: int,
@@ -228,12 +241,14 @@ class RolloutWorker:
             seeds = tuple(request_seed(seed, i) for i in gen_rows)
             out = self.engine.generate([prompts[i] for i in gen_rows],
                                        dataclasses.replace(params, seed=seed, row_seeds=seeds))
+        self._generated()
         src_rows = gen_rows if self.is_src else []
         lens = torch.zeros(len(prompts), dtype=torch.int32)
         if src_rows:
             lens[src_rows] = torch.tensor(check_prefix_mask(out), dtype=torch.int32)
         lens = lens.to(self.device)
-        dist.all_reduce(lens)  # each row has exactly one source: the sum is its length
+        # each row has exactly one source: the sum is its length
+        self._bounded(dist.all_reduce(lens, async_op=True), "the response lengths")
         lens = [int(v) for v in lens.cpu()]
         parts = plan_parts(lens)
         gen = self.gen
@@ -248,6 +263,42 @@ class RolloutWorker:
         stats.scalar_bytes = 4 * len(prompts)
         return mine, local, stats
 
+    # ------------------------------------------------------------------ one timeout
+    def _generated(self) -> None:
+        """This generate call is done here: a gen-TP source counts it in the job's store."""
+        self.generates += 1
+        store = _store()
+        if self.is_src and store is not None:
+            store.add(GEN_DONE_KEY.format(self.rank), 1)
+
+    def _bounded(self, work, what: str) -> None:
+        """Wait for the first collective after a generate at most ``timeout_s``; past it, one
+        line naming the late engines."""
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except Exception as err:  # gloo/NCCL raise RuntimeError (or DistBackendError) on timeout
+            line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            late = self.late_engines()
+            who = (f"late: {'; '.join(late)}" if late else
+                   f"every engine had answered; a peer rank is late ({line})")
+            raise RuntimeError(f"rank {self.rank}: {what} after generate did not arrive within "
+                               f"rollout.timeout_s={self.timeout_s:g}: {who}") from None
+
+    def late_engines(self) -> list[str]:
+        """The engines whose source has finished fewer generate calls than this rank."""
+        store, gen = _store(), self.gen
+        if store is None:
+            return []
+        late = []
+        for rep in range(self.n_replicas):
+            members = [gen.rank_at(b, 0, rep) for b in range(gen.tp)]
+            done = int(store.add(GEN_DONE_KEY.format(members[0]), 0))
+            if done < self.generates:
+                late.append(f"the {type(self.engine).__name__} of gen-TP group {members} "
+                            f"(source rank {members[0]}: {done} of {self.generates} generate "
+                            f"calls done)")
+        return late
+
     def _gather(self, n_prompts: int, rows: list[int], out) -> GenerationOutput:
         """Every replica's share on every rank, in prompt order (two all_gathers over the world).
 
@@ -259,7 +310,7 @@ class RolloutWorker:
         r = out.response_ids.shape[1] if rows else 0
         size = torch.tensor([[len(rows), r]], dtype=torch.long, device=dev)
         sizes = [torch.empty_like(size) for _ in range(world)]
-        dist.all_gather(sizes, size)
+        self._bounded(dist.all_gather(sizes, size, async_op=True), "the response sizes")
         sizes = torch.cat(sizes).cpu()
         n_max, r_max = (int(v) for v in sizes.max(dim=0).values)
         packed = torch.zeros(n_max, 1 + 3 * r_max, dtype=torch.float64, device=dev)
@@ -281,3 +332,13 @@ class RolloutWorker:
             mask[idx, :r] = part[:, 1 + r_max:1 + r_max + r].long()
             logp[idx, :r] = part[:, 1 + 2 * r_max:1 + 2 * r_max + r].float()
         return GenerationOutput(ids, mask, logp)
+
+
+def _store():
+    """The job's key-value store (the default process group's), or None."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
