@@ -461,8 +461,10 @@ def run_plan_local(plan: Plan, sources: list[dict], assemblers: list[Assembler])
     """Single-process reference execution of every rank's part (tests, docs): the same phases,
     buckets and local pieces as ``run_plan``, copies instead of messages. Returns each rank's
     peak ``assembler.live_bytes`` (measured before every flush; no comm buffers here)."""
-    errors = [asm.into_error for asm in assemblers if asm.into_error]
-    if errors:
+    errors = [err for r, (src, asm) in enumerate(zip(sources, assemblers))
+              for err in (getattr(src, "error", None) and f"rank {r}: {src.error}",
+                          asm.into_error) if err]
+    if errors:  # what run_plan's agreement would report (train_sources' problems first)
         raise ValueError(errors[0])
     scheds = [phase_schedule(plan, r) for r in range(len(assemblers))]
     takes_part = [set(sched.buckets) for sched in scheds]

@@ -100,3 +100,21 @@ def test_train_sources_keeps_the_error_and_needs_a_rank_without_a_group():
     assert ok.error is None and set(ok) == {s.key for s in right.specs}
     view, lo = ok["embedding.word_embeddings.weight"]
     assert lo == 256 and torch.equal(view, named["embedding.word_embeddings.weight"][:44])
+
+
+def test_run_plan_local_reports_a_wrong_training_tensor():
+    from hybridrl.reshard.assemble import Assembler
+    from hybridrl.reshard.executor import run_plan_local
+    from hybridrl.reshard.formats import megatron_format
+
+    shape = dataclasses.replace(SMALL, ffn=64)  # the model below has ffn 48
+    layout = TrainLayout(2, tp=2)
+    gen = gen_placement(layout, shape, 1)
+    plan = plan_reshard(train_placement(layout, shape), gen, build_specs(shape), itemsize=4)
+    hf = make_hf(SMALL)
+    sources = [train_sources(plan, r, megatron_shards(SMALL, hf, 2, r, 1, 0, 56)) for r in (0, 1)]
+    asms = [Assembler(plan, r, megatron_format(gen, r)) for r in (0, 1)]
+    with pytest.raises(ValueError, match=r"^rank 0: training tensor 'decoder.layers.0.mlp."
+                                         r"linear_fc1.weight' has shape \(48, 32\) but the "
+                                         r"reshard's shape description gives \(64, 32\)"):
+        run_plan_local(plan, sources, asms)
