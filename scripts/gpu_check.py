@@ -7,16 +7,21 @@ Contract (stdlib only, so ``--dry-run`` and the rules below run anywhere, tested
 - Stages, always in this order: ``env`` (carried wheels, versions; always first), then those of
   ``--steps`` (default all); the plan, its caps and budget are ``scripts/gpu_plan.py``'s.
   ``build``, ``tests``, ``sanitize`` and ``bench`` are the critical path: their caps with
-  ``env``'s sum to at most ``CRITICAL_MAX_S`` (6 minutes); every cap sums to at most
-  ``BUDGET_S`` (9 minutes), the default ``--budget``.
+  ``env``'s sum to at most ``CRITICAL_MAX_S`` (410 s); every cap sums to at most
+  ``BUDGET_S`` (580 s, inside the device tool's 600 s command limit), the default ``--budget``.
 - Time rule: a stage starts only when its whole cap fits in what is left of the budget, and runs
   under a hard timeout of its cap (its process group is killed). A stage that does not fit is
   NOT RUN ("skipped for time").
 - Dependencies: every stage after ``env`` is NOT RUN ("env did not pass") when ``env`` is not
-  ok (no CUDA device, the wheels did not install); ``tests``/``sanitize``/``bench`` are NOT RUN
-  when ``build`` was selected and did not pass. ``sanitize`` is UNAVAILABLE when
-  compute-sanitizer cannot run a trivial torch program on this runtime (a probe tells this from
-  a kernel fault), NOT RUN when a sanitizer tool's share of the time was too short to start it.
+  ok (no CUDA device); a stage whose ``needs`` (megatron.core, omegaconf: the carried wheels)
+  did not import in ``env`` is NOT RUN naming them, the kernel stages (which need none) run;
+  ``tests``/``sanitize``/``bench`` are NOT RUN when ``build`` was selected and did not pass.
+- Evidence: no stage reads ok without it (``scripts/gpu_stages.py``): a pytest stage in which
+  no test ran (all skipped, none collected) is NOT RUN; bench fails when a run printed no
+  bandwidth row; build fails with the extension's load error; ``sanitize`` is UNAVAILABLE only
+  when compute-sanitizer itself says it cannot use the device (its ``=========`` lines), a probe
+  that is merely slow is NOT RUN, one that fails without such a message FAILED; NOT RUN also
+  when a sanitizer tool's share of the time was too short to start it.
 - Exit status: 1 when a stage FAILED or hit its TIMEOUT; else 3 when a selected stage did not
   run (NOT RUN or UNAVAILABLE) unless ``--allow-partial``; else 0. 2: bad arguments.
 - Files: ``--out`` (default ``$OUT``, else ``./gpu_out``) receives exactly ``summary.txt`` and
@@ -84,8 +89,9 @@ def plan_lines(selected: Sequence[Stage], budget_s: int, setup: Stage = SETUP) -
     rows = [setup, *selected]
     lines = [f"{'stage':<9}{'cap s':>6}  {'path':<9} what"]
     for s in rows:
+        needs = f" [needs {', '.join(s.needs)}]" if s.needs else ""
         lines.append(f"{s.name:<9}{s.cap_s:>6}  {'critical' if s.critical else 'rest':<9} "
-                     f"{s.what}")
+                     f"{s.what}{needs}")
     critical = sum(s.cap_s for s in rows if s.critical)
     total = sum(s.cap_s for s in rows)
     lines.append(f"critical path (env + build + tests + sanitize + bench as selected): "
@@ -116,12 +122,16 @@ def may_start(stage: Stage, left_s: float) -> bool:
 
 
 def blocked_by(stage: Stage, results: Mapping[str, Result], setup: str = SETUP.name) -> str:
-    """Why ``stage`` must not start ("" when it may): ``setup`` (env) ran and was not ok (no CUDA,
-    the wheels did not install: every GPU stage would fail and burn the device time), or the
-    stage needs ``build``, which was selected and did not pass."""
+    """Why ``stage`` must not start ("" when it may): ``setup`` (env) ran and was not ok (no CUDA:
+    every GPU stage would fail and burn the device time), the stage needs a module that did not
+    import in env (the wheels), or it needs ``build``, which was selected and did not pass."""
     env = results.get(setup)
     if env is not None and env.status != OK:
         return f"{setup} did not pass ({env.status}{': ' + env.detail if env.detail else ''})"
+    lacking = [m for m in stage.needs if env is not None and m in env.missing]
+    if lacking:
+        return (f"needs {', '.join(lacking)}, which did not import in {setup} (the carried "
+                f"wheels, .whl/)")
     build = results.get("build")
     if stage.needs_build and build is not None and build.status != OK:
         return "build did not pass"

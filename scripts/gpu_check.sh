@@ -5,8 +5,8 @@
 # scripts/gpu_plan.py's, the rules and the output files scripts/gpu_check.py's (what each stage
 # runs: scripts/gpu_stages.py; docs/gpu.md says how to read the result):
 #   bash scripts/gpu_check.sh --dry-run                 # the stage plan with its caps
-#   bash scripts/gpu_check.sh                           # every stage, <= 9 minutes
-#   bash scripts/gpu_check.sh --steps build,tests,sanitize,bench   # the critical path, <= 6
+#   bash scripts/gpu_check.sh                           # every stage, <= 580 s
+#   bash scripts/gpu_check.sh --steps build,tests,sanitize,bench   # the critical path, <= 410 s
 #   bash scripts/gpu_check.sh --steps ppo --allow-partial
 # Writes summary.txt and gpu_check_logs.tar.gz to $OUT (else ./gpu_out). Exit status: 0 all
 # selected stages passed, 1 one failed or timed out, 3 one did not run (unless --allow-partial),

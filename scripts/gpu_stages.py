@@ -9,9 +9,17 @@ Contract:
   ``MAX_JOBS`` = the CPU count unless set; unbuffered Python; no ``OUT`` (no command writes
   beside summary.txt and the archive).
 - Readers (pure, tested without a GPU): ``bandwidth_lines`` (benchmarks.kernels rows against the
-  50% goal), ``pytest_line``, ``probe_verdict`` (can compute-sanitizer run a trivial torch
-  program here: tells "unavailable on this runtime" from a kernel fault) and ``tool_verdict``
-  (one sanitizer tool's run over scripts/kernel_sanitizer_cases.py).
+  50% goal), ``pytest_line`` and ``pytest_counts`` (passed / failed / errors / skipped; a stage
+  in which no test ran is NOT RUN with the first skip reason, ``pytest_verdict``),
+  ``missing_modules`` (env's ``MISSING`` marks), ``probe_verdict`` (can compute-sanitizer run a
+  trivial torch program here: "usable"; "unavailable" only on the tool's own message, a line
+  of its ``=========`` output; "slow" when it did not finish; else "failed") and
+  ``tool_verdict`` (one sanitizer tool's run over scripts/kernel_sanitizer_cases.py).
+- Evidence rules: env fails only without a CUDA device (a wheel that did not install is listed
+  in ``Result.missing`` and blocks only the stages that need it); build fails when any op has
+  no CUDA kernel or the extension does not load (``hybridrl.kernels.ops`` raises its
+  ``ExtensionLoadError``; the stage's detail is that error's first line); bench fails when a
+  run exits 0 but printed no bandwidth row.
 - ``sanitize``: the probe is timed; every tool pays the same sanitized torch start-up, so a tool
   starts only when its equal share of the stage's time left is >= ``MIN_SHARE_X`` x the probe's
   time (``tools_that_fit``); the tools run most valuable first (``SANITIZER_TOOLS``: memcheck,
@@ -50,7 +58,7 @@ UNAVAILABLE_MARKERS = ("device not supported", "error 999", "cuda_error_unknown"
                        "unable to", "no attachable process", "not supported on this",
                        "failed to initialize")
 ENV_PY = """
-import importlib, importlib.util, torch
+import importlib, importlib.util, platform, torch
 found = []
 for m in ("megatron.core", "omegaconf", "transformers"):
     try:
@@ -61,13 +69,19 @@ for m in ("megatron.core", "omegaconf", "transformers"):
 te = importlib.util.find_spec("transformer_engine") is not None
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA DEVICE"
 sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
-print(f"SUMMARY: env: {gpu} ({sms} SMs), torch {torch.__version__} (CUDA {torch.version.cuda}), "
-      f"{', '.join(found)}, transformer_engine {'present' if te else 'absent'}")
+print(f"SUMMARY: env: {gpu} ({sms} SMs), Python {platform.python_version()}, torch "
+      f"{torch.__version__} (CUDA {torch.version.cuda}), {', '.join(found)}, transformer_engine "
+      f"{'present' if te else 'absent'}")
 raise SystemExit(0 if torch.cuda.is_available() else 1)
 """
 BUILD_CHECK = """
 from hybridrl.kernels import ops
-have = {op: ops.compiled_available(op, "cuda") for op in ops.OP_NAMES}
+try:
+    have = {op: ops.compiled_available(op, "cuda") for op in ops.OP_NAMES}
+except Exception as err:  # ops raises ExtensionLoadError with the import error
+    line = (str(err).strip().splitlines() or [""])[0]
+    print(f"SUMMARY: build: extension load FAILED: {type(err).__name__}: {line}"[:400])
+    raise SystemExit(1)
 print("SUMMARY: build: CUDA kernels " + ", ".join(f"{k} {'ok' if v else 'MISSING'}"
                                                  for k, v in have.items()))
 raise SystemExit(0 if all(have.values()) else 1)
@@ -112,6 +126,41 @@ def bandwidth_lines(text: str, label: str = "") -> list[str]:
     return out
 
 
+_COUNT = re.compile(r"\b(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)\b")
+_SKIP = re.compile(r"^SKIPPED \[\d+\] (?P<where>[^:]+:\d+): (?P<why>.*)$")
+
+
+def pytest_counts(line: str | None) -> dict[str, int]:
+    """{passed, failed, error, skipped, ...} of pytest's result line (absent kinds: 0)."""
+    out = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    for n, kind in _COUNT.findall(line or ""):
+        kind = "error" if kind.startswith("error") else kind
+        out[kind] = out.get(kind, 0) + int(n)
+    return out
+
+
+def pytest_verdict(rc: int, text: str) -> tuple[str, str]:
+    """(status, detail) of a pytest stage: NOT RUN when no test ran (all skipped, none
+    collected), whatever the exit status says; else by the exit status."""
+    line = pytest_line(text)
+    counts = pytest_counts(line)
+    ran = counts["passed"] + counts["failed"] + counts["error"] + counts.get("xpassed", 0) \
+        + counts.get("xfailed", 0)
+    if rc in (124, 137):
+        return TIMEOUT, ""
+    if ran == 0 and rc in (0, 5):
+        reasons = [m["why"] for m in map(_SKIP.match, text.splitlines()) if m]
+        why = f": {reasons[0]}" if reasons else ""
+        return NOT_RUN, (f"no test ran ({counts['skipped']} skipped{why})" if counts["skipped"]
+                         else "no test ran (none collected)")
+    return _status(rc), ""
+
+
+def missing_modules(text: str) -> tuple[str, ...]:
+    """The modules env's ENV_PY marked ``MISSING``."""
+    return tuple(re.findall(r"([\w.]+) MISSING", text))
+
+
 def pytest_line(text: str) -> str | None:
     """pytest's last result line ("12 passed, 1 skipped in 3.2s"), without the === frame."""
     found = None
@@ -121,18 +170,23 @@ def pytest_line(text: str) -> str | None:
     return found
 
 
-def probe_verdict(rc: int, text: str) -> tuple[bool, str]:
-    """(sanitizer usable, why not) from the sanitized probe's exit status and output."""
+def probe_verdict(rc: int, text: str) -> tuple[str, str]:
+    """(state, why) from the sanitized probe's exit status and output: "usable"; "unavailable"
+    only when compute-sanitizer itself says so (a line of its own ``=========`` output with a
+    known marker: ``why`` is that line); "slow" when it did not finish in ``PROBE_S`` (no proof
+    of anything); "failed" otherwise (``why``: its first error line)."""
     if rc == 0 and "probe ok" in text:
-        return True, ""
+        return "usable", ""
     if rc in (124, 137):
-        return False, f"the sanitized probe did not finish in {PROBE_S} s"
-    lines = [ln.strip().lstrip("=").strip() for ln in text.splitlines() if ln.strip()]
-    for line in lines:
+        return "slow", f"the sanitized probe did not finish in {PROBE_S} s"
+    tool = [ln.strip().lstrip("=").strip() for ln in text.splitlines()
+            if ln.startswith("=========")]
+    for line in tool:
         if any(marker in line.lower() for marker in UNAVAILABLE_MARKERS):
-            return False, line[:160]
+            return "unavailable", line[:160]
+    lines = [ln.strip().lstrip("=").strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if "error" in ln.lower()]
-    return False, (errors[0][:160] if errors else f"probe exit status {rc}")
+    return "failed", (errors[0][:160] if errors else f"probe exit status {rc}")
 
 
 def tool_verdict(tool: str, rc: int, text: str, limit_s: float = 0) -> tuple[str, str]:
@@ -173,18 +227,22 @@ def stage_env(ctx: Context) -> Result:
     py = ctx.python
     wheels = sorted(str(p) for p in (ROOT / ".whl").glob("*.whl"))
     lines = []
-    if wheels:
+    if wheels:  # a failure here blocks only the stages that need the wheels (Stage.needs)
         rc = ctx.sh([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                     "--no-cache-dir", "--upgrade", "--target", SITE, *wheels])
-        if rc:
-            return Result(ctx.name, _status(rc), detail=f"installing {len(wheels)} wheels failed")
-        lines.append(f"env: installed {', '.join(Path(w).name for w in wheels)} into {SITE}")
+                     "--no-cache-dir", "--upgrade", "--target", SITE, *wheels], limit=20)
+        names = ", ".join(Path(w).name for w in wheels)
+        lines.append(f"env: installed {names} into {SITE}" if rc == 0 else
+                     f"env: installing {names} FAILED (exit {rc}); the kernel stages run anyway")
+    else:
+        lines.append("env: no .whl/ carried: megatron-core and omegaconf come only from the image")
     ctx.sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
             "--format=csv,noheader"], limit=10)
     ctx.sh(["nvcc", "--version"], limit=5)
     rc = ctx.sh([py, "-c", ENV_PY])
-    lines += summary_lines_of(ctx.text())
-    return Result(ctx.name, _status(rc), lines=lines,
+    text = ctx.text()
+    lines += summary_lines_of(text)
+    missing = missing_modules("\n".join(summary_lines_of(text)))
+    return Result(ctx.name, _status(rc), lines=lines, missing=missing,
                   detail="" if rc == 0 else "torch sees no CUDA device" if rc == 1 else "")
 
 
@@ -195,17 +253,19 @@ def stage_build(ctx: Context) -> Result:
     check = ctx.sh([ctx.python, "-c", BUILD_CHECK], limit=30)
     text = ctx.text()
     failed = [ln.strip() for ln in text.splitlines() if "hybridrl: building" in ln][:1]
-    return Result(ctx.name, _status(rc or check), lines=summary_lines_of(text),
-                  detail=failed[0][:200] if failed else "")
+    load = [ln for ln in summary_lines_of(text) if "extension load FAILED" in ln][:1]
+    detail = (load or failed or [""])[0][:200]
+    return Result(ctx.name, _status(rc or check), lines=summary_lines_of(text), detail=detail)
 
 
 def _pytest(ctx: Context, paths: list[str], show: bool) -> Result:
-    cmd = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
+    cmd = [ctx.python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *paths]
     rc = ctx.sh(cmd + (["-s"] if show else []))
     text = ctx.text()
     line = pytest_line(text)
     lines = summary_lines_of(text) + ([f"{ctx.name}: {line}"] if line else [])
-    return Result(ctx.name, _status(rc), lines=lines)
+    status, detail = pytest_verdict(rc, text)
+    return Result(ctx.name, status, lines=lines, detail=detail)
 
 
 def stage_tests(ctx: Context) -> Result:
@@ -236,14 +296,21 @@ def stage_sanitize(ctx: Context, tools=SANITIZER_TOOLS) -> Result:
     rc = ctx.sh([exe, "--tool", "memcheck", "--error-exitcode", "9", py, "-c", PROBE],
                 limit=PROBE_S, log=probe_log)
     probe_s = ctx.clock() - t0
-    usable, why = probe_verdict(rc, probe_log.read_text(errors="replace"))
-    if not usable:
+    state, why = probe_verdict(rc, probe_log.read_text(errors="replace"))
+    if state == "slow":
+        return Result(ctx.name, NOT_RUN, detail=f"{why}: no verdict (slow is not unavailable; "
+                      "rerun with a larger sanitize cap)")
+    if state != "usable":
         plain = ctx.sh([py, "-c", PROBE], limit=30, log=probe_log)
         if plain != 0:
             return Result(ctx.name, FAILED, detail="a trivial torch program fails without the "
                           "sanitizer too: the GPU or torch is broken, not the sanitizer")
+        if state == "failed":
+            return Result(ctx.name, FAILED, detail="a trivial torch program fails under "
+                          f"compute-sanitizer without a message of the tool ({why})")
         return Result(ctx.name, UNAVAILABLE, detail="sanitizer unavailable on this runtime: a "
-                      f"trivial torch program fails under it ({why}); no kernel verdict")
+                      f"trivial torch program fails under it, the tool says: {why}; no kernel "
+                      "verdict")
     lines = [f"sanitize probe: {probe_s:.1f} s (a trivial torch program under memcheck)"]
     worst, detail_of_worst, names = OK, "", list(tools)
     cases = str(ROOT / "scripts" / "kernel_sanitizer_cases.py")
@@ -272,14 +339,19 @@ def stage_sanitize(ctx: Context, tools=SANITIZER_TOOLS) -> Result:
 def stage_bench(ctx: Context) -> Result:
     base = [ctx.python, "-m", "benchmarks.kernels", "--device", "cuda", "--sizes", "4096x8192",
             "--repeat", "10", "--peak-gbs", str(PEAK_GBS)]
-    lines, worst = [], 0
+    lines, worst, missing = [], 0, []
     for label, extra in (("", ["--kinds", "low_var_kl,k3+"]),
                          ("bf16 ", ["--dtype", "bfloat16", "--only", "kl", "--kinds",
                                     "low_var_kl"])):
         before = len(ctx.text())
         rc = ctx.sh(base + extra)
+        rows = bandwidth_lines(ctx.text()[before:], label)
+        if rc == 0 and not rows:  # an exit 0 that measured nothing is no evidence
+            missing.append(f"{label or 'fp32 '}run printed no bandwidth row")
         worst = worst or rc
-        lines += bandwidth_lines(ctx.text()[before:], label)
+        lines += rows
+    if missing and not worst:
+        return Result(ctx.name, FAILED, lines=lines, detail="; ".join(missing))
     return Result(ctx.name, _status(worst), lines=lines)
 
 

@@ -39,19 +39,27 @@ def test_dry_run_prints_every_stage_with_caps_within_the_budget():
             critical += int(m[2]) if m[3] == "critical" else 0
     assert list(caps) == ["env", "build", "tests", "sanitize", "bench", "models", "engine", "ppo"]
     assert caps["env"] >= 30, caps  # pip install --no-compile, then cold torch/megatron imports
-    assert critical <= 360, caps  # the critical path: <= 6 minutes on the H200
-    assert sum(caps.values()) <= 540, caps  # a full run: <= 9 minutes
+    # build: setup.py builds _C (kl_cpu.cpp, 19 s measured on CPU) before _C_cuda, whose .cu
+    # files compile side by side (gae_cuda.cu 71 s, kl_cuda.cu 68 s): twice that is 180 s
+    measured = gp.BUILD_MEASURED_S
+    assert caps["build"] >= 2 * (measured["kl_cpu.cpp"] + max(measured["gae_cuda.cu"],
+                                                              measured["kl_cuda.cu"])), caps
+    assert critical <= 410, caps  # the critical path: env + the kernels' verdict
+    assert sum(caps.values()) <= 580, caps  # a full run: inside the device's 600 s per command
     assert f"critical path (env + build + tests + sanitize + bench as selected): {critical} s" \
         in proc.stdout
-    assert f"total: {sum(caps.values())} s of caps within the 540 s budget" in proc.stdout
+    assert f"total: {sum(caps.values())} s of caps within the 580 s budget" in proc.stdout
+    for name in ("models", "engine", "ppo"):  # the stages that need the carried wheels say so
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(name + " "))
+        assert line.endswith("[needs megatron.core, omegaconf]"), line
 
 
 def test_dry_run_of_a_subset_and_a_budget_too_small():
-    proc = _dry_run("--steps", "ppo,build", "--budget", "150")
+    proc = _dry_run("--steps", "ppo,build", "--budget", "250")
     assert proc.returncode == 0, proc.stderr
     names = [ln.split()[0] for ln in proc.stdout.splitlines()[1:4]]
     assert names == ["env", "build", "ppo"]  # run order, not the order asked
-    assert "EXCEEDS the 150 s budget: ppo would be NOT RUN" in proc.stdout
+    assert "EXCEEDS the 250 s budget: ppo would be NOT RUN" in proc.stdout
     bad = _dry_run("--steps", "build,sanitizer")
     assert bad.returncode == 2 and "unknown stage(s) ['sanitizer']" in bad.stderr
 

@@ -48,10 +48,14 @@ GVISOR = """========= COMPUTE-SANITIZER
 
 def test_probe_verdict_tells_an_unusable_sanitizer():
     assert gs.probe_verdict(0, "probe ok 16773120.0\n========= ERROR SUMMARY: 0 errors") == \
-        (True, "")
-    ok, why = gs.probe_verdict(1, GVISOR)
-    assert not ok and why.startswith("Error: Device not supported")
-    assert gs.probe_verdict(124, "")[1].startswith("the sanitized probe did not finish")
+        ("usable", "")
+    state, why = gs.probe_verdict(1, GVISOR)
+    assert state == "unavailable" and why.startswith("Error: Device not supported")
+    # slow is not unavailable: no message of the tool, no proof
+    state, why = gs.probe_verdict(124, "")
+    assert state == "slow" and why.startswith("the sanitized probe did not finish")
+    # the same words from the program, not from the tool, prove nothing about the tool either
+    assert gs.probe_verdict(1, "RuntimeError: CUDA error: device not supported\n")[0] == "failed"
 
 
 def test_tool_verdicts():
