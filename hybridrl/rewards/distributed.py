@@ -17,7 +17,8 @@ Contract:
   decodes and scores every ``mp_size``-th of them, then one ``all_gather_object`` of
   per-sequence scalars (score, raw score, penalties, numeric extras) gives every rank every
   row's record. Returns ``(scores [n_local] fp32 of the caller's rows, metrics over all rows)``
-  with ``RewardScorer.score_batch``'s metric keys and values; an error on any rank raises
+  with ``RewardScorer.score_batch``'s metric keys and values (the wall times
+  ``timing_s/reward_row_{max,mean}`` of the rows' calls are this run's); an error on any rank raises
   ``RewardError`` (a ``RuntimeError``, never taken for a collective's timeout) with that line on
   every rank.
 - ``global_score_metrics(scores, dp_group)``: ``critic/score/{mean,max,min}`` of per-row
@@ -34,6 +35,7 @@ import functools
 import json
 import multiprocessing as mp
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -65,6 +67,7 @@ class RowScore:
     penalties: dict[str, float]
     extras: dict[str, float]
     data_source: str
+    seconds: float = 0.0
 
 
 def _call_with_timeout(fn, args: tuple, timeout_s: float):
@@ -107,11 +110,14 @@ def _error_line(scorer, item: RowItem, err: BaseException) -> str:
                         plain=isinstance(err, TimeoutError))
 
 
-def _score_item(scorer, item: RowItem, timeout_s: float) -> tuple[float, dict] | str:
+def _score_item(scorer, item: RowItem, timeout_s: float) -> tuple[float, dict, float] | str:
+    """(score, extras, seconds the call took) or the error line."""
     try:
-        return _call_with_timeout(scorer.score_one, (item.data_source, item.text,
-                                                     item.ground_truth, item.extra_info),
-                                  timeout_s)
+        t0 = time.perf_counter()
+        score, extras = _call_with_timeout(scorer.score_one, (item.data_source, item.text,
+                                                              item.ground_truth, item.extra_info),
+                                           timeout_s)
+        return score, extras, time.perf_counter() - t0
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM while waiting for it: the run's, not its error
         raise
     except BaseException as err:  # any user error becomes one line on every rank
@@ -159,9 +165,10 @@ def score_rows(scorer, items: list[RowItem], timeout_s: float, pool=None,
                 return results[-1]  # the caller ends the pool: queued rows are dropped
     penalties = scorer._penalties([it.ids for it in items], max_response_length, len(items))
     out = []
-    for k, (item, (raw, extras)) in enumerate(zip(items, results)):
+    for k, (item, (raw, extras, seconds)) in enumerate(zip(items, results)):
         pen = {name: values[k] for name, values in penalties.items()}
-        out.append(RowScore(item.row, raw + sum(pen.values()), raw, pen, extras, item.data_source))
+        out.append(RowScore(item.row, raw + sum(pen.values()), raw, pen, extras, item.data_source,
+                            seconds))
     return out
 
 
@@ -183,7 +190,15 @@ def summarize(records: list[RowScore]) -> dict[str, float]:
     metrics.update({f"reward/{k}/mean": mean(v) for k, v in pens.items()})
     metrics.update({f"reward/{k}/mean": mean(v) for k, v in extras.items()})
     metrics.update({f"reward/source/{k}/mean": mean(v) for k, v in sources.items()})
+    metrics.update(row_time_metrics([r.seconds for r in records]))
     return metrics
+
+
+def row_time_metrics(seconds: list[float]) -> dict[str, float]:
+    """``timing_s/reward_row_{max,mean}``: the seconds one row's reward function took (under
+    ``timing_s/``: wall times are not compared between runs)."""
+    return {"timing_s/reward_row_max": max(seconds, default=0.0),
+            "timing_s/reward_row_mean": float(sum(seconds) / len(seconds)) if seconds else 0.0}
 
 
 def global_score_metrics(scores: torch.Tensor, dp_group=None) -> dict[str, float]:

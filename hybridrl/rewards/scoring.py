@@ -15,7 +15,9 @@ default) is added per sequence, and with ``overlong_buffer`` > 0 DAPO's overlong
 (``reward/overlong_penalty/mean``). ``score_batch`` returns ``(scores [B] float32, metrics)`` with
 metrics ``critic/score/{mean,max,min}`` (final scores), ``reward/raw_score/mean`` (before
 penalties), ``reward/{length,repetition}_penalty/mean`` when on, ``reward/<extra>/mean`` for the
-numeric extras of dict results and ``reward/source/<data_source>/mean``. ``score_tokens`` does
+numeric extras of dict results, ``reward/source/<data_source>/mean`` and
+``timing_s/reward_row_{max,mean}`` (seconds one row's reward function took; a slow or stalling
+answer shows there). ``score_tokens`` does
 the same from generated token ids [B, R] + response mask (decoding them with the tokenizer).
 ``build_reward_scorer(cfg)`` builds a scorer from the ``reward`` config section. Any exception
 a reward function raises on a row (or an unusable result) becomes ``RewardFunctionError`` (a
@@ -24,6 +26,7 @@ a reward function raises on a row (or an unusable result) becomes ``RewardFuncti
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -173,8 +176,9 @@ class RewardScorer:
                 f"{len(data_sources)} data sources; allowed: the same number (>= 1) of each"
             )
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
-        raw, extras = [], defaultdict(list)
+        raw, extras, seconds = [], defaultdict(list), []
         for i in range(n):
+            t0 = time.perf_counter()
             try:
                 score, extra = self.score_one(
                     data_sources[i], responses[i], ground_truths[i], extra_infos[i]
@@ -183,6 +187,7 @@ class RewardScorer:
                 raise RewardFunctionError(self._describe_failure(err, i, data_sources[i],
                                                                  extra_infos[i])) from err
             raw.append(score)
+            seconds.append(time.perf_counter() - t0)
             for k, v in extra.items():
                 extras[k].append(v)
         penalties = self._penalties(response_ids, max_response_length, n)
@@ -200,6 +205,8 @@ class RewardScorer:
         for src, s in zip(data_sources, final):
             by_source[src].append(s)
         metrics.update({f"reward/source/{k}/mean": _mean(v) for k, v in by_source.items()})
+        metrics["timing_s/reward_row_max"] = max(seconds)
+        metrics["timing_s/reward_row_mean"] = _mean(seconds)
         return scores, metrics
 
     def score_tokens(
