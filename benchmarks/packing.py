@@ -1,6 +1,7 @@
 """Packed vs padded micro-batches on a length-varied PPO batch: the training phases of one step.
 
     .venv/bin/python benchmarks/packing.py [--worlds 1 2] [--rounds 3] [--seqs 64]
+        [--lengths lognormal|uniform]   # uniform: 80 + 3 tokens each, nothing to unpad
     .venv/bin/python benchmarks/packing.py --attention   # the varlen attention's paths
     .venv/bin/python benchmarks/packing.py --pipeline    # pp 2: variable vs fixed pack shapes
 
@@ -11,11 +12,14 @@ clipped to [1, 400]); a builtin llama (hidden 128, 4 layers, GQA 4/2 heads, SwiG
 (``hybridrl.trainer.microbatches.forward_parts`` + ``RolloutBatch.microbatch`` +
 ``run_microbatches`` for the forwards, ``hybridrl.trainer.updates.ppo_updates`` for the updates):
 old log-probs (actor), reference log-probs, values (critic), the critic update and the actor
-update (two mini-batches, one epoch, the trainer's losses). Three sides, each from the same
+update (two mini-batches, one epoch, the trainer's losses). Four sides, each from the same
 weights, in ONE process group per world (1 rank: dp 1; 2 ranks: dp 2, the rows split by
 ``plan_rollout_partition`` as the trainer does):
 
-- ``packed``: ``model.pack_sequences`` on, token budgets in real tokens;
+- ``packed``: ``model.pack_sequences`` on (the default: automatic, a micro-batch whose rows all
+  have one length keeps the padded layout, and each pack's attention takes its cheapest exact
+  path), token budgets in real tokens;
+- ``packed-always``: the same with every micro-batch packed (no padded fallback);
 - ``padded-dynamic``: right-padded rows, the same token budgets counted in padded tokens (rows
   bucketed by length: the best padded setting, verl's ``use_dynamic_bsz``);
 - ``padded-fixed``: right-padded micro-batches of ``--micro`` sequences (verl's default way).
@@ -33,36 +37,42 @@ activation's shape first) vs the same packs padded at the tail to the longest (o
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SIDES = ("packed", "padded-dynamic", "padded-fixed")
+SIDES = ("packed", "packed-always", "padded-dynamic", "padded-fixed")
 MODEL = dict(hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
              ffn_hidden_size=352, vocab_size=512, max_position_embeddings=512)
 
 
-def workload(n: int, seed: int = 0):
-    """(prompt lengths, response lengths) of the length-varied batch."""
-    import numpy as np
+def workload(n: int, seed: int = 0, lengths: str = "lognormal"):
+    """(prompt lengths, response lengths) of the batch: ``lognormal`` (the length-varied mix
+    above) or ``uniform`` (every prompt 80 tokens, every response 3: nothing to unpad)."""
+    import random
 
-    g = np.random.default_rng(seed)
-    prompts = g.integers(16, 65, size=n).tolist()
-    resp = np.clip(np.round(g.lognormal(np.log(48), 0.7, size=n)), 1, 400).astype(int).tolist()
+    if lengths == "uniform":
+        return [80] * n, [3] * n
+    g = random.Random(seed)
+    prompts = [g.randint(16, 64) for _ in range(n)]
+    resp = [int(min(max(round(g.lognormvariate(math.log(48), 0.7)), 1), 400)) for _ in range(n)]
     return prompts, resp
 
 
-def _rollout(n, rows, resp_width):
+def _rollout(n, rows, resp_width, lengths="lognormal"):
     import torch
 
     from hybridrl.rollout.batch import RolloutBatch
 
-    prompts, resp = workload(n)
+    prompts, resp = workload(n, lengths=lengths)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, MODEL["vocab_size"], (n, resp_width), generator=g)
     mask = (torch.arange(resp_width)[None, :] < torch.tensor(resp)[:, None]).long()
@@ -100,24 +110,29 @@ def _one_side(side, models, rb, tensors, partition, groups, args):
     from hybridrl.trainer.microbatches import TokenTally, forward_parts
     from hybridrl.trainer.updates import actor_loss_fn, critic_loss_fn, ppo_updates
 
-    packed = side == "packed"
+    packed = side.startswith("packed")
     actor_cfg, critic_cfg = _side_cfg(side, args)
     tally = TokenTally()
     dynamic = side != "padded-fixed"
+    # packed-always: every micro-batch a pack, even rows of one length (no padded fallback)
+    force = (mock.patch("hybridrl.rollout.batch.pack_pays", lambda lens: True)
+             if side == "packed-always" else contextlib.nullcontext())
     t0, c0 = time.perf_counter(), time.process_time()
     counts = []
-    for model in (models["actor"], models["reference"], models["critic"]):  # the 3 forwards
-        parts = forward_parts(rb.seq_lengths, args.micro, dynamic, 2 * args.budget, packed)
-        mbs = [rb.microbatch(p, packed=packed) for p in parts]
-        counts.append(len(mbs))
-        with tally.count(mbs):
-            run_microbatches(model, mbs, with_entropy=False)
-    common = dict(partition=partition, groups=groups, n=1, loss_scale=rb.response_ids.shape[1],
-                  temperature=1.0, packed=packed, tally=tally)
-    ppo_updates(models["critic"], models["critic_opt"], critic_cfg, rb, tensors,
-                functools.partial(critic_loss_fn, critic_cfg), "critic", **common)
-    ppo_updates(models["actor"], models["actor_opt"], actor_cfg, rb, tensors,
-                functools.partial(actor_loss_fn, actor_cfg, False), "actor", **common)
+    with force:
+        for model in (models["actor"], models["reference"], models["critic"]):  # 3 forwards
+            parts = forward_parts(rb.seq_lengths, args.micro, dynamic, 2 * args.budget, packed)
+            mbs = [rb.microbatch(p, packed=packed) for p in parts]
+            counts.append(len(mbs))
+            with tally.count(mbs):
+                run_microbatches(model, mbs, with_entropy=False)
+        common = dict(partition=partition, groups=groups, n=1,
+                      loss_scale=rb.response_ids.shape[1], temperature=1.0, packed=packed,
+                      tally=tally)
+        ppo_updates(models["critic"], models["critic_opt"], critic_cfg, rb, tensors,
+                    functools.partial(critic_loss_fn, critic_cfg), "critic", **common)
+        ppo_updates(models["actor"], models["actor_opt"], actor_cfg, rb, tensors,
+                    functools.partial(actor_loss_fn, actor_cfg, False), "actor", **common)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     metrics = tally.pop_metrics(groups.gloo_dp if groups.dp_size > 1 else None)
     return seconds, cpu, metrics, counts[0]
@@ -142,10 +157,10 @@ def run_rank(rank, world, args):
               for role in ("actor", "reference", "critic")}
     models["actor_opt"] = ModelOptimizer(models["actor"], OptimConfig(lr=1e-7))
     models["critic_opt"] = ModelOptimizer(models["critic"], OptimConfig(lr=1e-7))
-    _, resp = workload(args.seqs)
-    lens = [p + r for p, r in zip(*workload(args.seqs))]
+    _, resp = workload(args.seqs, lengths=args.lengths)
+    lens = [p + r for p, r in zip(*workload(args.seqs, lengths=args.lengths))]
     parts = plan_rollout_partition(lens, groups.dp_size, args.seqs // 2)
-    rb, tensors, _ = _rollout(args.seqs, parts[groups.dp_rank], max(resp))
+    rb, tensors, _ = _rollout(args.seqs, parts[groups.dp_rank], max(resp), args.lengths)
     out = {s: [] for s in SIDES}
     for r in range(args.rounds + 1):
         order = SIDES if r % 2 == 0 else SIDES[::-1]
@@ -158,9 +173,10 @@ def run_rank(rank, world, args):
 
 
 def _report(world, res, args):
-    prompts, resp = workload(args.seqs)
+    prompts, resp = workload(args.seqs, lengths=args.lengths)
     lens = sorted(p + r for p, r in zip(prompts, resp))
-    print(f"\nworld {world} (dp {world}, tp 1, pp 1), fp32, {args.seqs} sequences, lengths "
+    print(f"\nworld {world} (dp {world}, tp 1, pp 1), fp32, {args.lengths} lengths, {args.seqs} "
+          f"sequences, lengths "
           f"{lens[0]}-{lens[-1]} (median {lens[len(lens) // 2]}, real tokens {sum(lens)}), "
           f"training phases = old + ref + values forwards, critic + actor updates")
     rank0 = res[0]
@@ -175,7 +191,7 @@ def _report(world, res, args):
         wall, cpu = med(side, 0), med(side, 1)
         m = rank0[side][-1][2]
         mode = (f"micro {args.micro} seqs" if side == "padded-fixed" else
-                f"budget {args.budget} {'real' if side == 'packed' else 'padded'} tok "
+                f"budget {args.budget} {'real' if side.startswith('packed') else 'padded'} tok "
                 f"(fwd {2 * args.budget})")
         print(f"{side:<15} {mode:<34} {wall:>7.2f} {cpu:>6.2f} "
               f"{100 * m['perf/pad_fraction']:>6.1f} {m['perf/tokens_per_s']:>6.0f} "
@@ -281,6 +297,8 @@ def main(argv=None):
     parser.add_argument("--budget", type=int, default=2048,
                         help="ppo_max_token_len_per_gpu (log-prob forwards: twice it)")
     parser.add_argument("--micro", type=int, default=8, help="padded-fixed: sequences each")
+    parser.add_argument("--lengths", choices=("lognormal", "uniform"), default="lognormal",
+                        help="uniform: 80-token prompts, 3-token responses (nothing to unpad)")
     parser.add_argument("--pipeline", action="store_true",
                         help="only pp 2: variable-shape packs vs packs padded to one shape")
     parser.add_argument("--attention", action="store_true",

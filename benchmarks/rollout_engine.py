@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/rollout_engine.py [--batch 16] [--prompt 32] [--new 64]
         [--rounds 5] [--threads 1] [--device cpu|cuda] [--dtype fp32|bf16] [--size small|1b]
+        [--eos auto]
 
 One llama (random weights from a fixed seed, ``--size``: ``tiny`` the CPU demo's model, ``small``
 ~30M parameters, ``1b`` a ~1B TinyLlama-like shape) is built as transformers' ``LlamaForCausalLM``; the builtin engine gets
@@ -12,11 +13,19 @@ random ids. Rounds alternate A/B/A/B after one warm-up call each; the table give
 median seconds per ``generate`` call (prefill + decode), the range, generated tokens/s
 (batch x new / seconds) and the ratio builtin / transformers of tokens/s, from the same run. The
 first token ids of both sides are compared (fp32 on CPU: equal) so the two compute the same thing.
+``--eos auto``: both sample at temperature 1 (no top-k/p) and stop a row at one token, picked
+from a builtin run without eos so that its first occurrences end the rows after about 0.42 x
+``--new`` tokens on mean (the issue's ~27 of 64): the length mix has the same law on both sides
+(not the same draws: each side's own RNG), each side's tokens/s counts its own real tokens, and
+the token agreement line is not meaningful there. A third side runs
+the builtin engine decoding finished rows to the end (``compact_at=0``), the ratio showing what
+dropping finished rows saves.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -77,6 +86,21 @@ def _rounds(fns: dict, rounds: int, sync) -> dict:
     return times
 
 
+def _eos_for_mean(free, target: float) -> int:
+    """The token whose first greedy occurrence ends the rows nearest ``target`` tokens on mean."""
+    import torch
+
+    best, best_gap = 0, float("inf")
+    width = free.shape[1]
+    for tok in torch.unique(free).tolist():
+        hit = free == tok
+        first = torch.where(hit.any(1), hit.float().argmax(1) + 1, torch.tensor(width))
+        gap = abs(float(first.float().mean()) - target)
+        if gap < best_gap:
+            best, best_gap = tok, gap
+    return best
+
+
 def run(args) -> dict:
     import torch
 
@@ -91,38 +115,72 @@ def run(args) -> dict:
     ids = prompts.to(args.device)
     mask = torch.ones_like(ids)
     params = SamplingParams(max_new_tokens=args.new, temperature=0.0, pad_token_id=0)
+    stop = {"min_new_tokens": args.new, "do_sample": False}
+    if args.eos == "auto":  # rows end at different steps, on both sides (see the docstring)
+        params = dataclasses.replace(params, temperature=1.0, seed=7,
+                                     row_seeds=tuple(range(args.batch)))
+        free = engine.generate(prompts.tolist(), params).response_ids
+        eos = _eos_for_mean(free, 0.42 * args.new)
+        params = dataclasses.replace(params, eos_token_id=eos)
+        stop = {"eos_token_id": eos, "do_sample": True, "temperature": 1.0, "top_k": 0}
     out = {}
 
     @torch.no_grad()
     def hf():
+        torch.manual_seed(7)
         out["hf"] = model.generate(ids, attention_mask=mask, max_new_tokens=args.new,
-                                   min_new_tokens=args.new, do_sample=False, pad_token_id=0,
-                                   use_cache=True)[:, args.prompt:]
+                                   pad_token_id=0, use_cache=True, **stop)[:, args.prompt:]
+        ended = out["hf"] == stop.get("eos_token_id", -1)  # tokens up to the first eos count
+        first = torch.where(ended.any(1), ended.float().argmax(1) + 1,
+                            torch.tensor(out["hf"].shape[1]))
+        out["hf_lengths"] = first.tolist()
 
     def builtin():
-        out["builtin"] = engine.generate(prompts.tolist(), params).response_ids
+        res = engine.generate(prompts.tolist(), params)
+        out["builtin"], out["lengths"] = res.response_ids, res.response_mask.sum(1)
 
+    def builtin_all_rows():  # finished rows decoded to the end, as before compaction
+        engine.compact_at, at = 0.0, engine.compact_at
+        try:
+            engine.generate(prompts.tolist(), params)
+        finally:
+            engine.compact_at = at
+
+    sides = {"builtin engine": builtin, "transformers generate": hf}
+    if args.eos == "auto":
+        sides["builtin, no compaction"] = builtin_all_rows
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    times = _rounds({"builtin engine": builtin, "transformers generate": hf}, args.rounds, sync)
+    times = _rounds(sides, args.rounds, sync)
     first_equal = bool(torch.equal(out["hf"][:, 0].cpu(), out["builtin"][:, 0].cpu()))
-    all_equal = float((out["hf"].cpu() == out["builtin"].cpu()).float().mean())
-    return {"times": times, "first_equal": first_equal, "agree": all_equal}
+    width = min(out["hf"].shape[1], out["builtin"].shape[1])
+    all_equal = float((out["hf"][:, :width].cpu() == out["builtin"][:, :width].cpu())
+                      .float().mean())
+    return {"times": times, "first_equal": first_equal, "agree": all_equal,
+            "lengths": out["lengths"].tolist(), "hf_lengths": out["hf_lengths"]}
 
 
 def report(args, res) -> str:
-    n = args.batch * args.new
+    lens, hf_lens = res["lengths"], res["hf_lengths"]
+    n = sum(lens)  # each side's generated tokens (every row: --new without an eos)
+    spread = (f"sampled at temperature 1 to an eos: builtin lengths {min(lens)}-{max(lens)} "
+              f"(mean {n / len(lens):.1f}), transformers {min(hf_lens)}-{max(hf_lens)} (mean "
+              f"{sum(hf_lens) / len(hf_lens):.1f}), of at most {args.new}"
+              if args.eos == "auto" else f"{args.new} new tokens, greedy")
     lines = [f"rollout engine: llama {args.size} {SIZES[args.size]}, {args.device} {args.dtype}, "
              f"{args.threads} thread(s), batch {args.batch}, prompt {args.prompt}, "
-             f"{args.new} new tokens, greedy; median of {args.rounds} interleaved rounds",
+             f"{spread}; median of {args.rounds} interleaved rounds",
              f"{'engine':<24}{'s/call':>9}{'range':>18}{'tokens/s':>10}"]
     tps = {}
     for name, ts in res["times"].items():
         med = statistics.median(ts)
-        tps[name] = n / med
+        tps[name] = (sum(hf_lens) if name == "transformers generate" else n) / med
         lines.append(f"{name:<24}{med:>9.3f}{f'{min(ts):.3f}-{max(ts):.3f}':>18}{tps[name]:>10.0f}")
     ratio = tps["builtin engine"] / tps["transformers generate"]
     lines.append(f"ratio builtin / transformers tokens/s = {ratio:.2f}; first tokens equal: "
                  f"{res['first_equal']}; tokens agreeing: {res['agree']:.0%}")
+    if "builtin, no compaction" in tps:
+        lines.append(f"finished rows dropped (compact_at 0.25) / decoded to the end: "
+                     f"{tps['builtin engine'] / tps['builtin, no compaction']:.2f}x tokens/s")
     return "\n".join(lines)
 
 
@@ -136,6 +194,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--eos", choices=("none", "auto"), default="none",
+                    help="auto: stop rows at the most frequent greedy token (lengths vary)")
     args = ap.parse_args(argv)
     print(report(args, run(args)))
     return 0

@@ -8,6 +8,8 @@ so the engine is checked against HF without going through the library's reshard.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -301,3 +303,31 @@ def test_rope_frequencies_live_on_the_engine_device_and_logprobs_are_unchanged()
     old = engine.generate(PROMPTS, params)
     assert torch.equal(new.response_ids, old.response_ids)
     assert torch.equal(new.logprobs, old.logprobs)
+
+
+def test_finished_rows_leave_the_batch_and_nothing_else_changes():
+    """compact_at: rows that stopped are dropped from the decode batch (the KV cache, positions
+    and per-row generators with them); every row's tokens, mask and log-probs equal a run that
+    keeps decoding them, and the later decode steps really ran on fewer rows."""
+    model = tiny_hf(seed=1)
+    prompts = [[5 + i, 9, 3 + 2 * i, 7][: 2 + i % 3] for i in range(12)]
+    params = SamplingParams(max_new_tokens=12, temperature=1.5, seed=4,
+                            row_seeds=tuple(range(100, 112)), pad_token_id=0)
+    free = engine_from_hf(model, compact_at=0.0).generate(prompts, params)
+    counts = torch.bincount(free.response_ids[free.response_mask.bool()], minlength=VOCAB)
+    eos = int(counts[1:].argmax()) + 1  # the most sampled token: rows stop at different steps
+    params = dataclasses.replace(params, eos_token_id=eos)
+    runs, sizes = {}, {}
+    for at in (0.0, 0.25, 0.01):
+        engine = engine_from_hf(model, compact_at=at)
+        seen, forward = [], engine.forward
+        engine.forward = lambda ids, *a, _f=forward, _s=seen: _s.append(ids.shape[0]) or _f(ids, *a)
+        runs[at], sizes[at] = engine.generate(prompts, params), seen
+    stops = (runs[0.0].response_mask.sum(1)).tolist()
+    assert len(set(stops)) > 2, stops  # the case needs rows stopping at several steps
+    assert set(sizes[0.0]) == {12}  # compact_at 0: every step decodes all 12 rows
+    assert min(sizes[0.25]) < 12 and min(sizes[0.01]) < 12
+    for at in (0.25, 0.01):
+        assert torch.equal(runs[at].response_ids, runs[0.0].response_ids)
+        assert torch.equal(runs[at].response_mask, runs[0.0].response_mask)
+        torch.testing.assert_close(runs[at].logprobs, runs[0.0].logprobs, atol=1e-5, rtol=0)

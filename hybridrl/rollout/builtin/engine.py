@@ -2,7 +2,7 @@
 
 Contract:
 - ``BuiltinEngine(spec, tp_group=None, tp_rank=0, tp_size=1, tp_src=None, device, dtype, pp_size,
-  blocks=1)``
+  blocks=1, compact_at=0.25)``
   holds gen TP rank ``tp_rank`` of ``tp_size`` of a llama decoder described by ``EngineSpec``
   (RMSNorm, RoPE as HF llama / megatron non-interleaved, SwiGLU, GQA; q/k/v biases when
   ``qkv_bias``, as Qwen2 has them, and no other biases; per-head q/k RMSNorm before RoPE when
@@ -38,7 +38,11 @@ Contract:
   every TP rank continues with the same ones.
 - ``generate`` (see ``hybridrl.rollout.base``): prompts are left-padded in a KV cache of
   [B, hk, P + max_new, hd] per layer; positions count real tokens only; a row stops after its
-  eos; generation stops when every row stopped or after ``max_new_tokens``.
+  eos; generation stops when every row stopped or after ``max_new_tokens``. Finished rows are
+  not decoded further: once at least ``compact_at`` (default 0.25; 0 = never) of the rows
+  being decoded have stopped, they leave the batch (KV cache rows, positions, per-row
+  generators), so a long-tailed length mix costs what its live rows cost. A row's tokens
+  and log-probs do not depend on it (up to matmul rounding at another batch size).
 - Gen pipeline parallelism is not supported: ``pp_size != 1`` raises ``ValueError``.
 - Per decode step the work is the matmuls plus a fixed, small number of ops per layer: RoPE
   tables and the attention mask are built once per forward and shared by every layer, q and k
@@ -114,7 +118,8 @@ class BuiltinEngine:
 
     def __init__(self, spec: EngineSpec, *, tp_group=None, tp_rank: int = 0, tp_size: int = 1,
                  tp_src: int | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, pp_size: int = 1, blocks: int = 1):
+                 dtype: torch.dtype = torch.float32, pp_size: int = 1, blocks: int = 1,
+                 compact_at: float = 0.25):
         if pp_size != 1:
             raise ValueError(f"the builtin engine needs gen pp = 1 (parallel.gen.pp), got {pp_size}")
         if spec.vocab_chunk * tp_size < spec.vocab_size:
@@ -124,7 +129,7 @@ class BuiltinEngine:
             raise ValueError(f"tp_size={tp_size} needs tp_group")
         self.store = EngineWeights(spec, tp_size, blocks, dtype, device)  # checks divisibility
         self.spec, self.tp_group, self.tp_rank, self.tp_size = spec, tp_group, tp_rank, tp_size
-        self.tp_src, self.blocks = tp_src, blocks
+        self.tp_src, self.blocks, self.compact_at = tp_src, blocks, compact_at
         self.device, self.dtype = torch.device(device), dtype
         self.hq = spec.num_attention_heads // tp_size  # local query heads
         self.hk = spec.num_kv_heads // tp_size  # local KV heads
@@ -369,24 +374,32 @@ class BuiltinEngine:
             generator = torch.Generator(device=dev).manual_seed(int(params.seed))
         out_ids = torch.full((B, R), params.pad_token_id, dtype=torch.long, device=dev)
         out_logp = torch.zeros(B, R, dtype=torch.float32, device=dev)
-        done_B = torch.zeros(B, dtype=torch.bool, device=dev)
-        next_pos_B = pos_BP[:, -1] + 1
+        live = torch.arange(B, device=dev)  # the batch's rows still decoded (see compact_at)
+        done_b = torch.zeros(B, dtype=torch.bool, device=dev)
+        next_pos_b = pos_BP[:, -1] + 1
         steps = 0
         for j in range(R):
-            tokens_B, logp_B = sample_next(self.logits(h), params, generator)
-            tokens_B = self._sync_tokens(tokens_B.masked_fill(done_B, params.pad_token_id))
-            out_ids[:, j] = tokens_B
-            out_logp[:, j] = logp_B.masked_fill(done_B, 0.0)
-            valid_BT[:, P + j] = ~done_B
+            tokens_b, logp_b = sample_next(self.logits(h), params, generator)
+            tokens_b = self._sync_tokens(tokens_b.masked_fill(done_b, params.pad_token_id))
+            out_ids[live, j] = tokens_b
+            out_logp[live, j] = logp_b.masked_fill(done_b, 0.0)
+            valid_BT[live, P + j] = ~done_b
             steps = j + 1
             if params.eos_token_id is not None:
-                done_B = done_B | (tokens_B == params.eos_token_id)
-            if bool(done_B.all()) or j == R - 1:
+                done_b = done_b | (tokens_b == params.eos_token_id)
+            if bool(done_b.all()) or j == R - 1:
                 break
+            if int(done_b.sum()) >= self.compact_at * len(live) > 0:  # drop the finished rows
+                keep = torch.nonzero(~done_b).flatten()  # the same on every TP rank (synced)
+                cache = [(k.index_select(0, keep), v.index_select(0, keep)) for k, v in cache]
+                live, tokens_b, next_pos_b = live[keep], tokens_b[keep], next_pos_b[keep]
+                done_b = done_b[keep]
+                if isinstance(generator, list):
+                    generator = [generator[i] for i in keep.tolist()]
             c = P + j
-            allowed = (valid_BT[:, : c + 1] | (cols[: c + 1] == c)).unsqueeze(1)  # [B, 1, K]
-            h = self.forward(tokens_B[:, None], next_pos_B[:, None], cache, c, allowed)[:, -1]
-            next_pos_B = next_pos_B + 1
+            allowed = (valid_BT[live, : c + 1] | (cols[: c + 1] == c)).unsqueeze(1)  # [b, 1, K]
+            h = self.forward(tokens_b[:, None], next_pos_b[:, None], cache, c, allowed)[:, -1]
+            next_pos_b = next_pos_b + 1
         mask = valid_BT[:, P:P + steps].long()
         return (out_ids[:, :steps] * mask + params.pad_token_id * (1 - mask), mask,
                 out_logp[:, :steps] * mask)
