@@ -168,3 +168,44 @@ def test_a_scheduler_busy_past_the_flush_timeout_is_one_error_and_no_release():
                                      "scheduler was not idle within 0.1 s after generate "
                                      "(flush_cache: Timed out waiting for idle state.)")
     assert "release_memory_occupation" not in engine.calls
+
+
+# ---- item 2: the balance rule is SGLang's --------------------------------------------------------
+
+
+@pytest.mark.parametrize("gib", [(70, 66), (70, 63.1), (70, 62.9), (40, 80, 80), (80, 80)])
+def test_balance_rule_agrees_with_sglangs_own_check(gib, monkeypatch):
+    """``balance_problem`` refuses exactly when SGLang's ``_check_tp_memory_balance`` raises on
+    some TP rank (its input: the group's lowest free memory and the rank's own, in GB)."""
+    from tests.support.sglang_prelude import install
+
+    install()
+    from sglang.srt.distributed.bootstrap import _check_tp_memory_balance
+
+    from hybridrl.rollout.sglang.balance import balance_problem
+
+    monkeypatch.delenv("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", raising=False)
+    refused = False
+    for own in gib:
+        try:
+            _check_tp_memory_balance(pre_model_load_memory=min(gib), local_gpu_memory=own)
+        except RuntimeError:
+            refused = True
+    members = list(range(len(gib)))
+    problem = balance_problem(members, [int(g * 2**30) for g in gib])
+    assert (problem is not None) == refused, (gib, problem)
+    monkeypatch.setenv("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "false")  # SGLang only warns
+    assert balance_problem(members, [int(g * 2**30) for g in gib]) is None
+
+
+def test_the_calls_the_adapter_makes_have_sglangs_signatures():
+    import inspect
+
+    from tests.support.sglang_prelude import install
+
+    install()
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    flush = inspect.signature(TokenizerManager.flush_cache)
+    assert "timeout_s" in flush.parameters  # the adapter awaits flush_cache(timeout_s=...)
+    assert list(inspect.signature(TokenizerManager.auto_create_handle_loop).parameters) == ["self"]

@@ -15,8 +15,8 @@ Contract (docs/rollout.md has the diagram, the lifecycle and the memory of each 
   and (by default) refuses to start when a rank has less than 90 % of another's. So before the
   exchange every rank empties its CUDA cache (always, offload flags or not) and reads its free
   memory (``backend.free_memory``, else ``torch.cuda.mem_get_info``; None on a CPU device); the
-  exchange is the barrier: no source starts before every member emptied its cache. The source
-  logs ``start_line`` (each member's free GiB) and refuses, as a start failure, a group whose
+  exchange is the barrier: no source starts before every member emptied its cache (hybridrl/
+  rollout/sglang/balance.py). The source logs ``start_line`` (each member's free GiB) and refuses, as a start failure, a group whose
   lowest free memory is under 90 % of its highest while SGLang's check is on
   (``SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK``, default on). The source rank starts the engine
   inside ``engine_start_env(label)`` (hybridrl/rollout/sglang/env.py: no torchrun agent-store
@@ -68,6 +68,7 @@ import torch.distributed as dist
 
 from hybridrl.rollout.base import GenerationOutput, SamplingParams, as_prompt_lists
 from hybridrl.rollout.sampling import request_seed
+from hybridrl.rollout.sglang.balance import balance_problem, free_memory, start_line
 from hybridrl.rollout.sglang.compat import (
     LOAD_FORMAT,
     has_weight_update_session,
@@ -82,9 +83,6 @@ logger = logging.getLogger(__name__)
 
 RESERVED = ("model_path", "tp_size", "base_gpu_id", "gpu_id_step")  # the layout decides these
 PORT_STRIDE = 16
-GIB = 1 << 30
-BALANCE = 0.9  # SGLang: a TP rank with less than 90 % of another's free memory refuses to start
-BALANCE_CHECK = "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"  # SGLang's switch (default on)
 FLUSH_SHARE = 0.5  # the idle flush before a release waits at most this share of timeout_s
 REST = ["kv_cache", "cuda_graph"]  # memory tags resumed after the weights (SGLang's constants)
 
@@ -148,36 +146,6 @@ def _gloo_groups(all_members: list[list[int]], rank: int, rollout):
     return mine, world
 
 
-def free_memory(device: torch.device, backend: SGLangBackend) -> int | None:
-    """Free bytes on this rank's GPU after emptying its CUDA cache (None on a CPU device)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    if backend.free_memory is not None:
-        return backend.free_memory(device)
-    return int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
-
-
-def start_line(members: list[int], free: list) -> str:
-    """The source's start-up line: each member's free GPU memory."""
-    cells = ", ".join(f"rank {r} {f / GIB:.1f} GiB" if f is not None else f"rank {r} -"
-                      for r, f in zip(members, free))
-    return (f"SGLang engine of gen-TP group {members}: free GPU memory at start {cells} (SGLang "
-            f"sizes the KV pool from the lowest)")
-
-
-def balance_problem(members: list[int], free: list) -> str | None:
-    """Why SGLang would refuse to start on these members' free memory (None: it starts)."""
-    known = [f for f in free if f is not None]
-    check = os.environ.get(BALANCE_CHECK, "true").strip().lower() not in ("0", "false", "no",
-                                                                          "n", "off")
-    if not check or len(known) < 2 or min(known) >= BALANCE * max(known):
-        return None
-    return (f"free GPU memory differs by more than {1 - BALANCE:.0%} across gen-TP group "
-            f"{members} ({start_line(members, free).split('at start ')[1].split(' (')[0]}): "
-            f"SGLang refuses to start ({BALANCE_CHECK}); another process holds memory on the "
-            f"lower GPU(s), or a training part is still resident there")
-
-
 def engine_start_kwargs(model_path: str, *, tp_size: int, base: int, step: int,
                         dtype: torch.dtype, rollout) -> dict:
     """The ServerArgs keywords the source rank starts its engine with (module docstring)."""
@@ -204,7 +172,7 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
     tp_group, world_group = _gloo_groups(all_members, rank, rollout)
     device = torch.device(device)
     local = device.index if device.type == "cuda" else int(os.environ.get("LOCAL_RANK", rank))
-    mine = (socket.gethostname(), local, free_memory(device, backend))
+    mine = (socket.gethostname(), local, free_memory(device, backend.free_memory))
     gpus: list = [None] * dist.get_world_size()
     # the barrier of the start: every rank has emptied its cache before any engine starts
     dist.all_gather_object(gpus, mine, group=world_group)
