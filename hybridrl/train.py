@@ -11,7 +11,9 @@ torch.distributed (gloo on CPU, NCCL on CUDA), builds the training and generatio
 the ``PPOTrainer`` and runs it (``parallel.placement=split``: the last ``parallel.gen.world``
 ranks serve generation instead, ``hybridrl.trainer.split_run``).
 Start-up checks (``hybridrl.trainer.startup``: folders writable, model/tokenizer files, data
-sources known) also run on every rank before any collective. Process groups time out after
+sources known) also run on every rank before any collective; the run's folder paths are made
+absolute first (``resolve_paths``), and rank 0 then locks every folder the run writes
+(``lock_run_folders``: a second run on any of them exits 2 before a model is built). Process groups time out after
 ``trainer.collective_timeout_s``; the line then names the ranks that did not arrive and their
 phase (``hybridrl.parallel.phases``). Any exception is reported as one line
 (``hybridrl.exits``): an error every rank shares once, one only rank N hit with its rank.
@@ -85,6 +87,30 @@ def build_layout(cfg, world: int):
     return train, gen
 
 
+def resolve_paths(cfg):
+    """``cfg`` with ``trainer.output_dir``, ``checkpoint_dir`` and ``resume_path`` absolute
+    (against the start's working directory): a reward function or library that changes the
+    working directory later cannot split the run folder in two."""
+    import dataclasses
+
+    t = cfg.trainer
+    fixed = {k: os.path.abspath(getattr(t, k)) for k in ("output_dir", "checkpoint_dir",
+                                                         "resume_path")
+             if getattr(t, k) and not os.path.isabs(getattr(t, k))}
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(t, **fixed)) if fixed else cfg
+
+
+def lock_run_folders(cfg):
+    """Rank 0: the locks over every folder the run writes (the run folder, with its tracking
+    sinks, and trainer.checkpoint_dir; ``hybridrl.checkpoint.run_lock``); StartupError (one
+    line) when a live run holds one. Taken before the models are built, so a refused second
+    run costs seconds."""
+    from hybridrl.checkpoint import run_lock
+
+    return run_lock.acquire_run_locks(cfg.trainer.run_dir, cfg.trainer.checkpoint_dir,
+                                      run_lock.LOCK_WAIT_S)
+
+
 def _check_kernels(use_compiled, on_cuda: bool) -> str | None:
     """Apply ``kernels.use_compiled`` before any kernel runs; a problem message or None."""
     from hybridrl.kernels import ops
@@ -113,6 +139,7 @@ def main(argv=None) -> int:
                           world_size=world, notices=notices)
         if rank == 0 and notices:
             sys.stderr.write(f"hybridrl.train: {notices[0]}\n")
+        cfg = resolve_paths(cfg)
         cfg.check_world(world)
         train, gen = build_layout(cfg, world)
         from hybridrl.trainer.startup import check_startup
@@ -124,6 +151,10 @@ def main(argv=None) -> int:
     if problems:
         return _fail(rank, 2, problems[0] if len(problems) == 1 else
                      f"{len(problems)} problems: " + "; ".join(problems))
+    try:  # held by rank 0 until this process ends; before any model is built
+        locks = lock_run_folders(cfg) if rank == 0 else []
+    except (ValueError, OSError) as err:
+        return _fail(rank, 2, one_line(err))
     import torch
     import torch.distributed as dist
 
@@ -150,6 +181,7 @@ def main(argv=None) -> int:
         init_distributed("gloo" if cfg.trainer.device == "cpu" else None, timeout_s=timeout_s)
         torch.manual_seed(cfg.trainer.seed)
         status = _run(cfg, build_groups, train, gen, rank, timeout_s)
+        del locks  # held to here (the process's end would release them too)
         if status == 0:
             sigterm_point("finished")
             try:
