@@ -75,8 +75,6 @@ def config(workdir: str, train_file: str, steps: int):
 def main(workdir: str = "outputs/custom_reward_and_estimator", steps: int = 2):
     import torch.distributed as dist
 
-    from hybridrl.train import build_layout
-
     if not dist.is_initialized():  # plain `python examples/...`: a world of one
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29531")
@@ -86,7 +84,7 @@ def main(workdir: str = "outputs/custom_reward_and_estimator", steps: int = 2):
     train_file = write_data(os.path.join(workdir, "data"))
     cfg = config(workdir, train_file, steps)
     cfg.check_world(dist.get_world_size())
-    train, gen = build_layout(cfg, dist.get_world_size())
+    train, gen = hybridrl.build_layout(cfg, dist.get_world_size())
     trainer = hybridrl.PPOTrainer(cfg, hybridrl.build_groups(train, gen))
     return trainer.fit(), calls
 

@@ -26,6 +26,7 @@ import contextlib
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,9 @@ import torch.distributed as dist
 from hybridrl.models.build import VALUE_ROLES, ShardedModel, build_model
 from hybridrl.models.naming import named_local_parameters, tp_partition_dim
 from hybridrl.models.spec import DTYPES, check_layout, read_hf_spec
+
+if TYPE_CHECKING:
+    from hybridrl.parallel.groups import ParallelGroups
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LAYER_MAP = {
@@ -171,8 +175,10 @@ def load_hf_weights(model: ShardedModel, folder: str | Path) -> None:
             param.copy_(local.to(param.dtype))
 
 
-def build_from_hf(folder: str | Path, groups, role: str = "actor", **kwargs) -> ShardedModel:
-    """Validate config.json and the layout, then build ``role`` and load the weights."""
+def build_from_hf(folder: str | Path, groups: ParallelGroups, role: str = "actor",
+                  **kwargs: Any) -> ShardedModel:
+    """Validate config.json and the layout, then build ``role`` and load the weights
+    (``kwargs``: ``hybridrl.models.build.build_model``'s options: dtype, seed, recompute...)."""
     spec = read_hf_spec(folder)
     check_layout(spec, groups.train)
     model = build_model(spec, groups, role, **kwargs)

@@ -13,8 +13,12 @@ Contract:
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hybridrl.models.build import ShardedModel
 
 _TE_RENAMES = (
     ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
@@ -35,7 +39,7 @@ def canonical_name(local_name: str, layer_offset: int) -> str:
     return f"decoder.layers.{layer + layer_offset}.{rest}"
 
 
-def named_local_parameters(model) -> list[tuple[str, torch.Tensor]]:
+def named_local_parameters(model: ShardedModel) -> list[tuple[str, torch.Tensor]]:
     """(canonical name, live local parameter) of this rank's stage and TP slice."""
     return [
         (canonical_name(name, model.layer_offset), param)

@@ -7,6 +7,10 @@ Contract: the loops are thin; each capability is a module of its own that the lo
 - ``updates``: the PPO updates of a step (epochs, mini-batches, micro-batches per DP rank, the
   actor and critic losses).
 - ``dynamic_sampling``: DAPO's generation rounds until enough prompt groups are informative.
+- ``entry``: ``build_trainer`` / ``build_layout``, the trainer built from Python objects (the
+  layouts, groups and start-up checks ``python -m hybridrl.train`` runs).
+- ``inputs``: prompts, reward functions and estimators given as Python objects.
+- ``rng``: the trainer's own RNG states (the caller's global RNG left as found).
 - ``sft``: ``SFTTrainer``, the supervised warm start (``hybridrl.sft``'s loop).
 - ``startup``: the checks every rank runs before any collective (one line per problem).
 - ``guards``: the step guard (non-finite values, the KL guard's rollback).

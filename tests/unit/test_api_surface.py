@@ -22,16 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # public names whose home module (owned elsewhere) still lacks a docstring or a parameter's
 # type hint: reported to their owners; the check below fails for any name NOT listed here
 PENDING = {
-    "BuiltinEngine": "hybridrl/rollout/builtin/engine.py: tp_group",
-    "build_from_hf": "hybridrl/models/hf_io.py: groups, **kwargs",
-    "named_local_parameters": "hybridrl/models/naming.py: model",
     "sync_engine": "hybridrl/rollout/engine_sync.py: plan, engine, dtype, device",
-    "run_plan": "hybridrl/reshard/executor.py: group (reshard docstrings in progress)",
-    "train_sources": "hybridrl/reshard/executor.py: parameters (reshard work in progress)",
-    "Assembler": "hybridrl/reshard/assemble.py: docstring (in progress)",
-    "engine_format": "hybridrl/reshard/formats.py: docstring (in progress)",
-    "hf_format": "hybridrl/reshard/formats.py: docstring (in progress)",
-    "train_placement": "hybridrl/reshard/placement.py: docstring (in progress)",
 }
 
 

@@ -116,7 +116,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class BuiltinEngine:
     """One gen TP rank of a llama decoder with a KV cache (see module docstring)."""
 
-    def __init__(self, spec: EngineSpec, *, tp_group=None, tp_rank: int = 0, tp_size: int = 1,
+    def __init__(self, spec: EngineSpec, *, tp_group: dist.ProcessGroup | None = None,
+                 tp_rank: int = 0, tp_size: int = 1,
                  tp_src: int | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, pp_size: int = 1, blocks: int = 1,
                  compact_at: float = 0.25):
