@@ -157,7 +157,8 @@ class ActorConfig(TrainedRoleConfig):
 
 @dataclass(frozen=True)
 class CriticConfig(TrainedRoleConfig):
-    """The value model (used when algorithm.adv_estimator is 'gae')."""
+    """The value model (used when algorithm.adv_estimator is 'gae'). Its ppo_mini_batch_size,
+    ppo_epochs and loss_agg_mode follow the actor's unless a file or override sets them."""
 
     SECTION: ClassVar[str] = "critic"
 
