@@ -16,6 +16,8 @@ Contract:
   sets, bytes received per generation rank and sent per training rank, the send balance).
 - ``--memory`` prints the per-GPU memory plan instead (``memory_report``: bytes by phase, the
   verdict; ``hybridrl.planning.memory``), or its JSON with ``--json``.
+- ``--time`` / ``--search`` / ``--calibrate``: the predicted seconds of a step, the best
+  layouts by it, the CPU calibration (``hybridrl.planning.timecli``; docs/scaling.md).
 - Bad input raises ValueError (the top-level CLI prints one line and exits 2). ``main(argv)``
   runs the subcommand standalone with the same behaviour (tests call it in-process).
 - Costs come from ``summarize`` (no per-element enumeration): 1024 ranks answer in about a second.
@@ -169,10 +171,11 @@ def model_of_config(cfg) -> str:
     return name
 
 
-def memory_report(args: argparse.Namespace) -> dict:
+def memory_report(args: argparse.Namespace, cache: dict | None = None) -> dict:
     """``hybridrl plan --memory``: the per-GPU memory plan (``hybridrl.planning.memory``), with
     the reshard's transient (its buckets in flight beyond the engine's weights, which it fills)
-    from the auto strategy (zero_redundancy when the shards nest)."""
+    from the auto strategy (zero_redundancy when the shards nest); ``cache`` (a dict) keeps the
+    reshard terms of layouts already planned (``plan --search``)."""
     from hybridrl.planning.memory import MemoryJob, plan_memory
     from hybridrl.planning.report import job_from_config, padding_line
 
@@ -191,6 +194,8 @@ def memory_report(args: argparse.Namespace) -> dict:
     shape = load_shape(args.model)
     if args.world is None:
         raise ValueError("--world is required (or --memory --config with parallel.dp)")
+    if args.gpu_gb is None:
+        args.gpu_gb = 80.0
     if cfg is not None:
         extra = {} if args.mem_fraction_static is None else \
             {"mem_fraction_static": args.mem_fraction_static}
@@ -209,14 +214,23 @@ def memory_report(args: argparse.Namespace) -> dict:
             ref=not args.no_ref, dist_opt=not args.no_dist_opt, offload=frozenset(parts),
             rollout_seqs=args.rollout_seqs, gpu_gb=args.gpu_gb, spec=args.spec,
             engine=args.engine, mem_fraction_static=args.mem_fraction_static or 0.5)
-    transient, traffic = _reshard_terms(args, shape)
+    key = (args.model, args.world, args.tp, args.pp, args.gen_tp, args.gen_pp, args.dtype,
+           args.engine, args.bucket_mb, args.vocab_pad, args.gpus_per_node)
+    if getattr(args, "placement", "colocated") == "split":  # the training ranks of a split
+        transient, traffic = 0, {}  # placement: no engine, no colocated reshard on them
+    elif cache is not None and key in cache:
+        transient, traffic = cache[key]
+    else:
+        transient, traffic = _reshard_terms(args, shape)
+        if cache is not None:
+            cache[key] = transient, traffic
     job = dataclasses.replace(job, reshard_bytes=transient)
     knobs = {k: v for k, v in dataclasses.asdict(job).items() if k != "shape"}
     knobs["offload"] = sorted(job.offload)
     padding = {} if cfg is None else {"padding": padding_line(cfg, job.dp)}
     return {"model": args.model, "world": args.world, "tp": args.tp, "pp": args.pp,
             "gen_tp": args.gen_tp, "gen_pp": args.gen_pp, "job": knobs, **plan_memory(job),
-            "reshard_traffic": traffic, **padding}
+            **({"reshard_traffic": traffic} if traffic else {}), **padding}
 
 
 def _reshard_terms(args: argparse.Namespace, shape: LlamaShape) -> tuple[int, dict]:
@@ -241,6 +255,12 @@ def _reshard_terms(args: argparse.Namespace, shape: LlamaShape) -> tuple[int, di
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.time or args.search or args.calibrate:  # the step-time model (planning.timecli)
+        from hybridrl.planning.timecli import run
+
+        if sum((args.time, args.search, args.calibrate, args.memory)) > 1:
+            raise ValueError("pick one of --time, --search, --calibrate, --memory")
+        return run(args)
     if args.config and not args.memory:
         raise ValueError("--config goes with --memory")
     if args.model is None and not args.config:
@@ -304,7 +324,8 @@ def _fill(p: argparse.ArgumentParser) -> None:
     m.add_argument("--memory", action="store_true", help="plan memory instead of the reshard")
     m.add_argument("--config", help="a hybridrl YAML config: its layouts, dtype, budgets, "
                    "recompute/sp and offload flags (the model size still from --model)")
-    m.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GB (80, 141, ...)")
+    m.add_argument("--gpu-gb", type=float, default=None, help="GPU memory in GB (80, 141, ...; "
+                   "default 80, with --time/--search the --gpu's)")
     m.add_argument("--gpus-per-node", type=int, default=8,
                    help="GPUs per node: the reshard's bytes inside / across nodes")
     m.add_argument("--mem-fraction-static", type=float, default=None,
@@ -329,6 +350,9 @@ def _fill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("sglang", "builtin"), default="sglang",
                    help="rollout engine: its vocab padding; with --memory, builtin reads the "
                         "rank's own training shards in place, so those bytes count once")
+    from hybridrl.planning.timecli import add_time_args
+
+    add_time_args(p)
     p.set_defaults(func=_cmd_plan)
 
 

@@ -1,0 +1,321 @@
+"""Predicted seconds of one RL step, phase by phase (pure; ``hybridrl plan --time``).
+
+Contract:
+- ``Workload``: what a step does: ``prompts`` per step, ``n`` samples each, mean ``prompt_len``
+  and ``response_len``, ``max_response_len``, ``algo`` (``grpo``: no critic; ``gae``: critic),
+  ``ppo_epochs``, ``mini_batches`` (optimizer steps per epoch), ``save_freq`` (0: none).
+- ``Layout``: ``world``, training ``tp``/``pp``, generation ``gen_tp``/``gen_pp``,
+  ``placement`` (``colocated``: every rank generates then trains; ``split``: the last
+  ``gen_world`` ranks generate one step ahead while the others train, as ``rollout.async_steps=1``
+  runs), training micro-batch budgets (``tokens_per_gpu``, ``critic_tokens_per_gpu``,
+  ``forward_tokens_per_gpu``), ``recompute``, ``sp``, ``offload`` parts, ``ref``, ``dtype``,
+  ``dist_opt``.
+- ``predict(work, lay, hw, mem, reshard)`` -> ``{"step_s", "phases_s", "tokens_per_s_per_gpu",
+  "mfu", "mfu_step", "detail"}``. ``mem`` is the ``plan --memory`` report of the ranks that
+  train (its ``gen_concurrent_seqs``: the batch an engine holds, from its KV pool; its
+  ``phases``' parts: the bytes an offload moves); ``reshard`` is ``{"intra_node_bytes",
+  "inter_node_bytes"}`` of the worst rank (colocated, ``planning.traffic``) or
+  ``{"busiest_bytes"}`` (split: the weight sync, ``planning.split``). The formulas, each phase a
+  physical cost over a peak times one named efficiency (``planning.hardware``):
+  * generate: prefill = the prompts' forward FLOPs over the replica's GPUs (compute-bound);
+    decode steps = max_response_len when a replica's sequences all fit its batch C, else
+    seqs x response_len / C + (max_response_len - response_len) (continuous batching and its
+    tail); one decode step = max(bytes, FLOPs) with bytes = weights M / tg (pg pipeline stages
+    each stream their share once per micro-batch) + the batch's KV at the mean context over the
+    replica, FLOPs = C tokens' decode FLOPs over the replica; plus 2 collectives per layer when
+    tg > 1 and the per-layer call latency (CPU).
+  * old_log_prob / reference / values: forward FLOPs of every sequence over the training GPUs,
+    stretched by the 1F1B bubble (m + p - 1) / m, plus tensor-parallel all-reduces (2 per layer
+    and micro-batch of tokens x h, ring 2 (t-1)/t) and pipeline sends.
+  * actor / critic update: ``ppo_epochs`` x training FLOPs (recompute included), the same
+    bubble and TP traffic (x 3: forward, backward, recompute), plus per mini-batch the
+    distributed optimizer's gradient reduce-scatter (fp32) and parameter all-gather over the
+    DP group (NVLink inside a node, InfiniBand when the group spans nodes; not overlapped).
+  * reshard: the plan's bytes on the worst rank, max(inside the node / NVLink, across nodes /
+    InfiniBand) (the two links work at once); split: the busiest rank's sync bytes over
+    InfiniBand, once per step, on the critical path.
+  * offload: the bytes each phase brings to / sends from the device (``PhaseMemory``'s order:
+    reshard, gen, old log-prob, reference, values, actor update, critic update; gradients are
+    dropped, not copied) over PCIe.
+  * checkpoint: params + optimizer shard of each trained role per rank, written at
+    ``STORAGE_BPS_PER_NODE`` shared by the node's GPUs, divided by ``save_freq``.
+  Step: colocated = the sum; split = max(generate, the training phases) + sync.
+  ``tokens_per_s_per_gpu`` = prompts x n x (prompt_len + response_len) / step / world; ``mfu`` =
+  the actor update's model FLOPs (no recompute) / (its seconds x training GPUs x peak), as verl's
+  ``perf/mfu/actor``; ``mfu_step`` = every model FLOP of the step (generation included) /
+  (step x world x peak).
+- Mean lengths stand for every sequence: attention's L^2 term is under-counted when lengths
+  spread (E[L^2] > E[L]^2); rewards and advantages are taken as free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hybridrl.planning import flops as F
+from hybridrl.planning.memory import DTYPE_BYTES, bubble_fraction
+
+STORAGE_BPS_PER_NODE = 5e9  # assumption: a parallel file system's write rate per node
+PHASE_ORDER = ("generate", "reshard", "old_log_prob", "reference", "values", "actor_update",
+               "critic_update", "offload", "checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    prompts: int
+    n: int = 1
+    prompt_len: float = 512
+    response_len: float = 512
+    max_response_len: int = 1024
+    algo: str = "grpo"
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    save_freq: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "n", "max_response_len", "ppo_epochs", "mini_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                 f"{getattr(self, name)}")
+        if not 0 < self.response_len <= self.max_response_len:
+            raise ValueError(f"--response-len must be in (0, --max-response-len "
+                             f"{self.max_response_len}], got {self.response_len}")
+        if not self.prompt_len > 0:
+            raise ValueError(f"--prompt-len must be > 0, got {self.prompt_len}")
+        if self.algo not in ("grpo", "gae"):
+            raise ValueError(f"--algo must be grpo or gae, got {self.algo!r}")
+        if self.save_freq < 0:
+            raise ValueError(f"--save-freq must be >= 0, got {self.save_freq}")
+
+    @property
+    def seqs(self) -> int:
+        return self.prompts * self.n
+
+    @property
+    def length(self) -> float:
+        return self.prompt_len + self.response_len
+
+    @property
+    def critic(self) -> bool:
+        return self.algo == "gae"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int = 1
+    pp: int = 1
+    gen_tp: int = 1
+    gen_pp: int = 1
+    placement: str = "colocated"
+    gen_world: int = 0
+    tokens_per_gpu: int = 16384
+    critic_tokens_per_gpu: int = 0
+    forward_tokens_per_gpu: int = 0
+    recompute: str = "none"
+    sp: bool = False
+    offload: frozenset = frozenset()
+    ref: bool = True
+    dtype: str = "bf16"
+    dist_opt: bool = True
+
+    @property
+    def train_world(self) -> int:
+        return self.world - self.gen_world if self.placement == "split" else self.world
+
+    @property
+    def dp(self) -> int:
+        return self.train_world // (self.tp * self.pp)
+
+    @property
+    def gen_replicas(self) -> int:
+        ranks = self.gen_world if self.placement == "split" else self.world
+        return ranks // (self.gen_tp * self.gen_pp)
+
+
+def _ring(bytes_: float, group: int, bps: float, latency: float) -> float:
+    """A ring all-reduce of ``bytes_`` over ``group`` ranks (reduce-scatter + all-gather) and
+    the fixed latency of one collective."""
+    if group <= 1:
+        return 0.0
+    return 2 * (group - 1) / group * bytes_ / bps + latency
+
+
+def _link(hw, group_span: int) -> float:
+    """Usable bytes/s of a group whose ranks span ``group_span`` consecutive ranks."""
+    bps = hw.nvlink_bps if group_span <= hw.gpus_per_node else hw.ib_bps
+    return bps * hw.eff("link")
+
+
+def micro_batches(work: Workload, lay: Layout, budget: int) -> int:
+    """Micro-batches per pipeline per mini-batch: the rank's sequences of one mini-batch in
+    budgets of ``budget`` tokens (at least pp when there are that many sequences)."""
+    seqs = max(work.seqs / (work.mini_batches * lay.dp), 1.0)
+    per = max(budget // max(int(work.length), 1), 1)
+    return max(math.ceil(seqs / per), min(lay.pp, math.ceil(seqs)))
+
+
+def generate_s(work: Workload, lay: Layout, hw, shape, concurrent: int) -> tuple[float, dict]:
+    """Seconds of the rollout on one replica (every replica in parallel) and its parts."""
+    g = lay.gen_tp * lay.gen_pp
+    itemsize = DTYPE_BYTES[lay.dtype]
+    per_replica = math.ceil(work.seqs / lay.gen_replicas)
+    batch = max(min(concurrent, per_replica), 1)
+    peak = hw.flops * hw.eff("matmul")
+    prefill = per_replica * F.forward_flops(shape, work.prompt_len) / (g * peak)
+    if per_replica <= batch:
+        steps = work.max_response_len
+    else:
+        steps = per_replica * work.response_len / batch + work.max_response_len \
+            - work.response_len
+    context = work.prompt_len + work.response_len / 2
+    weights = shape.num_params() * itemsize / lay.gen_tp
+    kv = batch * context * F.kv_bytes_per_token(shape, itemsize) / g
+    bytes_s = (weights + kv) / (hw.hbm_bps * hw.eff("hbm"))
+    flops_s = batch * F.decode_token_flops(shape, context) / (g * peak)
+    latency = shape.layers * hw.kernel_latency_s
+    if lay.gen_tp > 1:
+        msg = batch / lay.gen_pp * shape.hidden * itemsize
+        latency += 2 * shape.layers * _ring(msg, lay.gen_tp, _link(hw, lay.gen_tp),
+                                            hw.collective_latency_s)
+    step = max(bytes_s, flops_s) + latency
+    return prefill + steps * step, {"prefill_s": prefill, "decode_steps": steps,
+                                    "decode_step_s": step, "batch": batch,
+                                    "decode_bound": "hbm" if bytes_s >= flops_s else "compute"}
+
+
+def _pass_s(work: Workload, lay: Layout, hw, shape, role: str, train: bool, budget: int) -> float:
+    """One pass over the step's sequences (a forward, or ``ppo_epochs`` updates)."""
+    itemsize = DTYPE_BYTES[lay.dtype]
+    n = lay.train_world
+    peak = hw.flops * hw.eff("matmul")
+    length = work.length
+    if train:
+        flops = work.ppo_epochs * work.seqs * F.train_flops(shape, length, role, lay.recompute)
+    else:
+        flops = work.seqs * F.forward_flops(shape, length, role)
+    m = micro_batches(work, lay, budget)
+    stretch = 1 / (1 - bubble_fraction(lay.pp, m))
+    compute = flops / (n * peak) * stretch
+    # per rank: micro-batches it runs in this pass, each through layers / pp layers
+    epochs = work.ppo_epochs if train else 1
+    micro = m * work.mini_batches * epochs
+    passes = (3 if lay.recompute == "full" else 2) if train else 1
+    tokens = min(budget, work.seqs * length / (work.mini_batches * lay.dp))
+    layers = shape.layers / lay.pp
+    calls = micro * layers * (passes + (1 if train else 0))
+    tp_comm = 0.0
+    if lay.tp > 1:
+        msg = tokens * shape.hidden * itemsize
+        tp_comm = micro * layers * 2 * passes * _ring(msg, lay.tp, _link(hw, lay.tp),
+                                                      hw.collective_latency_s)
+    pp_comm = 0.0
+    if lay.pp > 1:
+        act = tokens * shape.hidden * itemsize / (lay.tp if lay.sp else 1)
+        hops = micro * (2 if train else 1)
+        pp_comm = hops * (act / _link(hw, lay.tp * lay.dp * 2) + hw.collective_latency_s)
+    dp_comm = 0.0
+    if train and lay.dp > 1:
+        from hybridrl.planning.memory import stage_numel
+
+        params = max(stage_numel(shape, lay.tp, lay.pp, s, role) for s in range(lay.pp))
+        link = _link(hw, lay.tp * lay.dp)
+        if lay.dist_opt:  # reduce-scatter fp32 grads + all-gather params: one ring each
+            sync = _ring(params * (4 + itemsize) / 2, lay.dp, link, hw.collective_latency_s)
+        else:
+            sync = _ring(params * 4, lay.dp, link, hw.collective_latency_s)
+        dp_comm = work.mini_batches * work.ppo_epochs * sync
+    return compute + calls * hw.kernel_latency_s + tp_comm + pp_comm + dp_comm
+
+
+PHASE_NEEDS = (  # PhaseMemory's phases in a step and the parts each brings to the device
+    ("reshard", {"actor": {"params"}}), ("gen", {}), ("old_log_prob", {"actor": {"params"}}),
+    ("reference", {"reference": {"params"}}), ("values", {"critic": {"params"}}),
+    ("actor_update", {"actor": {"params", "optim"}}),
+    ("critic_update", {"critic": {"params", "optim"}}))
+
+
+def offload_bytes(lay: Layout, mem: dict, critic: bool) -> float:
+    """Bytes one rank copies to or from host memory per step (see the module docstring)."""
+    parts = mem["phases"]["train_actor"], mem["phases"].get("train_critic", {})
+    size = {("actor", "params"): parts[0].get("actor/params", 0),
+            ("actor", "optim"): parts[0].get("actor/optim", 0),
+            ("critic", "params"): parts[1].get("critic/params", 0),
+            ("critic", "optim"): parts[1].get("critic/optim", 0),
+            ("reference", "params"): mem["phases"]["forward_only"].get("reference/params", 0)}
+    if not size[("reference", "params")]:  # forward_only kept the actor's: same stage size
+        size[("reference", "params")] = size[("actor", "params")]
+    roles = {"actor"} | ({"reference"} if lay.ref else set()) | ({"critic"} if critic else set())
+    phases = [(p, need) for p, need in PHASE_NEEDS if all(r in roles for r in need)
+              and not (lay.placement == "split" and p in ("reshard", "gen"))]
+    moved = 0.0
+    for i, (_, need) in enumerate(phases):
+        before = phases[i - 1][1]
+        for role in roles:
+            for part in ("params", "optim"):
+                if part not in lay.offload:
+                    continue
+                was, now = part in before.get(role, ()), part in need.get(role, ())
+                if was != now:
+                    moved += size.get((role, part), 0)
+    return moved
+
+
+def predict(work: Workload, lay: Layout, hw, shape, mem: dict, reshard: dict) -> dict:
+    """The step's phases in seconds and its throughput (see the module docstring)."""
+    if lay.placement == "split" and not 0 < lay.gen_world < lay.world:
+        raise ValueError(f"--gen-world must be in 1 .. world-1, got {lay.gen_world}")
+    gen, gen_detail = generate_s(work, lay, hw, shape, mem["gen_concurrent_seqs"])
+    budget_f = lay.forward_tokens_per_gpu or lay.tokens_per_gpu
+    budget_c = lay.critic_tokens_per_gpu or lay.tokens_per_gpu
+    phases = {"generate": gen}
+    if lay.placement == "split":
+        phases["reshard"] = reshard["busiest_bytes"] / (hw.ib_bps * hw.eff("link"))
+    else:
+        phases["reshard"] = max(reshard["intra_node_bytes"] / (hw.nvlink_bps * hw.eff("link")),
+                                reshard["inter_node_bytes"] / (hw.ib_bps * hw.eff("link")))
+    phases["old_log_prob"] = _pass_s(work, lay, hw, shape, "actor", False, budget_f)
+    phases["reference"] = _pass_s(work, lay, hw, shape, "actor", False, budget_f) \
+        if lay.ref else 0.0
+    phases["values"] = _pass_s(work, lay, hw, shape, "critic", False, budget_c) \
+        if work.critic else 0.0
+    phases["actor_update"] = _pass_s(work, lay, hw, shape, "actor", True, lay.tokens_per_gpu)
+    phases["critic_update"] = _pass_s(work, lay, hw, shape, "critic", True, budget_c) \
+        if work.critic else 0.0
+    moved = offload_bytes(lay, mem, work.critic)
+    phases["offload"] = moved / (hw.pcie_bps * hw.eff("pcie"))
+    ckpt = 0.0
+    if work.save_freq:
+        a, c = mem["phases"]["train_actor"], mem["phases"].get("train_critic", {})
+        per_rank = a.get("actor/params", 0) + a.get("actor/optim", 0) \
+            + c.get("critic/params", 0) + c.get("critic/optim", 0)
+        ckpt = per_rank * min(hw.gpus_per_node, lay.train_world) / STORAGE_BPS_PER_NODE \
+            / work.save_freq
+    phases["checkpoint"] = ckpt
+    train_side = sum(v for k, v in phases.items() if k not in ("generate", "reshard"))
+    if lay.placement == "split":
+        step = max(gen, train_side) + phases["reshard"]
+    else:
+        step = sum(phases.values())
+    peak = hw.flops
+    actor_model = work.ppo_epochs * work.seqs * F.model_flops(shape, work.length)
+    mfu = actor_model / (phases["actor_update"] * lay.train_world * peak) \
+        if phases["actor_update"] else 0.0
+    forwards = work.seqs * F.forward_flops(shape, work.length) * (1 + lay.ref)
+    critic_model = 0.0
+    if work.critic:
+        critic_model = work.seqs * (F.forward_flops(shape, work.length, "critic")
+                                    + work.ppo_epochs * F.model_flops(shape, work.length,
+                                                                      "critic"))
+    gen_model = work.seqs * (F.forward_flops(shape, work.prompt_len)
+                             + work.response_len * F.decode_token_flops(
+                                 shape, work.prompt_len + work.response_len / 2))
+    mfu_step = (actor_model + forwards + critic_model + gen_model) / (step * lay.world * peak)
+    return {"step_s": step, "phases_s": phases,
+            "tokens_per_s_per_gpu": work.seqs * work.length / step / lay.world,
+            "mfu": mfu, "mfu_step": mfu_step,
+            "detail": {"generate": gen_detail, "offload_bytes": moved,
+                       "micro_batches": micro_batches(work, lay, lay.tokens_per_gpu),
+                       "pipeline_bubble": bubble_fraction(
+                           lay.pp, micro_batches(work, lay, lay.tokens_per_gpu))}}
