@@ -39,13 +39,16 @@ Contract:
   ``plan_parts(lengths)`` -> rows per DP rank (``hybridrl.rollout.partition``) and each rank
   receives only its DP replica's rows, point to point. Returns ``(rows, GenerationOutput of
   them, TransportStats)``.
-- One timeout around generation, ``rollout.timeout_s`` (``timeout_s``): the first collective
-  after a generate (the length all-reduce of ``generate_partitioned``, the size all-gather of
-  ``generate``; on NCCL too) is posted asynchronously and waited at most that long, and the gen-
-  TP groups this worker creates get it as their timeout (SGLang's side groups have it too). Each
-  gen-TP source counts its generate calls in the job's store (``GEN_DONE_KEY``, one add per
-  call); a wait that runs out raises RuntimeError naming the engines (gen-TP group, source rank)
-  whose count is behind this rank's, i.e. the late ones, instead of the 600 s collective default.
+- One timeout around generation, ``rollout.timeout_s`` (``timeout_s``). After its generate
+  call k, each gen-TP source sets ``GEN_DONE_KEY`` (its rank, k) in the job's store; every rank
+  then waits for all sources' keys of call k in the store (``store.wait``: no polling, no
+  collective) at most ``timeout_s``, and only then posts the first collective after generate
+  (the length all-reduce of ``generate_partitioned``, the size all-gather of ``generate``; NCCL
+  on GPUs), so a slow engine is never waited for inside an NCCL collective, whose own group
+  timeout (600 s by default) would abort it first. Past ``timeout_s`` it raises RuntimeError
+  naming the late engines (gen-TP group, source rank). That collective is itself waited at
+  most ``timeout_s``; the gen-TP groups this worker creates get it as their timeout (SGLang's
+  side groups have it too).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from hybridrl.rollout.partition import (
 )
 from hybridrl.rollout.sampling import request_seed
 
-GEN_DONE_KEY = "hybridrl/rollout/gen_done/{}"  # generate calls finished, per gen-TP source rank
+GEN_DONE_KEY = "hybridrl/rollout/gen_done/{}/{}"  # (gen-TP source rank, generate call) finished
 
 
 def reshard_metrics(stats) -> dict:
@@ -247,6 +250,7 @@ class RolloutWorker:
         if src_rows:
             lens[src_rows] = torch.tensor(check_prefix_mask(out), dtype=torch.int32)
         lens = lens.to(self.device)
+        self._await_engines("the response lengths")
         # each row has exactly one source: the sum is its length
         self._bounded(dist.all_reduce(lens, async_op=True), "the response lengths")
         lens = [int(v) for v in lens.cpu()]
@@ -265,38 +269,52 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ one timeout
     def _generated(self) -> None:
-        """This generate call is done here: a gen-TP source counts it in the job's store."""
+        """This rank's generate call is done: a gen-TP source says so in the job's store."""
         self.generates += 1
         store = _store()
         if self.is_src and store is not None:
-            store.add(GEN_DONE_KEY.format(self.rank), 1)
+            store.set(GEN_DONE_KEY.format(self.rank, self.generates), "1")
+
+    def _sources(self) -> list[list[int]]:
+        gen = self.gen
+        return [[gen.rank_at(b, 0, rep) for b in range(gen.tp)] for rep in range(self.n_replicas)]
+
+    def _await_engines(self, what: str) -> None:
+        """Wait (in the store, at most ``timeout_s``) until every engine finished this call."""
+        store = _store()
+        if store is None:
+            return
+        keys = [GEN_DONE_KEY.format(m[0], self.generates) for m in self._sources()]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        except Exception as err:  # the store's timeout (DistStoreError) or a lost store
+            late = self.late_engines()
+            line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            who = f"late: {'; '.join(late)}" if late else f"the job's store failed ({line})"
+            raise RuntimeError(f"rank {self.rank}: {what} after generate did not arrive within "
+                               f"rollout.timeout_s={self.timeout_s:g}: {who}") from None
 
     def _bounded(self, work, what: str) -> None:
-        """Wait for the first collective after a generate at most ``timeout_s``; past it, one
-        line naming the late engines."""
+        """Wait for the first collective after a generate at most ``timeout_s``."""
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except Exception as err:  # gloo/NCCL raise RuntimeError (or DistBackendError) on timeout
             line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            late = self.late_engines()
-            who = (f"late: {'; '.join(late)}" if late else
-                   f"every engine had answered; a peer rank is late ({line})")
             raise RuntimeError(f"rank {self.rank}: {what} after generate did not arrive within "
-                               f"rollout.timeout_s={self.timeout_s:g}: {who}") from None
+                               f"rollout.timeout_s={self.timeout_s:g}: every engine had "
+                               f"answered; a peer rank is late ({line})") from None
 
     def late_engines(self) -> list[str]:
-        """The engines whose source has finished fewer generate calls than this rank."""
-        store, gen = _store(), self.gen
+        """The engines whose source has not finished this rank's latest generate call."""
+        store = _store()
         if store is None:
             return []
         late = []
-        for rep in range(self.n_replicas):
-            members = [gen.rank_at(b, 0, rep) for b in range(gen.tp)]
-            done = int(store.add(GEN_DONE_KEY.format(members[0]), 0))
-            if done < self.generates:
+        for members in self._sources():
+            if not store.check([GEN_DONE_KEY.format(members[0], self.generates)]):
                 late.append(f"the {type(self.engine).__name__} of gen-TP group {members} "
-                            f"(source rank {members[0]}: {done} of {self.generates} generate "
-                            f"calls done)")
+                            f"(source rank {members[0]} has not finished generate call "
+                            f"{self.generates})")
         return late
 
     def _gather(self, n_prompts: int, rows: list[int], out) -> GenerationOutput:
@@ -310,6 +328,7 @@ class RolloutWorker:
         r = out.response_ids.shape[1] if rows else 0
         size = torch.tensor([[len(rows), r]], dtype=torch.long, device=dev)
         sizes = [torch.empty_like(size) for _ in range(world)]
+        self._await_engines("the response sizes")
         self._bounded(dist.all_gather(sizes, size, async_op=True), "the response sizes")
         sizes = torch.cat(sizes).cpu()
         n_max, r_max = (int(v) for v in sizes.max(dim=0).values)
