@@ -48,12 +48,14 @@ def signals(model_path):
     return proc, state, [ln for ln in lines if ln.startswith(("CAUGHT ", "NO SIGNAL"))]
 
 
+@pytest.mark.slow  # one process importing SGLang: ~13 s
 def test_engine_processes_put_cuda_graphs_under_the_memory_saver(signals):
     proc, state, _ = signals
     assert state is not None, proc.stderr[-3000:]
     assert state["child"] == {"environ": True, "get_bool_env_var": True}
 
 
+@pytest.mark.slow  # one process importing SGLang: ~13 s
 def test_trainer_keeps_its_sigterm_handler_logger_and_sglang_variables(signals):
     proc, state, _ = signals
     assert state is not None, proc.stderr[-3000:]
@@ -62,6 +64,7 @@ def test_trainer_keeps_its_sigterm_handler_logger_and_sglang_variables(signals):
     assert state["sigquit_is_watch"]
 
 
+@pytest.mark.slow  # one process importing SGLang: ~13 s
 def test_a_failing_scheduler_is_one_line_naming_the_engine(signals):
     proc, state, caught = signals
     # SGLang's own handler would SIGKILL the whole process tree: status -9, nothing printed
