@@ -94,9 +94,10 @@ def _sglang_rank(rank, world):
 
 
 def _balanced_start(rank, all_members):
-    """Issue 37 item 2: every member empties its cache and reports its free memory before any
+    """Issue 37 items 1-2: every member empties its cache and reports its free memory before any
     engine starts (the source's engine sees every member's mark); the start-up line lists
-    them; a group whose free memory differs by more than 10 % is refused on every rank."""
+    them; a group whose free memory differs by more than 10 % is refused on every rank; the
+    source's release line says what the first release gave back (warning when memory stayed)."""
     import dataclasses
     import os
     import tempfile
@@ -109,22 +110,32 @@ def _balanced_start(rank, all_members):
     marks = Path(tempfile.gettempdir()) / f"hybridrl_sglang_free_{os.environ['MASTER_PORT']}"
     marks.mkdir(exist_ok=True)
     out = {}
-    for case, gib in (("balanced", [70.0, 66.0, 71.0, 65.0]), ("unbalanced", [70, 60, 70, 70])):
-        def measured(device, case=case, gib=gib):
+    cases = (("balanced", [70.0, 66.0, 71.0, 65.0], 0.0), ("unbalanced", [70, 60, 70, 70], 0.0),
+             ("graphs_stay", [70, 70, 70, 70], 2.0))
+    for case, gib, kept in cases:
+        used = [0.0]  # GiB the "engine" holds on this rank's GPU
+
+        def measured(device, case=case, gib=gib, used=used):
             (marks / f"{case}{rank}").write_text("")
-            return int(gib[rank] * 2**30)
+            return int((gib[rank] - used[0]) * 2**30)
 
         class Marked(FakeEngine):
-            def __init__(self, **kwargs):
+            def __init__(self, used=used, **kwargs):
                 super().__init__(**kwargs)
                 self.seen = sorted(os.listdir(marks))
+                used[0] = 10.0  # weights, KV pool and graphs
+
+            def release_memory_occupation(self, tags=None, used=used, kept=kept):
+                super().release_memory_occupation(tags)
+                used[0] = kept  # what the memory saver did not cover stays
 
         backend = dataclasses.replace(fake_backend(Marked), free_memory=measured)
         try:
             h = build_sglang_engine("hf/", shape=SMALL, all_members=all_members, rank=rank,
                                     device="cpu", dtype=torch.float32, rollout=ROLLOUT,
                                     backend=backend)
-            out[case] = {"line": h.start_line, "seen": h.engine.seen if h.is_src else None}
+            out[case] = {"line": h.start_line, "seen": h.engine.seen if h.is_src else None,
+                         "release": h.release_line}
         except RuntimeError as err:
             out[case] = {"error": str(err)}
     return out
@@ -266,6 +277,14 @@ def test_engine_starts_after_every_member_measured_its_free_memory(results):
             assert {f"balanced{m}" for m in members} <= set(res["seen"]), res["seen"]
     line = results[0]["balanced"]["line"]
     assert "rank 0 70.0 GiB, rank 1 66.0 GiB" in line
+    # the source checks what its first release gave back (graphs under the memory saver)
+    assert results[0]["balanced"]["release"] == ("SGLang engine of gen-TP group [0, 1]: took "
+                                                 "10.0 GiB of the source GPU at start, gave "
+                                                 "back 10.0 GiB on release")
+    assert results[0]["graphs_stay"]["release"].endswith(
+        "gave back 8.0 GiB on release: 2.0 GiB stayed on the GPU through training (CUDA graphs "
+        "outside the memory saver? SGLANG_MEMORY_SAVER_CUDA_GRAPH)")
+    assert results[1]["balanced"]["release"] == ""  # only the source measures its engine
     errors = {r["unbalanced"].get("error") for r in results}
     assert len(errors) == 1  # the same line on every rank, the other group's ranks included
     (error,) = errors

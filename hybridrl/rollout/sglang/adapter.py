@@ -16,8 +16,11 @@ Contract (docs/rollout.md has the diagram, the lifecycle and the memory of each 
   exchange every rank empties its CUDA cache (always, offload flags or not) and reads its free
   memory (``backend.free_memory``, else ``torch.cuda.mem_get_info``; None on a CPU device); the
   exchange is the barrier: no source starts before every member emptied its cache (hybridrl/
-  rollout/sglang/balance.py). The source logs ``start_line`` (each member's free GiB) and refuses, as a start failure, a group whose
-  lowest free memory is under 90 % of its highest while SGLang's check is on
+  rollout/sglang/balance.py). The source logs ``start_line`` (each member's free GiB), then
+  after its first release ``release_line`` (what the start took of its GPU and what the release
+  gave back; a warning when under 90 % came back: the check that the CUDA graphs went under
+  the memory saver took effect), and refuses, as a start failure, a group whose lowest free
+  memory is under 90 % of its highest while SGLang's check is on
   (``SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK``, default on). The source rank starts the engine
   inside ``engine_start_env(label)`` (hybridrl/rollout/sglang/env.py: no torchrun agent-store
   flag, ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` so CUDA graphs are released with the engine; the
@@ -68,7 +71,12 @@ import torch.distributed as dist
 
 from hybridrl.rollout.base import GenerationOutput, SamplingParams, as_prompt_lists
 from hybridrl.rollout.sampling import request_seed
-from hybridrl.rollout.sglang.balance import balance_problem, free_memory, start_line
+from hybridrl.rollout.sglang.balance import (
+    balance_problem,
+    free_memory,
+    release_check,
+    start_line,
+)
 from hybridrl.rollout.sglang.compat import (
     LOAD_FORMAT,
     has_weight_update_session,
@@ -178,7 +186,7 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
     dist.all_gather_object(gpus, mine, group=world_group)
     placements = [gpu_placement([gpus[r][:2] for r in m]) for m in all_members]  # all alike
     base, step = placements[all_members.index(members)]
-    engine, error = None, None
+    engine, error, checked = None, None, None
     label = (f"rank {rank}: the SGLang engine of gen-TP group {members} (source rank "
              f"{members[0]})")
     if rank == members[0]:
@@ -193,7 +201,12 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
             with engine_start_env(label) as watch:
                 engine = backend.engine_cls(**kwargs)
                 watch.contain(engine)
+            started = free_memory(device, backend.free_memory)
             engine.release_memory_occupation()  # training runs first; sync resumes it
+            checked = release_check(members, free[0], started,
+                                    free_memory(device, backend.free_memory))
+            if checked:  # the check that the graphs went under the memory saver took effect
+                (logger.info if checked[1] else logger.warning)(checked[0])
         except Exception as err:  # any start failure is reported on every rank below
             line = (str(err).splitlines() or [repr(err)])[0]
             error = f"rank {rank}: the SGLang engine failed to start: {type(err).__name__}: {line}"
@@ -209,6 +222,7 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
     handle = SGLangEngine(engine, backend, rank=rank, members=members, tp_group=tp_group,
                           table=table, dtype=dtype, device=device, timeout_s=rollout.timeout_s)
     handle.start_line = start_line(members, [gpus[r][2] for r in members])
+    handle.release_line = checked[0] if rank == members[0] and checked else ""
     handle.seeds_honoured = bool(rollout.engine_kwargs.get("enable_deterministic_inference",
                                                            rollout.deterministic))
     if handle.is_src and not handle.seeds_honoured:
@@ -228,7 +242,7 @@ class SGLangEngine:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.sessions = has_weight_update_session(backend.version)
         self.flush_timeout_s = FLUSH_SHARE * timeout_s
-        self.start_line = ""
+        self.start_line = self.release_line = ""
         self.released = True
         self.seeds_honoured = False
         self.wait_label = (f"rank {rank}: waiting on the SGLang engine of gen-TP group {members} "

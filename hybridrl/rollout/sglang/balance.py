@@ -11,6 +11,11 @@ default), refuses to start when a rank's lowest-over-the-group reading is under 
 - ``start_line(members, free)``: the source's start-up line, each member's free GiB.
 - ``balance_problem(members, free)``: None when SGLang would start, else the one-line reason
   naming each member's free memory (unknown readings are left out).
+- ``release_check(members, before, started, released)``: the source GPU's free bytes before
+  the start, once started and after the first release -> (line, ok): what the engine took and
+  gave back; ok is False when less than ``GIVEN_BACK`` of it came back (e.g. CUDA graphs kept
+  out of the memory saver: ``SGLANG_MEMORY_SAVER_CUDA_GRAPH`` not in force). None without
+  readings (a CPU device) or when the start took nothing measurable.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 GIB = 1 << 30
 BALANCE = 0.9  # SGLang: a TP rank with less than 90 % of another's free memory refuses to start
 BALANCE_CHECK = "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"  # SGLang's switch (default on)
+GIVEN_BACK = 0.9  # the first release must give back at least this share of what the start took
 
 
 def free_memory(device: torch.device, measure: Callable | None = None) -> int | None:
@@ -57,3 +63,16 @@ def balance_problem(members: list[int], free: list) -> str | None:
             f"{members} ({_cells(members, free)}): "
             f"SGLang refuses to start ({BALANCE_CHECK}); another process holds memory on the "
             f"lower GPU(s), or a training part is still resident there")
+
+
+def release_check(members: list[int], before, started, released) -> tuple[str, bool] | None:
+    """What the engine took at start and gave back at its first release (module docstring)."""
+    if None in (before, started, released) or before - started <= 0:
+        return None
+    taken, back = before - started, released - started
+    line = (f"SGLang engine of gen-TP group {members}: took {taken / GIB:.1f} GiB of the source "
+            f"GPU at start, gave back {back / GIB:.1f} GiB on release")
+    if back >= GIVEN_BACK * taken:
+        return line, True
+    return (f"{line}: {(taken - back) / GIB:.1f} GiB stayed on the GPU through training (CUDA "
+            f"graphs outside the memory saver? SGLANG_MEMORY_SAVER_CUDA_GRAPH)"), False
