@@ -204,7 +204,7 @@ def _pass_s(work: Workload, lay: Layout, hw, shape, role: str, train: bool, budg
     passes = (3 if lay.recompute == "full" else 2) if train else 1
     tokens = min(budget, work.seqs * length / (work.mini_batches * lay.dp))
     layers = shape.layers / lay.pp
-    calls = micro * layers * (passes + (1 if train else 0))
+    calls = micro * (layers + 1) * (hw.train_calls if train else 1.0)
     tp_comm = 0.0
     if lay.tp > 1:
         msg = tokens * shape.hidden * itemsize

@@ -1,0 +1,257 @@
+"""``hybridrl plan --calibrate``: measure this machine for ``plan --time --gpu cpu`` (seconds).
+
+Contract:
+- ``run_calibration(path=None)`` measures, with one torch thread per rank as the CPU ranks run:
+  ``flops`` (fp32 matmul FLOP/s of a [256, 256] x [256, 256] product), ``memory_bps`` (bytes/s
+  of copying a 64 MiB tensor, counted once read + once written), ``layer_latency_s`` (the fixed
+  cost of one layer call: hybridrl's own model at the CPU demo's size, 4 layers of 64 hidden,
+  built on a 1-rank gloo group in a child process, one micro-batch of 4 x 32 tokens through
+  ``run_microbatches`` forward-only, less its FLOPs at ``flops``, over its layers + 1 for the
+  head and log-prob), ``train_calls_per_forward`` (the same for forward + backward over the
+  forward's: what a training pass costs in layer calls), ``torch_layer_latency_s`` (for
+  comparison: the same layer's bare torch ops, 8 tokens; megatron's modules cost several times
+  more per call), ``collective_latency_s`` and ``link_bps`` (a gloo all-reduce between two
+  local processes: 8 bytes, then 4 MiB), ``memory_bytes`` (MemTotal). Writes them as JSON to
+  ``path`` (default ``cache_path()``) with the host, CPU model and load, returns the dict.
+- ``cache_path()``: ``$XDG_CACHE_HOME/hybridrl/plan-calibration-<host>.json`` (``~/.cache`` when
+  the variable is unset): per machine, never in the repository.
+- ``load_calibration(path=None)``: the cached dict; ValueError (one line) when there is none
+  or it is unreadable, saying to run ``hybridrl plan --calibrate``.
+- ``calibrate_text(rep)``: the human form.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+
+KEYS = ("flops", "memory_bps", "layer_latency_s", "collective_latency_s", "link_bps",
+        "memory_bytes")
+
+
+def cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hybridrl", f"plan-calibration-{socket.gethostname()}.json")
+
+
+def _best(fn, seconds: float = 0.4, at_least: int = 3) -> float:
+    """The fastest of repeated calls of ``fn`` within about ``seconds``."""
+    best, start, n = float("inf"), time.perf_counter(), 0
+    while n < at_least or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        fn()
+        best, n = min(best, time.perf_counter() - t0), n + 1
+    return best
+
+
+def _fixed(fn, n: int) -> float:
+    """The fastest of exactly ``n`` calls of ``fn``."""
+    best = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _layer_flops(h: int, f: int, a: int, g: int, tokens: int) -> float:
+    return tokens * 2.0 * (h * (a + 2 * g) + a * h + 3 * h * f) + 2.0 * a * tokens * tokens
+
+
+def _layer_latency(flops: float) -> float:
+    import torch
+    import torch.nn.functional as fn
+
+    h, f, heads, groups, tokens = 64, 128, 4, 2, 8
+    hd = h // heads
+    w = {"qkv": torch.randn(h, (heads + 2 * groups) * hd), "o": torch.randn(heads * hd, h),
+         "fc1": torch.randn(h, 2 * f), "fc2": torch.randn(f, h)}
+    x = torch.randn(1, tokens, h)
+
+    def norm(t):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+    def layer():
+        with torch.no_grad():
+            qkv = norm(x) @ w["qkv"]
+            q, k, v = qkv.split([heads * hd, groups * hd, groups * hd], -1)
+            q = q.view(1, tokens, heads, hd).transpose(1, 2)
+            k = k.view(1, tokens, groups, hd).transpose(1, 2).repeat_interleave(2, 1)
+            v = v.view(1, tokens, groups, hd).transpose(1, 2).repeat_interleave(2, 1)
+            o = fn.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = x + o.transpose(1, 2).reshape(1, tokens, h) @ w["o"]
+            gate, up = (norm(y) @ w["fc1"]).chunk(2, -1)
+            return y + (fn.silu(gate) * up) @ w["fc2"]
+
+    t = _best(layer)
+    return max(t - _layer_flops(h, f, h, groups * hd, tokens) / flops, 0.0)
+
+
+def _allreduce_rank(rank: int, store_path: str, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank,
+                            world_size=2)
+    small, big = torch.zeros(2), torch.zeros(1 << 20)
+    for _ in range(5):
+        dist.all_reduce(small)
+        dist.all_reduce(big)
+    lat = _fixed(lambda: dist.all_reduce(small), 50)  # the same count on both ranks: every
+    t_big = _fixed(lambda: dist.all_reduce(big), 10)  # call is a collective
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"lat": lat, "big": t_big, "bytes": big.numel() * 4}, f)
+
+
+def _collectives() -> tuple[float, float]:
+    r = _spawn(_allreduce_rank, 2)
+    # a 2-rank ring moves 2 (g-1)/g = 1 x the bytes each way
+    bps = r["bytes"] / max(r["big"] - r["lat"], 1e-9)
+    return r["lat"], bps
+
+
+def _model_rank(rank: int, store_path: str, out_path: str) -> None:
+    """One rank (world 1): hybridrl's real model at the CPU demo's size (megatron's local spec
+    with hybridrl's lean forwards), one micro-batch of 4 x 32 tokens: forward-only log-probs and
+    forward + backward, each the fastest of repeated runs."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")  # megatron's notes on missing TE/Apex: not ours to show
+    from hybridrl.config.model import ModelConfig
+    from hybridrl.models.build import build_model
+    from hybridrl.models.forward import run_microbatches
+    from hybridrl.models.spec import LlamaSpec
+    from hybridrl.parallel.groups import build_groups
+    from hybridrl.parallel.layout import TrainLayout
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
+    try:
+        spec = LlamaSpec.from_model_config(ModelConfig(vocab_size=100,
+                                                       max_position_embeddings=128))
+        model = build_model(spec, build_groups(TrainLayout(world=1)), "actor", dtype="fp32")
+        mb = {"input_ids": torch.randint(0, 100, (4, 32))}
+        fwd = _best(lambda: run_microbatches(model, [mb]), 0.6, 5)
+
+        def loss(out, batch):
+            return out["logprobs"].mean(), {}
+        train = _best(lambda: run_microbatches(model, [mb], loss_fn=loss, forward_only=False),
+                      0.6, 5)
+        with open(out_path, "w") as f:
+            json.dump({"fwd": fwd, "train": train, "layers": spec.num_layers,
+                       "hidden": spec.hidden_size, "ffn": spec.ffn_hidden_size,
+                       "heads": spec.num_attention_heads, "groups": spec.num_query_groups,
+                       "vocab": spec.vocab_size, "tokens": 4 * 32, "seq": 32}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, nprocs: int) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.start_processes(fn, args=(os.path.join(tmp, "store"), out), nprocs=nprocs,
+                           start_method="spawn")
+        with open(out) as f:
+            return json.load(f)
+
+
+def _model_latency(flops: float) -> tuple[float, float]:
+    """(seconds per layer call beyond its FLOPs, a training pass's calls per forward call)."""
+    r = _spawn(_model_rank, 1)
+    h, f, heads, g = r["hidden"], r["ffn"], r["heads"], r["groups"]
+    hd = h // heads
+    per_seq = r["layers"] * (r["seq"] * 2.0 * (h * (heads + 2 * g) * hd + heads * hd * h
+                                               + 3 * h * f) + 2.0 * heads * hd * r["seq"] ** 2)
+    fwd_flops = r["tokens"] / r["seq"] * per_seq + r["tokens"] * 2.0 * h * r["vocab"]
+    fwd = max(r["fwd"] - fwd_flops / flops, 1e-9)
+    train = max(r["train"] - 3 * fwd_flops / flops, fwd)
+    return fwd / (r["layers"] + 1), train / fwd  # the head and log-prob: one call more
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def _mem_total() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            return int(next(ln for ln in f if ln.startswith("MemTotal")).split()[1]) * 1024.0
+    except (OSError, StopIteration, ValueError):
+        return 8e9
+
+
+def run_calibration(path: str | None = None) -> dict:
+    """Measure (see the module docstring), cache and return the figures."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    try:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        flops = 2 * 256 ** 3 / _best(lambda: a @ b)
+        src = torch.ones(1 << 24)  # 64 MiB of fp32
+        memory_bps = 2 * src.numel() * 4 / _best(lambda: src.clone(), 0.5)
+        op_layer = _layer_latency(flops)
+    finally:
+        torch.set_num_threads(threads)
+    lat, link = _collectives()
+    layer, train_calls = _model_latency(flops)
+    rep = {"flops": flops, "memory_bps": memory_bps, "layer_latency_s": layer,
+           "train_calls_per_forward": train_calls, "torch_layer_latency_s": op_layer,
+           "collective_latency_s": lat, "link_bps": link, "memory_bytes": _mem_total(),
+           "host": socket.gethostname(), "cpu": _cpu_model(),
+           "load_avg": os.getloadavg()[0], "seconds": time.perf_counter() - t0,
+           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = path or cache_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rep, f, indent=1)
+    rep["path"] = path
+    return rep
+
+
+def load_calibration(path: str | None = None) -> dict:
+    """The cached calibration of this machine (see the module docstring)."""
+    path = path or cache_path()
+    try:
+        with open(path) as f:
+            rep = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"--gpu cpu needs this machine's calibration ({path} is missing): "
+                         "run `hybridrl plan --calibrate` first") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is unreadable ({err}): run `hybridrl plan --calibrate` "
+                         "again") from None
+    missing = [k for k in KEYS if not isinstance(rep.get(k), (int, float)) or rep[k] < 0]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}: run `hybridrl plan --calibrate` "
+                         "again")
+    return rep
+
+
+def calibrate_text(rep: dict) -> str:
+    return "\n".join([
+        f"calibrated {rep['host']} ({rep['cpu']}) in {rep['seconds']:.1f} s at load "
+        f"{rep['load_avg']:.1f}; cached in {rep['path']}",
+        f"  matmul {rep['flops'] / 1e9:.2f} GFLOP/s per rank (one thread)",
+        f"  memory copy {rep['memory_bps'] / 1e9:.2f} GB/s",
+        f"  layer call {1e6 * rep['layer_latency_s']:.0f} us (forward, beyond its FLOPs)",
+        f"  gloo all-reduce {1e6 * rep['collective_latency_s']:.0f} us latency, "
+        f"{rep['link_bps'] / 1e9:.2f} GB/s"])

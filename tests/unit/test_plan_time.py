@@ -1,0 +1,215 @@
+"""``hybridrl plan --time``: the phase formulas against hand calculations, monotonicity, the CLI.
+
+The hand calculations use a small llama shape and a made-up accelerator whose efficiencies are
+all 1.0, so every expected number below is the formula of docs/scaling.md worked by hand.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridrl.planning import flops as F
+from hybridrl.planning.cli import main
+from hybridrl.planning.hardware import GPUS, Hardware, hardware
+from hybridrl.planning.timing import Layout, Workload, generate_s, offload_bytes, predict
+from hybridrl.reshard.specs import LlamaShape
+
+SHAPE = LlamaShape(hidden=64, ffn=128, heads=4, num_query_groups=2, layers=2, vocab=100)
+ONE = (("matmul", 1.0), ("hbm", 1.0), ("link", 1.0), ("pcie", 1.0))
+HW = Hardware("test", flops=1e12, hbm_bytes=80e9, hbm_bps=1e12, nvlink_bps=1e11, ib_bps=1e10,
+              pcie_bps=1e10, gpus_per_node=8, collective_latency_s=0.0, efficiency=ONE)
+
+
+def test_flops_by_hand():
+    # QKV 64 x (64 + 2 x 32), output 64 x 64, SwiGLU 3 x 64 x 128, 2 FLOPs per multiply-add
+    assert F.layer_matmul_flops(SHAPE) == 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128) == 73728
+    # causal: 10 tokens attend to 1 + 2 + ... + 10 = 55 positions, QK^T and AV: 2 x 2 x 64
+    assert F.attention_flops(SHAPE, 10) == 4 * 64 * 55 == 14080
+    fwd = 2 * (73728 * 10 + 14080) + 2 * 64 * 100 * 10
+    assert F.forward_flops(SHAPE, 10) == fwd
+    assert F.forward_flops(SHAPE, 10, "critic") == fwd - 2 * 64 * 100 * 10 + 2 * 64 * 10
+    assert F.model_flops(SHAPE, 10) == 3 * fwd
+    assert F.train_flops(SHAPE, 10, recompute="full") == 4 * fwd - 2 * 64 * 100 * 10
+    assert F.train_flops(SHAPE, 10, recompute="selective") == 3 * fwd + 2 * 14080
+    # decode at 20 tokens of context: matmuls + 4 x a x context per layer, then the logits
+    assert F.decode_token_flops(SHAPE, 20) == 2 * (73728 + 4 * 64 * 20) + 2 * 64 * 100
+    # GQA: K and V of 2 groups x 16 dims, 2 layers, 2 bytes
+    assert F.kv_bytes_per_token(SHAPE, 2) == 2 * 2 * 2 * 16 * 2
+
+
+def test_generate_by_hand():
+    work = Workload(prompts=4, n=2, prompt_len=10, response_len=6, max_response_len=8)
+    lay = Layout(world=2, gen_tp=1)  # 2 replicas of 4 sequences each
+    total, d = generate_s(work, lay, HW, SHAPE, concurrent=4)
+    prefill = 4 * F.forward_flops(SHAPE, 10) / 1e12
+    weights = SHAPE.num_params() * 2
+    kv = 4 * 13 * F.kv_bytes_per_token(SHAPE, 2)  # batch 4, mean context 10 + 6 / 2
+    step = max((weights + kv) / 1e12, 4 * F.decode_token_flops(SHAPE, 13) / 1e12)
+    assert d["decode_steps"] == 8  # all 4 fit the batch: the longest response's steps
+    assert total == pytest.approx(prefill + 8 * step)
+    # half the batch: continuous batching, 4 x 6 / 2 steps + the tail (8 - 6)
+    total2, d2 = generate_s(work, lay, HW, SHAPE, concurrent=2)
+    assert d2["decode_steps"] == pytest.approx(4 * 6 / 2 + 2)
+    kv2 = 2 * 13 * F.kv_bytes_per_token(SHAPE, 2)
+    step2 = max((weights + kv2) / 1e12, 2 * F.decode_token_flops(SHAPE, 13) / 1e12)
+    assert total2 == pytest.approx(prefill + 14 * step2)
+    # tensor-parallel generation: weights and KV split over tg ranks, collectives per layer
+    lat = Hardware("lat", flops=1e15, hbm_bytes=80e9, hbm_bps=1e12, nvlink_bps=1e11,
+                   ib_bps=1e10, pcie_bps=1e10, collective_latency_s=1e-5, efficiency=ONE)
+    tp_total, _ = generate_s(work, Layout(world=2, gen_tp=2), lat, SHAPE, concurrent=8)
+    msg = 8 * 64 * 2  # the batch's hidden states, 2 bytes
+    ring = 2 * (2 - 1) / 2 * msg / 1e11 + 1e-5
+    kv8 = 8 * 13 * F.kv_bytes_per_token(SHAPE, 2) / 2
+    step8 = (weights / 2 + kv8) / 1e12  # HBM-bound at this peak
+    assert 8 * F.decode_token_flops(SHAPE, 13) / 2e15 < step8
+    assert tp_total == pytest.approx(8 * F.forward_flops(SHAPE, 10) / 2e15
+                                     + 8 * (step8 + 2 * 2 * ring))
+
+
+def _mem(actor_params=100, actor_optim=1000, ref_params=0):
+    return {"gen_concurrent_seqs": 8,
+            "phases": {"train_actor": {"actor/params": actor_params, "actor/optim": actor_optim},
+                       "forward_only": {"reference/params": ref_params}}}
+
+
+def test_offload_bytes_follow_the_phases():
+    lay = Layout(world=1, offload=frozenset({"params", "optim"}))
+    # GRPO with a reference: reshard (actor params on), gen (off), old log-prob (on),
+    # reference (actor off, reference on), actor update (reference off, actor params + optim
+    # on), back to reshard (optim off): 4 actor-param, 2 reference and 2 optimizer moves
+    assert offload_bytes(lay, _mem(ref_params=10), critic=False) == 4 * 100 + 2 * 10 + 2 * 1000
+    only_params = Layout(world=1, offload=frozenset({"params"}))
+    assert offload_bytes(only_params, _mem(ref_params=10), critic=False) == 4 * 100 + 2 * 10
+    assert offload_bytes(Layout(world=1), _mem(), critic=False) == 0
+
+
+def test_predict_by_hand():
+    work = Workload(prompts=8, n=1, prompt_len=10, response_len=6, max_response_len=6,
+                    ppo_epochs=2)
+    lay = Layout(world=1, tokens_per_gpu=64, ref=False)
+    reshard = {"intra_node_bytes": 3e11, "inter_node_bytes": 2e10}
+    rep = predict(work, lay, HW, SHAPE, _mem(), reshard)
+    ph = rep["phases_s"]
+    # 8 sequences of 16 tokens: 4 per 64-token micro-batch, 2 micro-batches, no pipeline
+    assert ph["old_log_prob"] == pytest.approx(8 * F.forward_flops(SHAPE, 16) / 1e12)
+    assert ph["actor_update"] == pytest.approx(2 * 8 * F.train_flops(SHAPE, 16) / 1e12)
+    assert ph["reference"] == ph["values"] == ph["critic_update"] == 0
+    assert ph["reshard"] == pytest.approx(max(3e11 / 1e11, 2e10 / 1e10))  # NVLink: 3 s
+    assert rep["step_s"] == pytest.approx(sum(ph.values()))
+    assert rep["tokens_per_s_per_gpu"] == pytest.approx(8 * 16 / rep["step_s"])
+    assert rep["mfu"] == pytest.approx(2 * 8 * F.model_flops(SHAPE, 16) / ph["actor_update"]
+                                       / 1e12)
+    # pipeline 2: the 1F1B bubble (p - 1) / (m + p - 1) stretches compute by (m + p - 1) / m
+    piped = predict(work, Layout(world=2, pp=2, tokens_per_gpu=64, ref=False), HW, SHAPE,
+                    _mem(), reshard)
+    m = 2
+    assert piped["detail"]["pipeline_bubble"] == pytest.approx(1 / (m + 1))
+    pp_compute = 8 * F.forward_flops(SHAPE, 16) / (2 * 1e12) * (m + 1) / m
+    assert piped["phases_s"]["old_log_prob"] >= pp_compute
+    # split: generation overlaps training, the sync is on the critical path
+    split = predict(work, Layout(world=2, placement="split", gen_world=1, tokens_per_gpu=64,
+                                 ref=False), HW, SHAPE, _mem(), {"busiest_bytes": 1e10})
+    sp = split["phases_s"]
+    train = sum(v for k, v in sp.items() if k not in ("generate", "reshard"))
+    assert sp["reshard"] == pytest.approx(1.0)  # 1e10 bytes over InfiniBand 1e10 B/s
+    assert split["step_s"] == pytest.approx(max(sp["generate"], train) + 1.0)
+
+
+def _time(argv: list[str], capsys) -> dict:
+    assert main(["--time", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_more_gpus_never_slower(capsys):
+    base = ["--model", "llama-3.1-8b", "--tp", "2", "--gen-tp", "2", "--prompts", "256",
+            "--n", "8", "--prompt-len", "512", "--max-response-len", "1024",
+            "--recompute", "full", "--sp", "--offload", "params,grads,optim"]
+    steps = []
+    for world in (8, 16, 32, 64):
+        rep = _time([*base, "--world", str(world)], capsys)
+        assert set(rep["phases_s"]) >= {"generate", "reshard", "old_log_prob", "reference",
+                                        "values", "actor_update", "critic_update", "offload",
+                                        "checkpoint"}
+        steps.append(rep["step_s"])
+    assert steps == sorted(steps, reverse=True) and steps[-1] < steps[0] / 2
+
+
+def test_faster_gpu_is_faster_and_longer_responses_slower(capsys):
+    base = ["--model", "qwen3-8b", "--world", "16", "--tp", "2", "--gen-tp", "2", "--prompts",
+            "128", "--n", "4", "--prompt-len", "256", "--max-response-len", "2048",
+            "--recompute", "full", "--sp", "--offload", "params,grads,optim"]
+    a100 = _time([*base, "--gpu", "a100"], capsys)["step_s"]
+    h100 = _time([*base, "--gpu", "h100"], capsys)["step_s"]
+    b200 = _time([*base, "--gpu", "b200"], capsys)["step_s"]
+    assert a100 > h100 > b200
+    short = _time([*base, "--response-len", "256"], capsys)
+    long = _time([*base, "--response-len", "1024"], capsys)
+    assert long["phases_s"]["generate"] > short["phases_s"]["generate"]
+    assert long["phases_s"]["actor_update"] > short["phases_s"]["actor_update"]
+
+
+def test_config_and_checkpoint(capsys):
+    rep = _time(["--config", "configs/llama70b_256gpu.yaml"], capsys)
+    assert rep["layout"] == {**rep["layout"], "world": 256, "tp": 8, "pp": 4, "dp": 8,
+                             "gen_tp": 4, "placement": "colocated"}
+    assert rep["workload"]["algo"] == "gae" and rep["phases_s"]["critic_update"] > 0
+    assert rep["workload"]["save_freq"] == 25 and rep["phases_s"]["checkpoint"] > 0
+    assert rep["memory"]["fits"] and rep["phases_s"]["offload"] > 0
+    none = _time(["--config", "configs/llama70b_256gpu.yaml", "--save-freq", "0"], capsys)
+    assert none["phases_s"]["checkpoint"] == 0
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "llama-3.1-8b", "--world", "8", "--gen-tp", "1", "--placement", "split"],
+     "--gen-world"),
+    (["--model", "llama-3.1-8b", "--world", "8", "--gen-tp", "1", "--gpu", "cpu"],
+     "hybridrl plan --calibrate"),
+    (["--model", "llama-3.1-8b", "--world", "8", "--gen-tp", "1", "--response-len", "4000",
+      "--max-response-len", "1024"], "--response-len"),
+    (["--model", "llama-3.1-8b", "--world", "8", "--gen-tp", "1", "--max-tokens-per-gpu",
+      "1024"], "exceeds --max-tokens-per-gpu"),
+])
+def test_bad_input_is_one_line(argv, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no calibration here
+    assert main(["--time", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and words in err
+
+
+def test_cpu_calibration_cache(tmp_path, monkeypatch, capsys):
+    from hybridrl.planning import calibrate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = calibrate.cache_path()
+    assert path.startswith(str(tmp_path / "hybridrl"))
+    with pytest.raises(ValueError, match="--calibrate"):
+        calibrate.load_calibration()
+    cal = {"flops": 5e10, "memory_bps": 5e9, "layer_latency_s": 4e-4,
+           "collective_latency_s": 1e-4, "link_bps": 2e9, "memory_bytes": 24e9,
+           "train_calls_per_forward": 2.5}
+    (tmp_path / "hybridrl").mkdir()
+    with open(path, "w") as f:
+        json.dump(cal, f)
+    hw = hardware("cpu", calibration=calibrate.load_calibration())
+    assert (hw.flops, hw.kernel_latency_s, hw.train_calls, hw.eff("matmul")) == \
+        (5e10, 4e-4, 2.5, 1.0)
+    rep = _time(["--model", "llama-3.2-1b", "--gpu", "cpu", "--world", "2", "--gen-tp", "1",
+                 "--spec", "local", "--engine", "builtin", "--dtype", "fp32", "--prompts", "4",
+                 "--prompt-len", "16", "--max-response-len", "8"], capsys)
+    assert rep["gpu"] == "cpu" and rep["step_s"] > 0
+    with open(path, "w") as f:
+        json.dump({"flops": 1.0}, f)
+    with pytest.raises(ValueError, match="layer_latency_s"):
+        calibrate.load_calibration()
+
+
+def test_datasheet_table():
+    # dense BF16 (half the sparse figure), HBM and memory size of each SXM part
+    assert (GPUS["h100"].flops, GPUS["h100"].hbm_bps, GPUS["h100"].hbm_bytes) == \
+        (989e12, 3.35e12, 80e9)
+    assert GPUS["h200"].flops == GPUS["h100"].flops and GPUS["h200"].hbm_bytes == 141e9
+    assert GPUS["a100"].flops == 312e12 and GPUS["b200"].hbm_bps == 8e12
+    with pytest.raises(ValueError, match="--gpu must be one of"):
+        hardware("tpu")
