@@ -159,6 +159,9 @@ def test_engines_placed_per_gen_tp_group(results):
         assert args["load_format"] == "dummy" and args["enable_memory_saver"]
         assert args["mem_fraction_static"] == 0.25 and args["dtype"] == "float32"  # kwargs win
         assert args["enable_deterministic_inference"] is False  # opt-in
+        # SGLang's launch phase gets the adapter's SIGQUIT handler, naming this engine
+        assert args["custom_sigquit_handler"].__self__.label == (
+            f"rank {s}: the SGLang engine of gen-TP group {members} (source rank {s})")
     ports = [results[s]["engine"]["args"]["port"] for s in srcs]
     assert len(set(ports)) == 2
 

@@ -4,8 +4,10 @@ behind the adapter's ``engine_start_env``, then has a child fail the way SGLang'
 ``python -m tests.support.sglang_signals MODEL_PATH`` (test-only; ``sglang_prelude.install()``
 first), run by tests/unit/test_sglang_side_effects.py:
 - inside ``engine_start_env(LABEL)``: SGLang's real ``configure_logger`` and
-  ``_set_envs_and_config`` on a real ``ServerArgs`` (root-logger reset, env variables, its
-  launch-phase SIGQUIT handler that kills the process tree), then ``watch.contain`` on an engine
+  ``_set_envs_and_config`` on a real ``ServerArgs`` with the adapter's
+  ``custom_sigquit_handler`` (root-logger reset, env variables, its launch-phase SIGQUIT
+  handler: the adapter's instead of the one that kills the process tree; the args pickle as
+  they travel to the schedulers), then ``watch.contain`` on an engine
   whose tokenizer manager runs SGLang's real ``TokenizerManager.auto_create_handle_loop`` (its
   running-phase SIGQUIT and SIGTERM handlers on the event loop);
 - prints ``STATE <json>``: what the process has afterwards (SIGTERM handler kept, root logger
@@ -22,6 +24,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import time
@@ -82,10 +85,15 @@ def main(model_path: str) -> int:
     root.handlers[:] = [mine]
     root.setLevel(logging.WARNING)
     before = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_")}
-    args = ServerArgs(model_path=model_path, skip_tokenizer_init=True, device="cpu")
     with engine_start_env(LABEL) as watch:
+        # the adapter's start keyword: SGLang's launch phase installs it instead of its own
+        args = ServerArgs(model_path=model_path, skip_tokenizer_init=True, device="cpu",
+                          custom_sigquit_handler=watch.sigquit)
         configure_logger(args)  # as Engine._launch_subprocesses runs them
         _set_envs_and_config(args)
+        launch_handler_is_watch = signal.getsignal(signal.SIGQUIT) == watch.sigquit
+        shipped = pickle.loads(pickle.dumps(args))  # what the spawned schedulers receive
+        ships = shipped.custom_sigquit_handler.__self__.label == LABEL
         queue = mp.get_context("spawn").Queue()
         proc = mp.get_context("spawn").Process(target=_child_reads, args=(queue,))
         proc.start()
@@ -101,7 +109,8 @@ def main(model_path: str) -> int:
     state = {"child": seen, "armed": armed, "sigterm_kept": signal.getsignal(signal.SIGTERM) is ours,
              "sigquit_is_watch": signal.getsignal(signal.SIGQUIT) == watch.sigquit,
              "root_kept": root.handlers == [mine] and root.level == logging.WARNING,
-             "sglang_env_kept": after == before, "wakeup_free": wakeup_free}
+             "sglang_env_kept": after == before, "wakeup_free": wakeup_free,
+             "launch_handler_is_watch": launch_handler_is_watch, "ships": ships}
     print("STATE " + json.dumps(state), flush=True)
     child = mp.get_context("spawn").Process(target=_child_fails)
     child.start()

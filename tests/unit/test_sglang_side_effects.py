@@ -62,6 +62,9 @@ def test_trainer_keeps_its_sigterm_handler_logger_and_sglang_variables(signals):
     assert state["armed"] and state["wakeup_free"]  # SGLang's loop handlers added, taken off
     assert state["sigterm_kept"] and state["root_kept"] and state["sglang_env_kept"], state
     assert state["sigquit_is_watch"]
+    # during the launch SGLang installs the adapter's handler (custom_sigquit_handler), not
+    # its own, and the ServerArgs carrying it pickle for the schedulers
+    assert state["launch_handler_is_watch"] and state["ships"]
 
 
 @pytest.mark.slow  # one process importing SGLang: ~13 s

@@ -25,8 +25,9 @@ Contract (docs/rollout.md has the diagram, the lifecycle and the memory of each 
   inside ``engine_start_env(label)`` (hybridrl/rollout/sglang/env.py: no torchrun agent-store
   flag, ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` so CUDA graphs are released with the engine; the
   trainer's NCCL/CUDA/SGLANG variables, root logger and SIGTERM handler restored afterwards,
-  SGLang's event-loop signal handlers taken off, SIGQUIT -> ``EngineDied`` naming the engine)
-  with
+  SGLang's event-loop signal handlers taken off, SIGQUIT -> ``EngineDied`` naming the engine,
+  already during the launch: ``custom_sigquit_handler``, so a scheduler failing at start is a
+  start failure on every rank, not a SIGKILL of the process tree) with
   ``load_format="dummy"`` (the first sync writes every weight), ``enable_memory_saver=True``,
   ``skip_tokenizer_init=True``, ``mem_fraction_static`` = ``rollout.mem_fraction_static``,
   ``enable_deterministic_inference`` = ``rollout.deterministic``, the training dtype, then any
@@ -199,7 +200,10 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
             if problem:
                 raise RuntimeError(problem)
             with engine_start_env(label) as watch:
-                engine = backend.engine_cls(**kwargs)
+                # SGLang installs this SIGQUIT handler for its launch phase instead of its own
+                # (which SIGKILLs the process tree when a scheduler fails while starting)
+                engine = backend.engine_cls(**{"custom_sigquit_handler": watch.sigquit,
+                                               **kwargs})
                 watch.contain(engine)
             started = free_memory(device, backend.free_memory)
             engine.release_memory_occupation()  # training runs first; sync resumes it
