@@ -45,6 +45,9 @@ def suite(quick: bool) -> list[tuple[str, list[str]]]:
         ("throughput", ["benchmarks/throughput.py", "--steps", "4" if quick else "10"]),
         ("packing", ["benchmarks/packing.py", "--rounds", "1" if quick else "3"]
          + (["--seqs", "32"] if quick else [])),
+        ("plan_time", ["benchmarks/plan_time.py", "--steps", "4" if quick else "6"]
+         + (["--only", "demo_1rank", "demo_2ranks", "tp2", "pp2", "split_async"] if quick
+            else [])),
         ("trl_compare", ["benchmarks/trl_compare.py"] + (["--steps", "2", "--rounds", "1"] if quick
                                                            else [])),
     ]

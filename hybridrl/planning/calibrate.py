@@ -5,7 +5,8 @@ Contract:
   ``flops`` (fp32 matmul FLOP/s of a [256, 256] x [256, 256] product), ``memory_bps`` (bytes/s
   of copying a 64 MiB tensor, counted once read + once written), ``layer_latency_s`` (the fixed
   cost of one layer call: hybridrl's own model at the CPU demo's size, 4 layers of 64 hidden,
-  built on a 1-rank gloo group in a child process, one micro-batch of 4 x 32 tokens through
+  built on a 1-rank gloo group in a child process, one packed micro-batch of 4 sequences of 26-38
+  tokens (as the trainer packs them) through
   ``run_microbatches`` forward-only, less its FLOPs at ``flops``, over its layers + 1 for the
   head and log-prob), ``train_calls_per_forward`` (the same for forward + backward over the
   forward's: what a training pass costs in layer calls), ``torch_layer_latency_s`` (for
@@ -119,7 +120,8 @@ def _collectives() -> tuple[float, float]:
 
 def _model_rank(rank: int, store_path: str, out_path: str) -> None:
     """One rank (world 1): hybridrl's real model at the CPU demo's size (megatron's local spec
-    with hybridrl's lean forwards), one micro-batch of 4 x 32 tokens: forward-only log-probs and
+    with hybridrl's lean forwards), one packed micro-batch of 4 sequences (128 tokens):
+    forward-only log-probs and
     forward + backward, each the fastest of repeated runs."""
     import warnings
 
@@ -140,7 +142,11 @@ def _model_rank(rank: int, store_path: str, out_path: str) -> None:
         spec = LlamaSpec.from_model_config(ModelConfig(vocab_size=100,
                                                        max_position_embeddings=128))
         model = build_model(spec, build_groups(TrainLayout(world=1)), "actor", dtype="fp32")
-        mb = {"input_ids": torch.randint(0, 100, (4, 32))}
+        from hybridrl.models.packing import pack_sequences
+
+        # as the trainer runs it (model.pack_sequences): 4 sequences of unequal lengths
+        ids, cu = pack_sequences([torch.randint(0, 100, (n,)) for n in (26, 30, 34, 38)])
+        mb = {"input_ids": ids, "cu_seqlens": cu}
         fwd = _best(lambda: run_microbatches(model, [mb]), 0.6, 5)
 
         def loss(out, batch):

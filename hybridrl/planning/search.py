@@ -6,7 +6,8 @@ Contract:
   ``pp`` 1, 2, 4 or 8 dividing the layers, with tp x pp dividing the training ranks; generation
   ``gen_tp`` (pg = 1: pipelined decode only adds latency here) dividing tp x pp, the KV heads
   and the node size; the placement: colocated, or split with ``gen_world`` of 1/4 or 1/2 of
-  the world (whole nodes when the world has several; a multiple of gen_tp); the
+  the world (whole nodes when the world has several; a multiple of gen_tp; ``--placement``
+  keeps one of the two); the
   micro-batch budget ``max_tokens_per_gpu`` of 8k, 16k or 32k tokens (at least one sequence);
   and the memory knobs, from cheapest to leanest: nothing, selective recompute, full
   recompute (+ sequence parallel when tp > 1), then also offload of params, grads and optim.
@@ -134,6 +135,8 @@ def search(args, time_report) -> dict:
         room = gb * 1e9 - RESERVE_BYTES if gb else float("inf")
         room = room * 2 / DTYPE_BYTES[args.dtype]  # candidates() counts 2-byte weights
         for cand in candidates(args.world, shape, args.gpus_per_node, prompt + max_resp, room):
+            if args.placement and cand["placement"] != args.placement:
+                continue
             frame = tuple(v for k, v in cand.items() if k not in ("recompute", "sp", "offload"))
             if frame in done:  # a cheaper knob of this layout and budget already fits
                 continue

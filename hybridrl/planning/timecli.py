@@ -41,8 +41,9 @@ def add_time_args(p: argparse.ArgumentParser) -> None:
                    help="measure this machine for --gpu cpu (seconds; cached per machine)")
     t.add_argument("--gpu", choices=KINDS, default="h100", help="accelerator kind (cpu: "
                    "calibrated on this machine by --calibrate)")
-    t.add_argument("--placement", choices=("colocated", "split"), default="colocated",
-                   help="split: the last --gen-world ranks generate one step ahead")
+    t.add_argument("--placement", choices=("colocated", "split"), default=None,
+                   help="split: the last --gen-world ranks generate one step ahead (default "
+                        "colocated; --search: both unless given)")
     t.add_argument("--prompts", type=int, help="prompts per step (default: the config's "
                    "data.train_batch_size, else 512)")
     t.add_argument("--n", type=int, help="samples per prompt (default: rollout.n, else 1)")
@@ -128,12 +129,13 @@ def time_report(args: argparse.Namespace, cache: dict | None = None) -> dict:
 
         cfg = load_config([args.config])
         p = cfg.parallel
-        if p.split and args.placement == "colocated":
+        if p.split and args.placement is None:
             args.placement, args.gen_world = "split", p.gen.world
         if args.world is None and p.dp:
             args.world = p.tp * p.pp * p.dp + (p.gen.world if p.split else 0)
     if args.world is None:
         raise ValueError("--world is required")
+    args.placement = args.placement or "colocated"
     calibration = None
     if args.gpu == "cpu":
         from hybridrl.planning.calibrate import load_calibration
@@ -242,7 +244,7 @@ def search_text(rep: dict) -> str:
     lines = [f"{rep['model']} on {rep['world']} x {rep['gpu']}: {rep['evaluated']} layouts "
              f"evaluated, {rep['fit']} fit; best {len(rep['best'])} by predicted step:"]
     short = ("generate", "reshard", "old_log_prob", "reference", "values", "actor_update",
-             "critic_update", "offload")
+             "critic_update", "offload", "checkpoint")
     lines.append(f"{'#':>2} {'step s':>8} " + " ".join(f"{s[:8]:>8}" for s in short)
                  + f" {'headroom':>9}  layout")
     for i, r in enumerate(rep["best"], 1):
