@@ -9,7 +9,10 @@ Contract:
   tokens (as the trainer packs them) through
   ``run_microbatches`` forward-only, less its FLOPs at ``flops``, over its layers + 1 for the
   head and log-prob), ``train_calls_per_forward`` (the same for forward + backward over the
-  forward's: what a training pass costs in layer calls), ``torch_layer_latency_s`` (for
+  forward's: what a training pass costs in layer calls), ``optimizer_latency_s`` (megatron's
+  optimizer step of that model through ``train_step``, less the forward + backward and the
+  bytes Adam streams, ``timing.OPTIMIZER_BYTES_PER_PARAM``: its fixed cost per
+  step), ``torch_layer_latency_s`` (for
   comparison: the same layer's bare torch ops, 8 tokens; megatron's modules cost several times
   more per call), ``collective_latency_s`` and ``link_bps`` (a gloo all-reduce between two
   local processes: 8 bytes, then 4 MiB), ``memory_bytes`` (MemTotal). Writes them as JSON to
@@ -153,8 +156,13 @@ def _model_rank(rank: int, store_path: str, out_path: str) -> None:
             return out["logprobs"].mean(), {}
         train = _best(lambda: run_microbatches(model, [mb], loss_fn=loss, forward_only=False),
                       0.6, 5)
+        from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
+
+        opt = ModelOptimizer(model, OptimConfig())
+        step = _best(lambda: train_step(model, opt, [mb], loss), 0.6, 5)
+        params = sum(p.numel() for p in model.module.parameters())
         with open(out_path, "w") as f:
-            json.dump({"fwd": fwd, "train": train, "layers": spec.num_layers,
+            json.dump({"fwd": fwd, "train": train, "step": step, "params": params, "layers": spec.num_layers,
                        "hidden": spec.hidden_size, "ffn": spec.ffn_hidden_size,
                        "heads": spec.num_attention_heads, "groups": spec.num_query_groups,
                        "vocab": spec.vocab_size, "tokens": 4 * 32, "seq": 32}, f)
@@ -173,8 +181,11 @@ def _spawn(fn, nprocs: int) -> dict:
             return json.load(f)
 
 
-def _model_latency(flops: float) -> tuple[float, float]:
-    """(seconds per layer call beyond its FLOPs, a training pass's calls per forward call)."""
+def _model_latency(flops: float, memory_bps: float) -> tuple[float, float, float]:
+    """(seconds per layer call beyond its FLOPs, a training pass's calls per forward call, the
+    optimizer step's fixed seconds beyond its bytes)."""
+    from hybridrl.planning.timing import OPTIMIZER_BYTES_PER_PARAM
+
     r = _spawn(_model_rank, 1)
     h, f, heads, g = r["hidden"], r["ffn"], r["heads"], r["groups"]
     hd = h // heads
@@ -183,7 +194,9 @@ def _model_latency(flops: float) -> tuple[float, float]:
     fwd_flops = r["tokens"] / r["seq"] * per_seq + r["tokens"] * 2.0 * h * r["vocab"]
     fwd = max(r["fwd"] - fwd_flops / flops, 1e-9)
     train = max(r["train"] - 3 * fwd_flops / flops, fwd)
-    return fwd / (r["layers"] + 1), train / fwd  # the head and log-prob: one call more
+    optimizer = r["step"] - r["train"] - r["params"] * OPTIMIZER_BYTES_PER_PARAM / memory_bps
+    # per layer call (the head and log-prob: one call more), the ratio, the optimizer step
+    return fwd / (r["layers"] + 1), train / fwd, max(optimizer, 0.0)
 
 
 def _cpu_model() -> str:
@@ -218,9 +231,10 @@ def run_calibration(path: str | None = None) -> dict:
     finally:
         torch.set_num_threads(threads)
     lat, link = _collectives()
-    layer, train_calls = _model_latency(flops)
+    layer, train_calls, optimizer = _model_latency(flops, memory_bps)
     rep = {"flops": flops, "memory_bps": memory_bps, "layer_latency_s": layer,
-           "train_calls_per_forward": train_calls, "torch_layer_latency_s": op_layer,
+           "train_calls_per_forward": train_calls, "optimizer_latency_s": optimizer,
+           "torch_layer_latency_s": op_layer,
            "collective_latency_s": lat, "link_bps": link, "memory_bytes": _mem_total(),
            "host": socket.gethostname(), "cpu": _cpu_model(),
            "load_avg": os.getloadavg()[0], "seconds": time.perf_counter() - t0,
@@ -258,6 +272,8 @@ def calibrate_text(rep: dict) -> str:
         f"{rep['load_avg']:.1f}; cached in {rep['path']}",
         f"  matmul {rep['flops'] / 1e9:.2f} GFLOP/s per rank (one thread)",
         f"  memory copy {rep['memory_bps'] / 1e9:.2f} GB/s",
-        f"  layer call {1e6 * rep['layer_latency_s']:.0f} us (forward, beyond its FLOPs)",
+        f"  layer call {1e6 * rep['layer_latency_s']:.0f} us (forward, beyond its FLOPs; "
+        f"a training pass {rep['train_calls_per_forward']:.2f} of them)",
+        f"  optimizer step {1e3 * rep['optimizer_latency_s']:.2f} ms beyond its bytes",
         f"  gloo all-reduce {1e6 * rep['collective_latency_s']:.0f} us latency, "
         f"{rep['link_bps'] / 1e9:.2f} GB/s"])

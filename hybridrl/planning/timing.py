@@ -30,7 +30,9 @@ Contract:
   * actor / critic update: ``ppo_epochs`` x training FLOPs (recompute included), the same
     bubble and TP traffic (x 3: forward, backward, recompute), plus per mini-batch the
     distributed optimizer's gradient reduce-scatter (fp32) and parameter all-gather over the
-    DP group (NVLink inside a node, InfiniBand when the group spans nodes; not overlapped).
+    DP group (NVLink inside a node, InfiniBand when the group spans nodes; not overlapped) and
+    the optimizer step: ``OPTIMIZER_BYTES_PER_PARAM`` of the rank's shard over HBM (plus a
+    fixed cost per step, measured on CPU).
   * reshard: the plan's bytes on the worst rank, max(inside the node / NVLink, across nodes /
     InfiniBand) (the two links work at once); split: the busiest rank's sync bytes over
     InfiniBand, once per step, on the critical path.
@@ -57,6 +59,9 @@ from hybridrl.planning import flops as F
 from hybridrl.planning.memory import DTYPE_BYTES, bubble_fraction
 
 STORAGE_BPS_PER_NODE = 5e9  # assumption: a parallel file system's write rate per node
+# Adam with fp32 masters per parameter of the rank's shard: reads grad, master, two moments
+# (16 B), writes master and moments (12 B) and the 16-bit copy (2 B), zeroes the grad (4 B)
+OPTIMIZER_BYTES_PER_PARAM = 34
 PHASE_ORDER = ("generate", "reshard", "old_log_prob", "reference", "values", "actor_update",
                "critic_update", "offload", "checkpoint")
 
@@ -215,18 +220,23 @@ def _pass_s(work: Workload, lay: Layout, hw, shape, role: str, train: bool, budg
         act = tokens * shape.hidden * itemsize / (lay.tp if lay.sp else 1)
         hops = micro * (2 if train else 1)
         pp_comm = hops * (act / _link(hw, lay.tp * lay.dp * 2) + hw.collective_latency_s)
-    dp_comm = 0.0
-    if train and lay.dp > 1:
+    dp_comm = optimizer = 0.0
+    if train:
         from hybridrl.planning.memory import stage_numel
 
         params = max(stage_numel(shape, lay.tp, lay.pp, s, role) for s in range(lay.pp))
+        shard = params / lay.dp if lay.dist_opt else params
+        optimizer = work.mini_batches * work.ppo_epochs * (
+            hw.optimizer_latency_s + shard * OPTIMIZER_BYTES_PER_PARAM
+            / (hw.hbm_bps * hw.eff("hbm")))
+    if train and lay.dp > 1:
         link = _link(hw, lay.tp * lay.dp)
         if lay.dist_opt:  # reduce-scatter fp32 grads + all-gather params: one ring each
             sync = _ring(params * (4 + itemsize) / 2, lay.dp, link, hw.collective_latency_s)
         else:
             sync = _ring(params * 4, lay.dp, link, hw.collective_latency_s)
         dp_comm = work.mini_batches * work.ppo_epochs * sync
-    return compute + calls * hw.kernel_latency_s + tp_comm + pp_comm + dp_comm
+    return compute + calls * hw.kernel_latency_s + tp_comm + pp_comm + dp_comm + optimizer
 
 
 PHASE_NEEDS = (  # PhaseMemory's phases in a step and the parts each brings to the device

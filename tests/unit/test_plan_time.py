@@ -6,6 +6,7 @@ all 1.0, so every expected number below is the formula of docs/scaling.md worked
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,15 @@ import pytest
 from hybridrl.planning import flops as F
 from hybridrl.planning.cli import main
 from hybridrl.planning.hardware import GPUS, Hardware, hardware
-from hybridrl.planning.timing import Layout, Workload, generate_s, offload_bytes, predict
+from hybridrl.planning.memory import stage_numel
+from hybridrl.planning.timing import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    Layout,
+    Workload,
+    generate_s,
+    offload_bytes,
+    predict,
+)
 from hybridrl.reshard.specs import LlamaShape
 
 SHAPE = LlamaShape(hidden=64, ffn=128, heads=4, num_query_groups=2, layers=2, vocab=100)
@@ -94,13 +103,18 @@ def test_predict_by_hand():
     ph = rep["phases_s"]
     # 8 sequences of 16 tokens: 4 per 64-token micro-batch, 2 micro-batches, no pipeline
     assert ph["old_log_prob"] == pytest.approx(8 * F.forward_flops(SHAPE, 16) / 1e12)
-    assert ph["actor_update"] == pytest.approx(2 * 8 * F.train_flops(SHAPE, 16) / 1e12)
+    # 2 epochs x 1 mini-batch: 2 optimizer steps streaming 34 B per parameter over HBM
+    adam = 2 * stage_numel(SHAPE, 1, 1, 0) * OPTIMIZER_BYTES_PER_PARAM / 1e12
+    assert ph["actor_update"] == pytest.approx(2 * 8 * F.train_flops(SHAPE, 16) / 1e12 + adam)
     assert ph["reference"] == ph["values"] == ph["critic_update"] == 0
     assert ph["reshard"] == pytest.approx(max(3e11 / 1e11, 2e10 / 1e10))  # NVLink: 3 s
     assert rep["step_s"] == pytest.approx(sum(ph.values()))
     assert rep["tokens_per_s_per_gpu"] == pytest.approx(8 * 16 / rep["step_s"])
     assert rep["mfu"] == pytest.approx(2 * 8 * F.model_flops(SHAPE, 16) / ph["actor_update"]
                                        / 1e12)
+    slow_opt = dataclasses.replace(HW, optimizer_latency_s=0.5)  # the CPU's measured fixed cost
+    assert predict(work, lay, slow_opt, SHAPE, _mem(), reshard)["phases_s"]["actor_update"] \
+        == pytest.approx(ph["actor_update"] + 2 * 0.5)
     # pipeline 2: the 1F1B bubble (p - 1) / (m + p - 1) stretches compute by (m + p - 1) / m
     piped = predict(work, Layout(world=2, pp=2, tokens_per_gpu=64, ref=False), HW, SHAPE,
                     _mem(), reshard)
