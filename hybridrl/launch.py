@@ -11,7 +11,10 @@ after ``--``) are torchrun's (``--standalone --nproc-per-node 2``, ``--nnodes``,
   and Ctrl-C on the launcher), 143 (SIGTERM: a worker or the launcher terminated); 0 when
   every worker finished;
 - torchrun's ``ChildFailedError`` traceback and its failure log are not printed: the workers'
-  own one-line errors (``hybridrl.exits``) are the report;
+  own one-line errors (``hybridrl.exits``) are the report; a worker ended by a crash signal
+  (SIGSEGV, SIGBUS, SIGILL, SIGFPE: it can print nothing) gets one line from the launcher
+  naming its rank and the signal (status 1); a master port in use (the rendezvous store cannot
+  listen) is one line and status 2, not torchrun's traceback;
 - SIGTERM and SIGINT are the launcher's own (``TORCHELASTIC_SIGNALS_TO_HANDLE`` leaves torchrun
   SIGHUP and SIGQUIT): the first raises torchrun's ``SignalException`` (its agent stops the
   workers, which report), a second one while that is handled, or any once ``main`` has its
@@ -52,6 +55,35 @@ def status_of_exitcode(code: int) -> int:
     return 0 if code == 0 else 1
 
 
+CRASH_SIGNALS = {"SIGSEGV": "a segmentation fault", "SIGBUS": "a bus error",
+                 "SIGILL": "an illegal instruction", "SIGFPE": "a floating-point exception"}
+
+
+def crash_line(rank: int, exitcode: int) -> str | None:
+    """The line for a worker a crash signal ended (it could print nothing itself), else None."""
+    if exitcode >= 0:
+        return None
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        return None
+    if name not in CRASH_SIGNALS:
+        return None  # SIGKILL, SIGTERM, SIGINT: the peers or the worker said why
+    return (f"hybridrl.launch: error: rank {rank} died of {name} ({CRASH_SIGNALS[name]} in native "
+            "code: a compiled extension, or C/ctypes code in a reward function)")
+
+
+def network_line(err: BaseException, args) -> str:
+    """One line for a rendezvous store that could not start."""
+    text = str(err)
+    port = getattr(args, "master_port", None)
+    if "EADDRINUSE" in text:
+        return (f"hybridrl.launch: error: the master port {port} is already in use on this "
+                "machine (another run or program holds it): pass another --master-port, or "
+                "--standalone to pick a free one")
+    return f"hybridrl.launch: error: the rendezvous failed: {text.splitlines()[0][:300]}"
+
+
 def _on_signal(signum, frame):
     """SIGTERM / SIGINT: torchrun's SignalException once (module docstring), then exit."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -66,6 +98,7 @@ def _on_signal(signum, frame):
 
 
 def main(argv=None) -> int:
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -81,8 +114,14 @@ def main(argv=None) -> int:
             run(args)  # torchrun's own agent (standalone/static rendezvous set up as torchrun does)
             status = 0
         except ChildFailedError as err:
-            _, failure = err.get_first_failure()
+            rank, failure = err.get_first_failure()
             status = status_of_exitcode(failure.exitcode)
+            crash = crash_line(rank, failure.exitcode)
+            if crash:
+                sys.stderr.write(crash + "\n")
+        except DistNetworkError as err:  # the rendezvous store could not listen / connect
+            sys.stderr.write(network_line(err, args) + "\n")
+            status = 2
         _SIGNALED[0] = True  # the outcome is known: a signal from here on exits at once
     except SignalException as err:
         status = 130 if err.sigval == signal.SIGINT else 128 + int(err.sigval)

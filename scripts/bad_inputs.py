@@ -7,8 +7,10 @@ Contract:
   (``python -m hybridrl.launch --standalone --nproc-per-node N --config configs/demo_cpu.yaml``)
   on CPU gloo ranks with a one-step budget.
 - A case is clean when the launcher exits with a status the case allows (2 = bad input, 1 = a
-  failure after start), stderr holds exactly one ``hybridrl...: error`` line, and no
-  ``Traceback``. ``sweep(names, ranks)`` runs cases and returns one result dict per case;
+  failure after start, 0 for inputs that must simply run: a reward function that forks or
+  changes the working directory), stderr holds exactly the case's number of ``hybridrl...:
+  error`` lines (one; none for those that run), its extra check holds, and no ``Traceback``
+  or ``Fatal Python error`` (a crash dump). ``sweep(names, ranks)`` runs cases and returns one result dict per case;
   ``main`` prints a table (case, status, clean, the line) and ``N of M clean``; exit 1 if any
   case is not clean.
 - Files the cases need are written under a fresh temporary folder (``make_files``); nothing is
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +44,15 @@ def wrong_type(data_source, solution_str, ground_truth, extra_info=None, **kwarg
     return "high"
 def too_few_args(data_source):
     return 0.0
+def segfault(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    import ctypes
+    ctypes.string_at(0)
+def forks(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    os.fork()
+    return 0.0
+def chdir(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "elsewhere"))
+    return 0.0
 '''
 
 
@@ -56,6 +68,7 @@ def make_files(root: Path) -> dict[str, str]:
 
     f: dict[str, str] = {"root": str(root)}
     (root / "rewards.py").write_text(REWARDS)
+    (root / "elsewhere").mkdir()
     (root / "syntax.py").write_text("def fn(a, b, c, d=None):\n    return 1 +\n")
     (root / "imports.py").write_text("import no_such_module_here\ndef fn(*a, **k):\n    return 0\n")
     f["rewards"], f["syntax"], f["imports"] = (str(root / n) for n in
@@ -109,9 +122,22 @@ def make_files(root: Path) -> dict[str, str]:
     return f
 
 
-def _c(name, overrides, status=BAD, config=None, ranks=None):
+def _c(name, overrides, status=BAD, config=None, ranks=None, lines=1, torchrun=None,
+       check=None):
+    """A case: ``lines`` error lines expected (0 for an input that must run through cleanly);
+    ``torchrun``: launcher options instead of ``--standalone --nproc-per-node N`` (``{port}``:
+    a port this sweep holds busy); ``check(root)``: another condition, a problem line or None."""
     return {"name": name, "overrides": overrides, "status": status, "config": config,
-            "ranks": ranks}
+            "ranks": ranks, "lines": lines, "torchrun": torchrun, "check": check}
+
+
+def _not_split(root: str) -> str | None:
+    """The run folder of a relative output_dir stays where the run started."""
+    if Path(root, "elsewhere", "relruns").exists():
+        return "the run folder was split: files went under elsewhere/relruns"
+    if not list(Path(root, "relruns").glob("*/metrics.jsonl")):
+        return "relruns/<experiment>/metrics.jsonl is missing"
+    return None
 
 
 def cases(f: dict[str, str]) -> list[dict]:
@@ -209,6 +235,19 @@ def cases(f: dict[str, str]) -> list[dict]:
         _c("reward_raises", [f"reward.reward_fn={rw}:raises"], status=FAILED),
         _c("reward_wrong_type", [f"reward.reward_fn={rw}:wrong_type"], status=(1, 2)),
         _c("reward_wrong_signature", [f"reward.reward_fn={rw}:too_few_args"], status=(1, 2)),
+        _c("reward_segfault", [f"reward.reward_fn={rw}:segfault"], status=FAILED),
+        _c("reward_forks", [f"reward.reward_fn={rw}:forks", "trainer.total_steps=2"], status=(0,),
+           lines=0),
+        _c("reward_chdir_relative_output", [f"reward.reward_fn={rw}:chdir",
+                                            "trainer.output_dir=relruns"], status=(0,), lines=0,
+           check=_not_split),
+        # ---- issue 43: numbers out of range, the launcher's port
+        _c("lr_inf", ["actor.lr=inf"]),
+        _c("seed_beyond_int64", ["trainer.seed=18446744073709551616"]),
+        _c("data_seed_beyond_int64", ["data.seed=-18446744073709551616"]),
+        _c("reward_timeout_nan", ["reward.timeout_s=nan"]),
+        _c("master_port_in_use", [], torchrun=["--nproc-per-node", "1", "--master-addr",
+                                               "127.0.0.1", "--master-port", "{port}"]),
         # ---- run folders
         _c("output_dir_unwritable", ["trainer.output_dir=/proc/hybridrl_runs"]),
         _c("output_dir_is_a_file", [f"trainer.output_dir={rw}"]),
@@ -220,8 +259,12 @@ def run_case(case: dict, files: dict, ranks: int, timeout: float = 300) -> dict:
     run_dir = [f"trainer.output_dir={Path(files['root'], 'runs')}",
                f"trainer.experiment_name={case['name']}"]
     own = any(o.startswith("trainer.output_dir=") for o in case["overrides"])
-    cmd = [sys.executable, "-m", "hybridrl.launch", "--standalone", "--nproc-per-node",
-           str(case["ranks"] or ranks), "--config",
+    busy = socket.socket()  # held for the run: the port a {port} case is refused
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    torchrun = [a.replace("{port}", str(busy.getsockname()[1])) for a in case["torchrun"]] \
+        if case["torchrun"] else ["--standalone", "--nproc-per-node", str(case["ranks"] or ranks)]
+    cmd = [sys.executable, "-m", "hybridrl.launch", *torchrun, "--config",
            case["config"] or str(REPO / "configs" / "demo_cpu.yaml"),
            *([] if own else run_dir), "trainer.total_steps=1", *case["overrides"]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -233,8 +276,13 @@ def run_case(case: dict, files: dict, ranks: int, timeout: float = 300) -> dict:
     except subprocess.TimeoutExpired as exc:
         status, err = "timeout", (exc.stderr or b"").decode(errors="replace") \
             if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+    finally:
+        busy.close()
     lines = [x for x in err.splitlines() if ERROR_LINE.match(x)]
-    clean = status in case["status"] and len(lines) == 1 and "Traceback" not in err
+    problem = case["check"](files["root"]) if case["check"] and status in case["status"] else None
+    clean = (status in case["status"] and len(lines) == case["lines"] and "Traceback" not in err
+             and "Fatal Python error" not in err and problem is None)
+    lines += [f"check: {problem}"] if problem else []
     return {"name": case["name"], "status": status, "clean": clean, "lines": lines,
             "tail": "" if clean else err[-1500:], "s": time.monotonic() - start}
 
@@ -248,6 +296,7 @@ def sweep(names: list[str] | None = None, ranks: int = 1, progress=print) -> lis
             res = run_case(case, files, ranks)
             out.append(res)
             line = res["lines"][0] if len(res["lines"]) == 1 else f"{len(res['lines'])} lines"
+            line = "(ran through)" if not res["lines"] and res["clean"] else line
             progress(f"[{i}/{len(chosen)}] {res['name']:<26} {str(res['status']):>7} "
                      f"{'clean' if res['clean'] else 'NOT CLEAN'} {res['s']:5.1f}s  "
                      f"{line.replace(tmp, '<tmp>')[:160]}")

@@ -136,8 +136,9 @@ class RewardConfig:
             raise ValueError("set at most one of reward.reward_fn and reward.reward_model_path")
         check_choice("reward.gsm8k_method", self.gsm8k_method, GSM8K_METHODS)
         check_range("reward.format_score", self.format_score, 0.0, 1.0)
-        if self.timeout_s < 0:
-            raise ValueError(f"reward.timeout_s must be >= 0 (0 = no limit); got {self.timeout_s!r}")
+        if not self.timeout_s >= 0 or self.timeout_s == float("inf"):  # nan fails >= too
+            raise ValueError("reward.timeout_s must be a finite number >= 0 (0 = no limit); got "
+                             f"{self.timeout_s!r}")
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ValueError(f"reward.num_workers must be an integer >= 0; got {self.num_workers!r}")
         if not isinstance(self.overlong_buffer, int) or self.overlong_buffer < 0:

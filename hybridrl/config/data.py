@@ -62,6 +62,10 @@ class DataConfig:
         check_choice("data.truncation", self.truncation, TRUNCATIONS)
         check_positive("data.train_batch_size", self.train_batch_size)
         check_positive("data.val_batch_size", self.val_batch_size)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
+                -(2**63) <= self.seed < 2**63):  # the shuffle's torch generator is 64-bit
+            raise ValueError(f"data.seed must be an integer in [-2**63, 2**63 - 1]; got "
+                             f"{self.seed!r}")
         if not self.train_files and self.synthetic.task == "none":
             raise ValueError("data.train_files is empty and data.synthetic.task is 'none': set "
                              "data.train_files or data.synthetic.task=arithmetic")

@@ -135,6 +135,10 @@ class TrainerConfig:
         check_choice("trainer.nonfinite", self.nonfinite, NONFINITE_MODES)
         check_non_negative("trainer.nonfinite_max_steps", self.nonfinite_max_steps)
         check_positive("trainer.collective_timeout_s", self.collective_timeout_s)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
+                -(2**63) <= self.seed < 2**63):  # torch seeds are 64-bit
+            raise ValueError(f"trainer.seed must be an integer in [-2**63, 2**63 - 1]; got "
+                             f"{self.seed!r}")
         check_non_negative("trainer.max_ckpt_to_keep", self.max_ckpt_to_keep)
         if self.async_save not in ("auto", True, False):
             raise ValueError("trainer.async_save must be auto, true or false; got "

@@ -19,6 +19,8 @@ numeric extras of dict results, ``reward/source/<data_source>/mean`` and
 ``timing_s/reward_row_{max,mean}`` (seconds one row's reward function took; a slow or stalling
 answer shows there). ``score_tokens`` does
 the same from generated token ids [B, R] + response mask (decoding them with the tokenizer).
+A function that calls ``os.fork`` and returns in the child: that child is ended at once
+(status 0, one warning line naming the function), the trainer's process goes on.
 ``build_reward_scorer(cfg)`` builds a scorer from the ``reward`` config section. Any exception
 a reward function raises on a row (or an unusable result) becomes ``RewardFunctionError`` (a
 ``RuntimeError``: a training failure) naming the function, the row, its data_source and index.
@@ -26,6 +28,8 @@ a reward function raises on a row (or an unusable result) becomes ``RewardFuncti
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -59,6 +63,15 @@ REWARD_FNS.register("gsm8k_flexible", _gsm8k_flexible)
 REWARD_FNS.register("hybridrl/arithmetic", arithmetic.compute_score)
 REWARD_FNS.register("math", math_reward.compute_score)
 REWARD_FNS.register("code", code_reward.compute_score)
+
+
+def _end_forked_child(name: str) -> None:
+    """The child of an ``os.fork`` in a reward function must not run the trainer's code."""
+    sys.stderr.write(f"hybridrl: warning: reward function '{name}' forked and its child "
+                     f"(pid {os.getpid()}) returned into the trainer; that child was ended "
+                     "(use subprocess or multiprocessing in reward functions)\n")
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class RewardFunctionError(RuntimeError):
@@ -106,19 +119,17 @@ class RewardScorer:
     ) -> tuple[float, dict[str, float]]:
         """``(score, extras)`` of one response, before penalties."""
         if self.custom_fn is not None:
-            result = self.custom_fn(
-                data_source, solution_str, ground_truth, extra_info, **self.custom_fn_kwargs
-            )
-            return normalize_result(result, self.custom_name)
-        fn = self.registry.get(data_source)
-        result = fn(
-            data_source,
-            solution_str,
-            ground_truth,
-            extra_info,
-            **self.fn_kwargs.get(data_source, {}),
-        )
-        return normalize_result(result, data_source)
+            fn, name, kwargs = self.custom_fn, self.custom_name, self.custom_fn_kwargs
+        else:
+            fn, name = self.registry.get(data_source), data_source
+            kwargs = self.fn_kwargs.get(data_source, {})
+        pid = os.getpid()
+        try:
+            result = fn(data_source, solution_str, ground_truth, extra_info, **kwargs)
+        finally:
+            if os.getpid() != pid:  # a fork made in the function returned here: end it now
+                _end_forked_child(name)
+        return normalize_result(result, name)
 
     def _describe_failure(self, err: Exception, row: int, data_source: str, extra) -> str:
         name = self.custom_name or f"registered for {data_source!r}"
