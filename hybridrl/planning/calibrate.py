@@ -12,7 +12,8 @@ Contract:
   forward's: what a training pass costs in layer calls), ``optimizer_latency_s`` (megatron's
   optimizer step of that model through ``train_step``, less the forward + backward and the
   bytes Adam streams, ``timing.OPTIMIZER_BYTES_PER_PARAM``: its fixed cost per
-  step), ``torch_layer_latency_s`` (for
+  step), ``sample_latency_s`` (one request's token drawn with its own generator, as the
+  builtin engine samples: per request per decode step), ``torch_layer_latency_s`` (for
   comparison: the same layer's bare torch ops, 8 tokens; megatron's modules cost several times
   more per call), ``collective_latency_s`` and ``link_bps`` (a gloo all-reduce between two
   local processes: 8 bytes, then 4 MiB), ``memory_bytes`` (MemTotal). Writes them as JSON to
@@ -92,6 +93,22 @@ def _layer_latency(flops: float) -> float:
 
     t = _best(layer)
     return max(t - _layer_flops(h, f, h, groups * hd, tokens) / flops, 0.0)
+
+
+def _sample_latency() -> float:
+    """Seconds per request per token of sampling with one generator per request (how the
+    builtin engine samples so that a sequence does not depend on its batch): a multinomial
+    draw over one row of 128 probabilities, 64 rows."""
+    import torch
+
+    rows = 64
+    probs = torch.softmax(torch.randn(rows, 128), -1)
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+
+    def draw():
+        return torch.cat([torch.multinomial(probs[b:b + 1], 1, generator=g)[:, 0]
+                          for b, g in enumerate(gens)])
+    return _best(draw) / rows
 
 
 def _allreduce_rank(rank: int, store_path: str, out_path: str) -> None:
@@ -228,12 +245,14 @@ def run_calibration(path: str | None = None) -> dict:
         src = torch.ones(1 << 24)  # 64 MiB of fp32
         memory_bps = 2 * src.numel() * 4 / _best(lambda: src.clone(), 0.5)
         op_layer = _layer_latency(flops)
+        sample = _sample_latency()
     finally:
         torch.set_num_threads(threads)
     lat, link = _collectives()
     layer, train_calls, optimizer = _model_latency(flops, memory_bps)
     rep = {"flops": flops, "memory_bps": memory_bps, "layer_latency_s": layer,
            "train_calls_per_forward": train_calls, "optimizer_latency_s": optimizer,
+           "sample_latency_s": sample,
            "torch_layer_latency_s": op_layer,
            "collective_latency_s": lat, "link_bps": link, "memory_bytes": _mem_total(),
            "host": socket.gethostname(), "cpu": _cpu_model(),
@@ -275,5 +294,6 @@ def calibrate_text(rep: dict) -> str:
         f"  layer call {1e6 * rep['layer_latency_s']:.0f} us (forward, beyond its FLOPs; "
         f"a training pass {rep['train_calls_per_forward']:.2f} of them)",
         f"  optimizer step {1e3 * rep['optimizer_latency_s']:.2f} ms beyond its bytes",
+        f"  sampling {1e6 * rep['sample_latency_s']:.1f} us per request per token",
         f"  gloo all-reduce {1e6 * rep['collective_latency_s']:.0f} us latency, "
         f"{rep['link_bps'] / 1e9:.2f} GB/s"])

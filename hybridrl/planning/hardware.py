@@ -56,6 +56,7 @@ class Hardware:
     kernel_latency_s: float = 0.0  # fixed cost per layer call (CPU: measured; GPU: graphs)
     train_calls: float = 3.0  # a training pass's layer-call cost over a forward's
     optimizer_latency_s: float = 0.0  # fixed cost of one optimizer step (CPU: measured)
+    sample_latency_s: float = 0.0  # per request per decode step (CPU engine: measured)
     efficiency: tuple = ()  # ((name, fraction), ...); empty: EFFICIENCY
 
     def eff(self, name: str) -> float:
@@ -102,6 +103,7 @@ def hardware(kind: str, gpu_gb: float | None = None, calibration: dict | None = 
                       kernel_latency_s=c["layer_latency_s"],
                       train_calls=c.get("train_calls_per_forward", 3.0),
                       optimizer_latency_s=c.get("optimizer_latency_s", 0.0),
+                      sample_latency_s=c.get("sample_latency_s", 0.0),
                       efficiency=(("matmul", 1.0), ("hbm", 1.0), ("link", 1.0), ("pcie", 1.0)))
     elif kind in GPUS:
         hw = GPUS[kind]

@@ -23,7 +23,8 @@ Contract:
     tail); one decode step = max(bytes, FLOPs) with bytes = weights M / tg (pg pipeline stages
     each stream their share once per micro-batch) + the batch's KV at the mean context over the
     replica, FLOPs = C tokens' decode FLOPs over the replica; plus 2 collectives per layer when
-    tg > 1 and the per-layer call latency (CPU).
+    tg > 1 and, on CPU, the per-layer call latency (layers + the head) and the per-request
+    sampling cost (the builtin engine draws each request's token with its own generator).
   * old_log_prob / reference / values: forward FLOPs of every sequence over the training GPUs,
     stretched by the 1F1B bubble (m + p - 1) / m, plus tensor-parallel all-reduces (2 per layer
     and micro-batch of tokens x h, ring 2 (t-1)/t) and pipeline sends.
@@ -179,7 +180,7 @@ def generate_s(work: Workload, lay: Layout, hw, shape, concurrent: int) -> tuple
     kv = batch * context * F.kv_bytes_per_token(shape, itemsize) / g
     bytes_s = (weights + kv) / (hw.hbm_bps * hw.eff("hbm"))
     flops_s = batch * F.decode_token_flops(shape, context) / (g * peak)
-    latency = shape.layers * hw.kernel_latency_s
+    latency = (shape.layers + 1) * hw.kernel_latency_s + batch * hw.sample_latency_s
     if lay.gen_tp > 1:
         msg = batch / lay.gen_pp * shape.hidden * itemsize
         latency += 2 * shape.layers * _ring(msg, lay.gen_tp, _link(hw, lay.gen_tp),

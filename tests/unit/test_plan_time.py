@@ -64,6 +64,10 @@ def test_generate_by_hand():
     kv2 = 2 * 13 * F.kv_bytes_per_token(SHAPE, 2)
     step2 = max((weights + kv2) / 1e12, 2 * F.decode_token_flops(SHAPE, 13) / 1e12)
     assert total2 == pytest.approx(prefill + 14 * step2)
+    # CPU: each decode step also pays a call per layer and the head, and one draw per request
+    cpu = dataclasses.replace(HW, kernel_latency_s=1e-4, sample_latency_s=1e-3)
+    cpu_total, _ = generate_s(work, lay, cpu, SHAPE, concurrent=4)
+    assert cpu_total == pytest.approx(total + 8 * ((2 + 1) * 1e-4 + 4 * 1e-3))
     # tensor-parallel generation: weights and KV split over tg ranks, collectives per layer
     lat = Hardware("lat", flops=1e15, hbm_bytes=80e9, hbm_bps=1e12, nvlink_bps=1e11,
                    ib_bps=1e10, pcie_bps=1e10, collective_latency_s=1e-5, efficiency=ONE)
