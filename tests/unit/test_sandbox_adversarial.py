@@ -21,7 +21,9 @@ import uuid
 import pytest
 
 from hybridrl.rewards import code as code_reward
+from hybridrl.rewards.distributed import RowItem, score_rows
 from hybridrl.rewards.sandbox import Sandbox, SandboxUnavailable, sandbox_python
+from hybridrl.rewards.scoring import RewardScorer
 
 ASSERTS = {"assert": "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 5) == 15"}
 STDIO = {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}
@@ -151,9 +153,18 @@ def test_hostile_candidates_score_zero_and_leave_nothing(tmp_path):
             listener.accept()
         assert _token_processes(token) == []
         assert not os.path.exists("/usr/escaped")
-        # the scorer keeps going: a right answer is still paid
+        # the trainer's path keeps going: rows through score_rows (a thread per call, the
+        # reward timeout), the hostile ones 0, a right answer after them still paid
         right = "def add(a, b):\n    return a + b\n"
-        assert code_reward.compute_score("code", f"```python\n{right}```", ASSERTS)["score"] == 1
+        picked = ["pidfd_kill_parent", "early_exit_os", "forged_results", "left_behind"]
+        items = [RowItem(k, f"```python\n{cases[name][0]}```", [1], json.dumps(cases[name][1]),
+                         "code", {"index": k}) for k, name in enumerate(picked)]
+        items.append(RowItem(len(items), f"```python\n{right}```", [1], json.dumps(ASSERTS),
+                             "code", None))
+        rows = score_rows(RewardScorer(), items, timeout_s=60)
+        assert not isinstance(rows, str), rows  # no error line: the run goes on
+        assert [r.final for r in rows] == [0.0] * len(picked) + [1.0]
+        assert victim.poll() is None and _token_processes(token) == []
         assert elapsed < 60, elapsed
     finally:
         victim.kill()
