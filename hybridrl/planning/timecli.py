@@ -99,18 +99,17 @@ def _memory_args(args, work: Workload, cfg) -> argparse.Namespace:
     return m
 
 
-def _split_gen(args, work: Workload, shape, hw) -> dict:
+def _split_gen(lay: Layout, mfs: float, work: Workload, shape, hw) -> dict:
     """The split placement's generation ranks: weights M/tg and a KV pool of a whole GPU."""
     from hybridrl.planning.flops import kv_bytes_per_token
     from hybridrl.planning.memory import DTYPE_BYTES, RESERVE_BYTES
 
-    item = DTYPE_BYTES[args.dtype]
-    weights = shape.num_params() * item / args.gen_tp
-    mfs = args.mem_fraction_static or 0.5
+    item = DTYPE_BYTES[lay.dtype]
+    weights = shape.num_params() * item / lay.gen_tp
     kv = mfs * (hw.hbm_bytes - RESERVE_BYTES) - weights
     per_seq = kv_bytes_per_token(shape, item) * (work.prompt_len + work.max_response_len) \
-        / args.gen_tp
-    replicas = args.gen_world // args.gen_tp
+        / lay.gen_tp
+    replicas = lay.gen_world // lay.gen_tp
     seqs = math.ceil(work.seqs / replicas)
     concurrent = int(min(max(kv // per_seq, 0), seqs))
     return {"engine_weights": weights, "kv_pool_bytes": max(kv, 0), "concurrent": concurrent,
@@ -170,7 +169,7 @@ def time_report(args: argparse.Namespace, cache: dict | None = None) -> dict:
         if lay.gen_pp != 1 or lay.gen_world % lay.gen_tp:
             raise ValueError("split placement needs --gen-pp 1 and --gen-world a multiple of "
                              "--gen-tp")
-        gen = _split_gen(args, work, shape, hw)
+        gen = _split_gen(lay, mem["mem_fraction_static"], work, shape, hw)
         mem = {**mem, "gen_concurrent_seqs": gen["concurrent"]}
         # the split sync: each generation rank receives its engine shard M/tg, each training
         # rank sends R x M / (training ranks) (R replicas; balanced within a few %, counted

@@ -179,6 +179,25 @@ def test_config_and_checkpoint(capsys):
     assert none["phases_s"]["checkpoint"] == 0
 
 
+def test_split_config(tmp_path, capsys):
+    """A split run config: its training ranks (tp x pp x dp) plus parallel.gen.world."""
+    text = open("configs/llama70b_256gpu.yaml").read()
+    for a, b in (("device: cuda", "device: cpu"), ("engine: sglang", "engine: builtin"),
+                 ("strategy: zero_redundancy", "strategy: auto"), ("  dp: 8\n", "  dp: 4\n"),
+                 ("  gen:\n    tp: 4", "  placement: split\n  gen:\n    world: 128\n    tp: 8")):
+        assert a in text
+        text = text.replace(a, b)
+    path = tmp_path / "split.yaml"
+    path.write_text(text)
+    rep = _time(["--config", str(path)], capsys)
+    lay, ph = rep["layout"], rep["phases_s"]
+    assert (lay["world"], lay["placement"], lay["gen_world"], lay["dp"], lay["gen_tp"]) == \
+        (256, "split", 128, 4, 8)
+    train = sum(v for k, v in ph.items() if k not in ("generate", "reshard"))
+    assert rep["step_s"] == pytest.approx(max(ph["generate"], train) + ph["reshard"])
+    assert rep["memory"]["gen_ranks"]["concurrent"] >= 1
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--model", "llama-3.1-8b", "--world", "8", "--gen-tp", "1", "--placement", "split"],
      "--gen-world"),
