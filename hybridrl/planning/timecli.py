@@ -54,7 +54,7 @@ def add_time_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-response-len", type=int, help="longest response (default: "
                    "rollout.response_length, else 1024)")
     t.add_argument("--algo", choices=("grpo", "gae"), help="grpo: no critic; gae: a critic "
-                   "(default: the config's adv_estimator, else grpo)")
+                   "(default: gae when the config trains a critic, else grpo)")
     t.add_argument("--ppo-epochs", type=int, help="passes over each batch (default 1)")
     t.add_argument("--mini-batches", type=int, help="optimizer steps per epoch (default: "
                    "train_batch_size / ppo_mini_batch_size, else 1)")
