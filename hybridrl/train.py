@@ -181,7 +181,8 @@ def main(argv=None) -> int:
         init_distributed("gloo" if cfg.trainer.device == "cpu" else None, timeout_s=timeout_s)
         torch.manual_seed(cfg.trainer.seed)
         status = _run(cfg, build_groups, train, gen, rank, timeout_s)
-        del locks  # held to here (the process's end would release them too)
+        for lock in locks:  # held to here (the process's end would release them too; a
+            lock.release()  # caller that runs main() in its own process goes on unlocked)
         if status == 0:
             sigterm_point("finished")
             try:
