@@ -20,7 +20,9 @@ Contract (verl signature, registered for data_source ``code``):
   a private tmpfs as the only writable place, no view of the host's files but ``/usr`` and the
   interpreter, rlimits, no capabilities, seccomp), address space ``memory_mb``, CPU and wall
   time ``timeout_s``, files (stdout included) ``max_output_bytes``, ``max_processes`` tasks;
-  stdin/stdout runs stop at the first failing case. Where the sandbox cannot start, the first
+  the program runs under the base interpreter with ``-I -S`` (the standard library only);
+  stdin/stdout runs stop at the first failing case; reason ``sandbox``: the sandbox could not
+  be built for that run. Where the sandbox cannot start, the first
   call raises ``SandboxUnavailable`` (one line): no candidate runs with weaker isolation;
 - ``run_tests(code, tests, ...) -> CodeResult(score, pass_rate, reason, detail)``: score 1.0
   when every case passes, else 0.0; ``reason`` one of ``REASONS`` ("" when passed), ``detail``
