@@ -250,3 +250,23 @@ def test_datasheet_table():
     assert GPUS["a100"].flops == 312e12 and GPUS["b200"].hbm_bps == 8e12
     with pytest.raises(ValueError, match="--gpu must be one of"):
         hardware("tpu")
+
+
+@pytest.mark.slow  # ~10 s: two spawned processes (gloo pair, hybridrl's model on one rank)
+def test_calibration_measures_this_machine(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["--calibrate", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    from hybridrl.planning.calibrate import KEYS, cache_path, load_calibration
+
+    assert rep["path"] == cache_path() and rep["path"].startswith(str(tmp_path))
+    cached = load_calibration()
+    assert all(cached[k] > 0 for k in KEYS)
+    # megatron's modules cost more per layer call than the same layer's bare torch ops, and a
+    # training pass more than a forward
+    assert cached["layer_latency_s"] > cached["torch_layer_latency_s"]
+    assert cached["train_calls_per_forward"] > 1
+    rep = _time(["--model", "llama-3.2-1b", "--gpu", "cpu", "--world", "1", "--gen-tp", "1",
+                 "--spec", "local", "--engine", "builtin", "--dtype", "fp32", "--prompts", "2",
+                 "--prompt-len", "16", "--max-response-len", "8"], capsys)
+    assert rep["gpu"] == "cpu" and rep["step_s"] > 0
