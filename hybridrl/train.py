@@ -13,7 +13,9 @@ ranks serve generation instead, ``hybridrl.trainer.split_run``).
 Start-up checks (``hybridrl.trainer.startup``: folders writable, model/tokenizer files, data
 sources known) also run on every rank before any collective; the run's folder paths are made
 absolute first (``resolve_paths``), and rank 0 then locks every folder the run writes
-(``lock_run_folders``: a second run on any of them exits 2 before a model is built). Process groups time out after
+(``lock_run_folders``: a second run on any of them exits 2 before a model is built). Data with
+``code`` rows where the code reward's OS sandbox cannot start exits 2 too
+(``code_sandbox_problems``). Process groups time out after
 ``trainer.collective_timeout_s``; the line then names the ranks that did not arrive and their
 phase (``hybridrl.parallel.phases``). Any exception is reported as one line
 (``hybridrl.exits``): an error every rank shares once, one only rank N hit with its rank.
@@ -100,6 +102,32 @@ def resolve_paths(cfg):
     return dataclasses.replace(cfg, trainer=dataclasses.replace(t, **fixed)) if fixed else cfg
 
 
+def code_sandbox_problems(cfg) -> list[str]:
+    """[the sandbox's one line] when the data has ``code`` rows scored by the built-in code
+    reward and the OS sandbox cannot start here (``hybridrl.rewards.sandbox``): the run
+    refuses to start instead of failing at its first code row."""
+    if cfg.reward.reward_fn or cfg.reward.reward_model_path:
+        return []
+    import pyarrow.parquet as pq
+
+    from hybridrl.rewards import code
+    from hybridrl.rewards.sandbox import SandboxUnavailable
+
+    for file in [*cfg.data.train_files, *cfg.data.val_files]:
+        try:
+            if "data_source" not in pq.read_schema(file).names or "code" not in set(
+                    pq.read_table(file, columns=["data_source"]).column(0).to_pylist()):
+                continue
+        except Exception:  # unreadable: check_startup names it
+            continue
+        try:
+            code.default_sandbox().check()
+        except SandboxUnavailable as err:
+            return [f"data file {file!r} has 'code' rows but {err}"]
+        return []
+    return []
+
+
 def lock_run_folders(cfg):
     """Rank 0: the locks over every folder the run writes (the run folder, with its tracking
     sinks, and trainer.checkpoint_dir; ``hybridrl.checkpoint.run_lock``); StartupError (one
@@ -148,6 +176,7 @@ def main(argv=None) -> int:
     except Exception as err:  # config files, overrides, layout: bad input, one line
         listed = isinstance(err, ValueError) and " bad overrides:" in str(err).split("\n")[0]
         return _fail(rank, 2, str(err).strip() if listed else one_line(err))  # every bad one
+    problems = problems or code_sandbox_problems(cfg)
     if problems:
         return _fail(rank, 2, problems[0] if len(problems) == 1 else
                      f"{len(problems)} problems: " + "; ".join(problems))

@@ -212,3 +212,23 @@ def test_refused_namespaces_refuse_the_code_reward(tmp_path):
         assert not marker.exists()
     if len(boxes) > 1:
         assert "user namespace" in line and "No space left" in line, line
+
+
+def test_a_run_with_code_rows_refuses_to_start_where_the_sandbox_cannot(tmp_path, monkeypatch):
+    """The entrypoint's start-up check (every rank, before any collective): one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hybridrl.config.loader import load_config
+    from hybridrl.train import code_sandbox_problems
+
+    rows = {"data_source": ["hybridrl/arithmetic", "code"], "prompt": [[{"role": "user",
+                                                                          "content": "x"}]] * 2}
+    pq.write_table(pa.table(rows), tmp_path / "d.parquet")
+    cfg = load_config([], [f"data.train_files=[{tmp_path / 'd.parquet'}]"])
+    monkeypatch.setattr(code_reward, "default_sandbox", lambda: Sandbox(launcher=("false",)))
+    (line,) = code_sandbox_problems(cfg)
+    assert "has 'code' rows but code reward: the OS sandbox cannot start here" in line
+    pq.write_table(pa.table({**rows, "data_source": ["hybridrl/arithmetic"] * 2}),
+                   tmp_path / "d.parquet")
+    assert code_sandbox_problems(cfg) == []  # no code rows: not checked
