@@ -5,8 +5,9 @@ GPU and the ``gpu`` extra) and the sampling knobs hybridrl itself uses. Engine-s
 are not mirrored here: ``engine_kwargs`` is passed through to the engine untouched (its keys are
 not checked), except three SGLang settings hybridrl must decide for a colocated run (their
 defaults live here): ``mem_fraction_static`` (which ``engine_kwargs`` may still override),
-``timeout_s`` (how long a gen-TP group waits for its engine; with ``parallel.placement=split``
-also how long the training ranks wait for a generated batch) and ``deterministic``. The
+``timeout_s`` (how long any rank waits around generation: the engines' answers and the
+hand-off after them, bounded everywhere; with ``parallel.placement=split`` also how long the
+training ranks wait for a generated batch) and ``deterministic``. The
 generation parallel layout lives in ``parallel.gen``.
 """
 
@@ -48,11 +49,12 @@ class RolloutConfig:
                                       "default); raise it when training offloads (hybridrl "
                                       "plan --memory shows the gen phase). "
                                       "engine_kwargs.mem_fraction_static overrides it.")
-    timeout_s: float = knob(3600.0, "sglang: seconds the ranks of a gen-TP group wait for "
-                            "their engine's answer (a generate call, a weight-push round) "
-                            "before failing with a line naming the engine; "
-                            "parallel.placement=split: seconds the training ranks wait for "
-                            "a generated batch.")
+    timeout_s: float = knob(3600.0, "Seconds any rank waits around generation before "
+                            "failing with a line naming the late engine: a generate call and "
+                            "the hand-off after it (every engine; the gen-TP groups' "
+                            "collectives too), sglang's weight-push rounds and its flush "
+                            "before release (half of it); parallel.placement=split: seconds "
+                            "the training ranks wait for a generated batch.")
     async_steps: int = knob(0, "0: each step generates its batch, then trains on it | 1 "
                             "(needs parallel.placement=split): the generation ranks generate "
                             "batch k+1 while the training ranks train on batch k (one-step "
