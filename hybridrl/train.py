@@ -12,8 +12,9 @@ the ``PPOTrainer`` and runs it (``parallel.placement=split``: the last ``paralle
 ranks serve generation instead, ``hybridrl.trainer.split_run``).
 Start-up checks (``hybridrl.trainer.startup``: folders writable, model/tokenizer files, data
 sources known) also run on every rank before any collective; the run's folder paths are made
-absolute first (``resolve_paths``), and rank 0 then locks every folder the run writes
-(``lock_run_folders``: a second run on any of them exits 2 before a model is built). Data with
+absolute first (``resolve_paths``); once the process groups are up, rank 0 locks every folder
+the run writes (``lock_run_folders``: a second run on any of them exits 2, one line, before a
+model is built). Data with
 ``code`` rows where the code reward's OS sandbox cannot start exits 2 too
 (``code_sandbox_problems``). Process groups time out after
 ``trainer.collective_timeout_s``; the line then names the ranks that did not arrive and their
@@ -180,10 +181,7 @@ def main(argv=None) -> int:
     if problems:
         return _fail(rank, 2, problems[0] if len(problems) == 1 else
                      f"{len(problems)} problems: " + "; ".join(problems))
-    try:  # held by rank 0 until this process ends; before any model is built
-        locks = lock_run_folders(cfg) if rank == 0 else []
-    except (ValueError, OSError) as err:
-        return _fail(rank, 2, one_line(err))
+    locks: list = []  # rank 0: the run-folder locks, taken in _run before any model is built
     import torch
     import torch.distributed as dist
 
@@ -209,7 +207,7 @@ def main(argv=None) -> int:
         sigterm_point("installed")
         init_distributed("gloo" if cfg.trainer.device == "cpu" else None, timeout_s=timeout_s)
         torch.manual_seed(cfg.trainer.seed)
-        status = _run(cfg, build_groups, train, gen, rank, timeout_s)
+        status = _run(cfg, build_groups, train, gen, rank, timeout_s, locks)
         for lock in locks:  # held to here (the process's end would release them too; a
             lock.release()  # caller that runs main() in its own process goes on unlocked)
         if status == 0:
@@ -257,7 +255,37 @@ def _release_groups(status: int, wait_s: float = 10.0) -> None:
         os._exit(status)
 
 
-def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
+def _agree_on_locks(cfg, rank: int, store, timeout_s: float, locks: list) -> None:
+    """Rank 0 takes the run-folder locks (``lock_run_folders``) and posts the outcome in the
+    job's store; every rank raises the same StartupError when they are held elsewhere (reported
+    once, status 2), so no rank is left to be terminated mid-start-up."""
+    from datetime import timedelta
+
+    from hybridrl.checkpoint.run_identity import StartupError
+
+    key = f"hybridrl/run_locks/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if rank == 0:
+        try:
+            locks.extend(lock_run_folders(cfg))
+            verdict = ""
+        except (ValueError, OSError) as err:
+            verdict = one_line(err)
+        if store is None:
+            if verdict:
+                raise StartupError(verdict)
+            return
+        store.set(key, ("error:" + verdict) if verdict else "ok")
+    elif store is not None:
+        store.wait([key], timedelta(seconds=timeout_s))
+        verdict = store.get(key).decode()
+        verdict = "" if verdict == "ok" else verdict.removeprefix("error:")
+    else:
+        return
+    if verdict:
+        raise StartupError(verdict)
+
+
+def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float, locks: list) -> int:
     """Build the trainer and fit; any failure is one line (hybridrl.exits) and a status."""
     from hybridrl.exits import is_peer_loss, status_of
     from hybridrl.parallel.phases import PhaseBoard, is_timeout
@@ -266,6 +294,7 @@ def _run(cfg, build_groups, train, gen, rank: int, timeout_s: float) -> int:
     board.start_heartbeat()  # a stopped or dead rank is named (hybridrl.parallel.phases)
     reporter, started = FailureReporter(rank, board.store), False
     try:
+        _agree_on_locks(cfg, rank, board.store, timeout_s, locks)  # before any model is built
         if cfg.parallel.split:  # generation ranks apart (hybridrl/trainer/split_run.py)
             from hybridrl.trainer.split_run import fit_split
 
