@@ -23,6 +23,7 @@ Contract (verl signature, registered for data_source ``math``):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -30,6 +31,7 @@ import select
 import subprocess
 import sys
 import threading
+import weakref
 from typing import Any
 
 TAIL_CHARS = 10_000
@@ -118,6 +120,14 @@ def too_complex(answer: str) -> bool:
     return _depth(answer) > MAX_DEPTH or any(p.search(answer) for p in _RISKY)
 
 
+def _stop_worker(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        with contextlib.suppress(OSError):  # a pipe to a killed worker may refuse its flush
+            pipe.close()
+
+
 class MathVerifier:
     """One math-verify worker process; each call bounded by ``timeout_s`` and a hard kill."""
 
@@ -134,6 +144,7 @@ class MathVerifier:
         self._proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                       text=True, bufsize=1)
+        self._stop = weakref.finalize(self, _stop_worker, self._proc)  # also at exit
         if (self._readline(self.start_timeout_s) or "").strip() != "ready":
             self.close()
             raise RuntimeError(f"math reward: the math-verify worker did not start within "
@@ -141,8 +152,7 @@ class MathVerifier:
 
     def close(self) -> None:
         if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
+            self._stop()
             self._proc = None
 
     def verify(self, answer: str, gold: str, timeout_s: float) -> bool | None:
