@@ -1,24 +1,28 @@
 """The code reward's sandbox init: run inside fresh namespaces, it builds the candidate's world.
 
-Contract: started by ``hybridrl.rewards.sandbox`` as ``unshare --user --pid --net --mount --ipc
---uts --fork --kill-child PYTHON -I -S code_sandbox.py CONFIG_JSON``, so it is pid 1 of a new
-PID namespace, root of a new user namespace (no rights outside it), with no network but a
-down loopback. Before it ``execve``s the candidate it
+Contract: started by ``hybridrl.rewards.sandbox`` as ``PYTHON -I -S code_sandbox.py CONFIG_JSON``
+(host side, the trainer's user). It forks; the child ``unshare(2)``s a user namespace, whose
+uid/gid 0 the parent maps (to ``nobody`` when the trainer runs as host root: the kernel exempts
+the host's root user from RLIMIT_NPROC, and root owns most files; else to the trainer's user,
+as ``unshare -r`` does), then mount, PID, network, IPC and UTS namespaces, and forks again: that
+grandchild is pid 1 of the new PID namespace, root of the new user namespace (no rights outside
+it), with no network but a down loopback. Before it ``execve``s the candidate it
 - mounts a private tmpfs (``tmpfs_mb``) on the empty directory ``root`` and makes it the root
   (``pivot_root``; the old root is detached, so no path leads back to the host): inside are only
   ``/usr`` and the interpreter's prefix (bind mounts, read-only, nosuid, nodev), ``/dev/null``,
   ``/dev/zero``, ``/dev/urandom``, ``/dev/random``, a ``/proc`` of the new PID namespace,
   ``/tmp`` and ``/work`` (world-writable, on the tmpfs) holding the ``files`` it was given;
-- becomes uid/gid 0 of its namespace (mapped to an unprivileged user when the trainer runs as
-  host root) with no supplementary groups, sets rlimits (address space, CPU seconds, file size,
-  open files, processes, no core files), empties every capability set (bounding, ambient,
-  inheritable, permitted, effective) and sets ``no_new_privs``;
+- becomes uid/gid 0 of its namespace with no supplementary groups, sets rlimits (address space,
+  CPU seconds, file size, open files, processes, no core files), empties every capability set
+  (bounding, ambient, inheritable, permitted, effective) and sets ``no_new_privs``;
 - on x86-64, installs a seccomp filter: mount/namespace/ptrace/bpf/keyring/io_uring/module
   syscalls and ``clone`` with namespace flags fail with EPERM (``clone3`` with ENOSYS, so libc
   falls back to ``clone``), x32 syscalls fail;
 - moves the result descriptor to fd 3, closes the others and ``execve``s ``argv`` in ``/work``
   with ``env``. A failure of any step prints ``hybridrl-sandbox: <step>: <error>`` on stderr and
-  exits 125: the candidate never runs with less isolation than described.
+  exits 125: the candidate never runs with less isolation than described. Each process
+  outside the new PID namespace waits for its child and exits with its status (128 + the
+  signal that ended it), and dies with its parent (``PR_SET_PDEATHSIG``).
 Stdlib only (ctypes for the syscalls Python does not wrap): it runs in a bare interpreter.
 """
 

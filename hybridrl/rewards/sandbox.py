@@ -2,11 +2,12 @@
 what it wrote, leave nothing running.
 
 Contract:
-- ``Sandbox(unshare="unshare", tmpfs_mb=64)``; ``check()`` starts one trivial program the full
-  way (namespaces, new root, dropped privileges, seccomp) once per instance and raises
-  ``SandboxUnavailable`` (a ``RuntimeError``, one line naming the command and its error) when
-  that fails: where the kernel refuses unprivileged namespaces the code reward refuses to run
-  instead of running candidates with weaker isolation. ``run`` calls ``check`` first.
+- ``Sandbox(tmpfs_mb=64, launcher=())``; ``check()`` starts one trivial program the full way
+  (namespaces, new root, dropped privileges, seccomp) once per instance and raises
+  ``SandboxUnavailable`` (a ``RuntimeError``, one line with the step that failed and its error)
+  when that fails: where the kernel refuses unprivileged namespaces the code reward refuses to
+  run instead of running candidates with weaker isolation. ``run`` calls ``check`` first.
+  ``launcher``: a command prefix for the init (tests use it to simulate a refusing kernel).
 - ``run(argv, files, stdin, limits, timeout_s) -> RunResult``: ``files`` ({name: bytes}) are
   copied into the candidate's ``/work`` (its working directory); ``argv`` runs there under the
   interpreter ``sandbox_python()`` (``argv[0]`` may be ``"python"``); ``stdin`` (bytes) is its
@@ -15,7 +16,7 @@ Contract:
   fd 3 (``result``) go to files in a directory of this process that the candidate cannot see;
   each is read up to ``max_file_bytes`` (the file-size limit also stops the writer).
   ``timed_out`` when it had not ended within ``timeout_s`` of wall time: then the namespace's
-  pid 1 and the launcher are killed. When ``run`` returns, the PID namespace is gone (its pid 1
+  pid 1 and the init's processes outside it are killed. When ``run`` returns, the PID namespace is gone (its pid 1
   exited, so the kernel ended every process in it) and the temp directory is deleted.
 - ``returncode``: the candidate's exit status, negative for a signal; 125 with a
   ``hybridrl-sandbox:`` line on stderr when the sandbox could not be built for this run.
