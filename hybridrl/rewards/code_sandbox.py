@@ -10,7 +10,8 @@ it), with no network but a down loopback. Before it ``execve``s the candidate it
 - mounts a private tmpfs (``tmpfs_mb``) on the empty directory ``root`` and makes it the root
   (``pivot_root``; the old root is detached, so no path leads back to the host): inside are only
   ``/usr`` and the interpreter's prefix (bind mounts, read-only, nosuid, nodev), ``/dev/null``,
-  ``/dev/zero``, ``/dev/urandom``, ``/dev/random``, a ``/proc`` of the new PID namespace,
+  ``/dev/zero``, ``/dev/urandom``, ``/dev/random``, a ``/proc`` of the new PID namespace
+  (an empty ``/proc`` where the kernel refuses to mount one: a container's masked /proc),
   ``/tmp`` and ``/work`` (world-writable, on the tmpfs) holding the ``files`` it was given;
 - becomes uid/gid 0 of its namespace with no supplementary groups, sets rlimits (address space,
   CPU seconds, file size, open files, processes, no core files), empties every capability set
@@ -124,7 +125,10 @@ def _build_root(libc, cfg: dict, links: dict, fds: dict, data: dict) -> None:
     for fd in fds.values():
         os.close(fd)
     os.makedirs(root + "/proc")
-    _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    try:
+        _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError:  # refused where the host's /proc has masked paths (containers): go without
+        pass
     for name in ("tmp", "work"):
         os.makedirs(f"{root}/{name}")
         os.chmod(f"{root}/{name}", 0o1777)
@@ -152,9 +156,7 @@ def _drop_privileges(libc, limits: dict) -> None:
                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_MEMLOCK, 0)):
         resource.setrlimit(res, (value, value))
     resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
-    with open("/proc/sys/kernel/cap_last_cap") as f:
-        last_cap = int(f.read())
-    for cap in range(last_cap + 1):
+    for cap in range(limits["last_cap"] + 1):
         _ok(libc.prctl(24, cap, 0, 0, 0), "drop bounding capability")  # PR_CAPBSET_DROP
     _ok(libc.prctl(47, 4, 0, 0, 0), "clear ambient capabilities")  # PR_CAP_AMBIENT CLEAR_ALL
     header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
@@ -212,6 +214,8 @@ def _candidate(libc, cfg: dict) -> None:
         _ok(libc.prctl(1, 9, 0, 0, 0), step)  # PR_SET_PDEATHSIG SIGKILL
         step = "host side"
         links, fds, data = _open_host_side(cfg)
+        with open("/proc/sys/kernel/cap_last_cap") as f:  # the host's /proc, read while here
+            cfg["limits"]["last_cap"] = int(f.read())
         step = "user"
         _become_namespace_root()
         step = "root"

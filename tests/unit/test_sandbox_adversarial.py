@@ -176,10 +176,11 @@ def test_candidate_world_is_bare():
     """What a candidate sees: no capabilities, seccomp on, pid 1 of its own PID namespace with
     no parent, only the sandbox's own folders, no network interface but loopback."""
     _sandbox_or_skip()
-    probe = ("import json, os\nst = open('/proc/self/status').read()\n"
-             "print(json.dumps([st.split('CapEff:')[1].split()[0], "
-             "st.split('Seccomp:')[1].split()[0], os.getpid(), os.getppid(), "
-             "sorted(os.listdir('/')), open('/proc/net/dev').read().count(':'), "
+    probe = ("import json, os\nproc = os.path.exists('/proc/self/status')\n"
+             "st = open('/proc/self/status').read() if proc else ''\n"
+             "print(json.dumps([proc and st.split('CapEff:')[1].split()[0], "
+             "proc and st.split('Seccomp:')[1].split()[0], os.getpid(), os.getppid(), "
+             "sorted(os.listdir('/')), proc and open('/proc/net/dev').read().count(':'), "
              "os.path.exists('/proc/1/root/work/main')]))\n")
     res = code_reward.default_sandbox().run(
         ["python", "-I", "-S", "p.py"], {"p.py": probe.encode()}, b"",
@@ -187,10 +188,14 @@ def test_candidate_world_is_bare():
          "max_processes": 8}, 20)
     assert res.returncode == 0, res.stderr
     cap, seccomp, pid, ppid, top, interfaces, sees_repo = json.loads(res.stdout)
-    assert (cap, seccomp, pid, ppid) == ("0000000000000000", "2", 1, 0)
     assert {"work", "tmp", "usr", "proc", "dev"} <= set(top), top
     assert not {"home", "etc", "var", "mnt", "opt", "srv"} & set(top), top
-    assert interfaces == 1 and not sees_repo  # /proc/net/dev: 'lo' only
+    assert (pid, ppid, sees_repo) == (1, 0, False)
+    if cap is False:
+        pytest.skip("no /proc inside the sandbox here (the kernel refused to mount one, e.g. a "
+                    "container's masked /proc): capabilities and seccomp are not observable")
+    assert (cap, seccomp) == ("0000000000000000", "2")
+    assert interfaces == 1  # /proc/net/dev: 'lo' only
 
 
 def test_refused_namespaces_refuse_the_code_reward(tmp_path):
