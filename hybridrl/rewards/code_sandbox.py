@@ -23,7 +23,8 @@ it), with no network but a down loopback. Before it ``execve``s the candidate it
   with ``env``. A failure of any step prints ``hybridrl-sandbox: <step>: <error>`` on stderr and
   exits 125: the candidate never runs with less isolation than described. Each process
   outside the new PID namespace waits for its child and exits with its status (128 + the
-  signal that ended it), and dies with its parent (``PR_SET_PDEATHSIG``).
+  signal that ended it), and dies with its parent (``PR_SET_PDEATHSIG``): a trainer killed
+  with SIGKILL takes its candidates along.
 Stdlib only (ctypes for the syscalls Python does not wrap): it runs in a bare interpreter.
 """
 
@@ -32,6 +33,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import struct
 import sys
 
@@ -225,6 +227,7 @@ def _candidate(libc, cfg: dict) -> None:
         step = "seccomp"
         _install_seccomp(libc)
         step = "exec"
+        _ok(libc.prctl(1, 9, 0, 0, 0), "pdeathsig")  # again: the uid change cleared it
         os.chdir("/work")
         keep = 3
         if cfg.get("result_fd") is not None:
@@ -236,12 +239,11 @@ def _candidate(libc, cfg: dict) -> None:
         _fail(step, err)
 
 
-def _in_user_namespace(libc, cfg: dict, ready_w: int, mapped_r: int) -> None:
+def _in_user_namespace(libc, cfg: dict, ready_w: int, mapped_r: int, parent: int) -> None:
     """The child: a new user namespace (mapped by the parent), then the other namespaces and
     a fork, whose child is pid 1 of the new PID namespace; exits with that child's status."""
     step = "user namespace"
     try:
-        _ok(libc.prctl(1, 9, 0, 0, 0), "pdeathsig")
         _ok(libc.unshare(CLONE_NEWUSER), step)
         os.write(ready_w, b"u")
         step = "user map"
@@ -250,7 +252,15 @@ def _in_user_namespace(libc, cfg: dict, ready_w: int, mapped_r: int) -> None:
         step = "namespaces"
         _ok(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS),
             step)
-        pid = os.fork()
+        step = "pdeathsig"  # set after the unshares (new credentials clear it): the parent's
+        child = [0]  # death sends SIGTERM here, which kills the namespace's pid 1 (the candidate
+        # may clear its own death signal; this process it cannot reach)
+        signal.signal(signal.SIGTERM, lambda *_: (child[0] and os.kill(child[0], signal.SIGKILL),
+                                                  os._exit(128 + signal.SIGKILL)))
+        _ok(libc.prctl(1, signal.SIGTERM, 0, 0, 0), step)
+        if os.getppid() != parent:
+            raise OSError("the sandbox's parent process is gone")
+        pid = child[0] = os.fork()
     except Exception as err:  # noqa: BLE001
         _fail(step, err)
     if pid == 0:
@@ -261,13 +271,16 @@ def _in_user_namespace(libc, cfg: dict, ready_w: int, mapped_r: int) -> None:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     libc = _libc()
+    if libc.prctl(1, 9, 0, 0, 0) != 0 or os.getppid() != cfg["parent_pid"]:  # PDEATHSIG:
+        _fail("pdeathsig", OSError("the trainer's process is gone"))  # a killed trainer ends all
     ready_r, ready_w = os.pipe()
     mapped_r, mapped_w = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:
         os.close(ready_r)
         os.close(mapped_w)
-        _in_user_namespace(libc, cfg, ready_w, mapped_r)
+        _in_user_namespace(libc, cfg, ready_w, mapped_r, parent)
     os.close(ready_w)
     os.close(mapped_r)
     if os.read(ready_r, 1) == b"u":

@@ -151,7 +151,7 @@ class Sandbox:
                                     for k in ("stdout", "stderr", "result"))
                 cfg = {"root": os.path.join(work, "root"), "tmpfs_mb": self.tmpfs_mb,
                        "binds": _binds(), "files": host_files, "limits": limits,
-                       "result_fd": fres.fileno(), "env": _ENV,
+                       "result_fd": fres.fileno(), "env": _ENV, "parent_pid": os.getpid(),
                        "argv": [python if argv[0] == "python" else argv[0], *argv[1:]]}
                 cmd = [*self.launcher, python, "-I", "-S", _INIT, json.dumps(cfg)]
                 proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr,

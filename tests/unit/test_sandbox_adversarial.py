@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -237,3 +238,34 @@ def test_a_run_with_code_rows_refuses_to_start_where_the_sandbox_cannot(tmp_path
     pq.write_table(pa.table({**rows, "data_source": ["hybridrl/arithmetic"] * 2}),
                    tmp_path / "d.parquet")
     assert code_sandbox_problems(cfg) == []  # no code rows: not checked
+
+
+def test_a_killed_trainer_takes_its_candidates_along():
+    """SIGKILL of the scoring process mid-run: the init's processes die with their parents
+    (PR_SET_PDEATHSIG), the last one outside the namespace kills its pid 1 (a candidate that
+    clears its own death signal included), so no candidate outlives the trainer."""
+    _sandbox_or_skip()
+    token = f"hybridrl-orphan-{uuid.uuid4().hex}"
+    program = ("import ctypes\nctypes.CDLL(None).prctl(1, 0, 0, 0, 0)\n"  # its death signal off
+               f"import subprocess, time\nsubprocess.Popen([{sandbox_python()!r}, '-c', "
+               f"'import time; time.sleep(300)', '{token[:10]}' + '{token[10:]}'])\n"
+               "time.sleep(300)\n")  # the token whole only in the sleeper's command line
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom hybridrl.rewards import code\n"
+         "code.run_tests(sys.argv[1], {'inputs': [''], 'outputs': ['x']}, timeout_s=120)",
+         program], cwd=pathlib.Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 60
+        while not _token_processes(token) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _token_processes(token), "the candidate never started"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 20
+    while _token_processes(token) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _token_processes(token)
+    for pid in left:  # never leave them to the machine, even when the test fails
+        os.kill(pid, 9)
+    assert left == []
