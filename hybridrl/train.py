@@ -81,13 +81,11 @@ def _fail(rank: int, status: int, message: str) -> int:
 
 
 def build_layout(cfg, world: int):
-    """(TrainLayout, GenLayout or None) of the config for ``world`` ranks (pure)."""
-    from hybridrl.parallel.layout import GenLayout, TrainLayout
+    """(TrainLayout, GenLayout or None) of the config for ``world`` ranks (pure): the public
+    ``hybridrl.build_layout``, imported when called (the trainer package is heavy)."""
+    from hybridrl.trainer.entry import build_layout as layouts
 
-    p = cfg.parallel
-    train = TrainLayout(world=p.train_world(world), tp=p.tp, pp=p.pp, order=p.order)
-    gen = GenLayout(train, tp=p.gen.tp, pp=p.gen.pp, grouping=p.gen.grouping) if p.nested else None
-    return train, gen
+    return layouts(cfg, world)
 
 
 def resolve_paths(cfg):
@@ -146,7 +144,12 @@ def _check_kernels(use_compiled, on_cuda: bool) -> str | None:
 
     if use_compiled is False:
         os.environ[ops.FORCE_REFERENCE_ENV] = "reference"
-    elif use_compiled is True and not ops.compiled_available("gae", "cuda" if on_cuda else "cpu"):
+        return None
+    try:  # an extension that is built but cannot load is named now, not at the first kernel
+        available = ops.compiled_available("gae", "cuda" if on_cuda else "cpu")
+    except ops.ExtensionLoadError as exc:
+        return f"{exc} (set kernels.use_compiled=false to run the reference kernels)"
+    if use_compiled is True and not available:
         return ("kernels.use_compiled=true but the csrc extension is not built for this device; "
                 "rebuild with `pip install --no-build-isolation -e .` or set kernels.use_compiled=auto")
     return None

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from hybridrl.kernels import ops
@@ -143,3 +144,20 @@ def test_not_built_falls_back_and_reference_env_skips_a_broken_extension():
     got = _load_probe({"hybridrl._C": ["ImportError", "undefined symbol: x", None]},
                       {"HYBRIDRL_KERNELS": "reference"})
     assert got["available"] == ["ok", "False"] and got["gae"][0] == "ok"
+
+
+@pytest.mark.parametrize("use_compiled", ["auto", True])
+def test_entrypoint_names_a_broken_extension_in_one_line(monkeypatch, use_compiled):
+    """hybridrl.train's start-up check turns ExtensionLoadError into its one-line problem
+    (status 2 at start), for auto as for true, instead of a traceback at the first kernel."""
+    from hybridrl.kernels import ops
+    from hybridrl.train import _check_kernels
+
+    def broken(op, device_type):
+        raise ops.ExtensionLoadError("hybridrl._C is built but cannot be imported: undefined "
+                                     "symbol: _ZN3c10")
+
+    monkeypatch.setattr(ops, "compiled_available", broken)
+    line = _check_kernels(use_compiled, on_cuda=False)
+    assert line.startswith("hybridrl._C is built but cannot be imported")
+    assert "kernels.use_compiled=false" in line and "\n" not in line

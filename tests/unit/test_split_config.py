@@ -48,7 +48,7 @@ def test_bad_split_configs_fail_with_one_line(overrides, words):
 
 
 @pytest.mark.parametrize("builds, status", [(False, 2), (True, 1)])
-def test_split_start_up_failure_is_bad_input(monkeypatch, capsys, builds, status):
+def test_split_start_up_failure_is_bad_input(monkeypatch, capsys, tmp_path, builds, status):
     """A ValueError before a split rank's trainer / engine is built is start-up (2, as
     colocated); once built (fit_split's on_started), a training failure (1)."""
     import hybridrl.trainer.split_run as split_run
@@ -61,8 +61,10 @@ def test_split_start_up_failure_is_bad_input(monkeypatch, capsys, builds, status
 
     monkeypatch.setattr(split_run, "fit_split", fit_split)
     cfg = load_config([], [*SPLIT, "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
-                           "critic.ppo_mini_batch_size=2"])
-    assert _run(cfg, None, None, None, 0, 10.0) == status
+                           "critic.ppo_mini_batch_size=2", f"trainer.output_dir={tmp_path}"])
+    locks: list = []  # the run-folder locks rank 0 takes before building (released at exit)
+    assert _run(cfg, None, None, None, 0, 10.0, locks) == status
+    assert locks  # taken before the planted failure
     assert "planted" in capsys.readouterr().err
 
 
