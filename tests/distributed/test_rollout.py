@@ -213,7 +213,11 @@ def _gather_case(rank):
 
     from hybridrl.rollout.worker import RolloutWorker
 
-    fake = types.SimpleNamespace(device=torch.device("cpu"), pad_token_id=-1)
+    # the gather alone: the engines' store wait and the bounded collective wait are
+    # tests/distributed/test_sglang_timeouts.py's
+    fake = types.SimpleNamespace(device=torch.device("cpu"), pad_token_id=-1,
+                                 _await_engines=lambda what: None,
+                                 _bounded=lambda work, what: work.wait())
     rows, R = SHARES[rank]
     out = _share(rows, R)
     both = RolloutWorker._gather(fake, 5, rows, out)
