@@ -156,8 +156,9 @@ def _agree(plan, rank, sources, engine, build, coalescing, device, verify):
     """First in-place sync with ``coalescing``: agree on merged messages, laying the engine's
     received parts out in the senders' memory order first (before any of its tensors is built,
     so the engine's memory is never held twice). Returns (the Assembler, verify still to do)."""
-    if verify:  # everyone takes this path with the same plan, before any exchange
-        check_same_plan(plan, None, None, merged="agree")
+    if verify:  # everyone takes this path with the same plan and sound sources, before any
+        # exchange (a source's shape problem is raised on every rank, not on its own alone)
+        check_same_plan(plan, None, getattr(sources, "error", None), merged="agree")
     made = {}
 
     def arrange(peer_layouts):

@@ -9,7 +9,8 @@ weights, a replay of the recorded first), fewer messages than transfers, no temp
 agreement (training tensors re-allocated one by one; engine parts re-laid in another order):
 the next syncs are still bit-identical, through packing/unpacking buffers. A rank that skips
 coalescing while its peers use it, or starts agreeing again while they run agreed messages,
-makes every rank raise instead of hanging.
+makes every rank raise instead of hanging; so does a wrong-shaped training tensor on one rank
+at the first merged sync.
 """
 
 from __future__ import annotations
@@ -127,6 +128,17 @@ def _mixed_rank(rank, world):
                     coalescing=Coalescing() if rank == 1 else states)
     except ValueError as e:
         errors.append(str(e))
+    # a first merged sync where rank 2's tensor disagrees with the plan: every rank raises the
+    # same line naming it, before any message (was: rank 2 alone failed, its peers waited)
+    bad = dict(named)
+    name = next(iter(bad))
+    if rank == 2:
+        bad[name] = bad[name][:-1].clone()
+    try:
+        sync_engine(plan, rank, SMALL, bad, _engine(SMALL, gen, rank, gen.vocab_chunk),
+                    torch.float32, alias=True, coalescing=Coalescing())
+    except ValueError as e:
+        errors.append((name, str(e)))
     return errors
 
 
@@ -176,4 +188,7 @@ def test_a_rank_out_of_step_fails_every_rank(results):
     """Without merging while the peers merge, or agreeing afresh while they run their agreed
     messages: every rank raises (instead of posting unmatched messages and hanging)."""
     errors = [per["mixed"] for per in results]
-    assert all(len(e) == 2 and all("disagree" in x for x in e) for e in errors), errors
+    assert all(len(e) == 3 and all("disagree" in x for x in e[:2]) for e in errors), errors
+    lines = {e[2][1] for e in errors}  # a wrong shape on rank 2: one line, every rank,
+    line = lines.pop()  # naming rank 2's tensor and both shapes
+    assert not lines and "group rank 2" in line and f"'{errors[2][2][0]}'" in line, errors
