@@ -90,15 +90,10 @@ def build_layout(cfg, world: int):
 
 def resolve_paths(cfg):
     """``cfg`` with ``trainer.output_dir``, ``checkpoint_dir`` and ``resume_path`` absolute
-    (against the start's working directory): a reward function or library that changes the
-    working directory later cannot split the run folder in two."""
-    import dataclasses
+    (``hybridrl.trainer.startup.resolve_paths``, imported when called)."""
+    from hybridrl.trainer.startup import resolve_paths as absolute
 
-    t = cfg.trainer
-    fixed = {k: os.path.abspath(getattr(t, k)) for k in ("output_dir", "checkpoint_dir",
-                                                         "resume_path")
-             if getattr(t, k) and not os.path.isabs(getattr(t, k))}
-    return dataclasses.replace(cfg, trainer=dataclasses.replace(t, **fixed)) if fixed else cfg
+    return absolute(cfg)
 
 
 def code_sandbox_problems(cfg) -> list[str]:
@@ -128,14 +123,11 @@ def code_sandbox_problems(cfg) -> list[str]:
 
 
 def lock_run_folders(cfg):
-    """Rank 0: the locks over every folder the run writes (the run folder, with its tracking
-    sinks, and trainer.checkpoint_dir; ``hybridrl.checkpoint.run_lock``); StartupError (one
-    line) when a live run holds one. Taken before the models are built, so a refused second
-    run costs seconds."""
-    from hybridrl.checkpoint import run_lock
+    """Rank 0: the locks over every folder the run writes, before the models are built
+    (``hybridrl.trainer.startup.lock_run_folders``, imported when called)."""
+    from hybridrl.trainer.startup import lock_run_folders as lock
 
-    return run_lock.acquire_run_locks(cfg.trainer.run_dir, cfg.trainer.checkpoint_dir,
-                                      run_lock.LOCK_WAIT_S)
+    return lock(cfg)
 
 
 def _check_kernels(use_compiled, on_cuda: bool) -> str | None:

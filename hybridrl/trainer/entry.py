@@ -14,7 +14,11 @@ Contract:
   (``hybridrl.trainer.startup.check_startup``: folders, model and tokenizer files, loggers,
   registered names, the parquet files when ``train_data`` is not given); the ranks then agree
   (one ``all_gather_object``), so a problem on any rank raises the same one-line ``ValueError``
-  on every rank before any group is built. Then it builds the groups
+  on every rank before any group is built. The run's folders are made absolute first, and
+  rank 0 then takes the locks over every folder the run writes (``lock_run_folders``: a live
+  run on the run folder or ``trainer.checkpoint_dir`` is the same one-line ``ValueError`` on
+  every rank, before any model is built; the locks live on the trainer as ``run_locks``, the
+  same as ``python -m hybridrl.train`` takes). Then it builds the groups
   (``hybridrl.parallel.build_groups`` with ``trainer.collective_timeout_s``) and returns
   ``PPOTrainer(cfg, groups, train_data=..., val_data=..., reward_fn=..., adv_estimator=...)``
   (``hybridrl.trainer.inputs`` says what each accepts). ``parallel.placement=split`` is
@@ -33,7 +37,7 @@ from hybridrl.config.root import HybridRLConfig
 from hybridrl.parallel.layout import GenLayout, TrainLayout
 from hybridrl.trainer.inputs import agree, with_estimator
 from hybridrl.trainer.ppo import PPOTrainer
-from hybridrl.trainer.startup import check_startup
+from hybridrl.trainer.startup import check_startup, lock_run_folders, resolve_paths
 
 
 def build_layout(cfg: HybridRLConfig, world: int) -> tuple[TrainLayout, GenLayout | None]:
@@ -85,6 +89,7 @@ def build_trainer(cfg: HybridRLConfig, *, train_data: Any = None, val_data: Any 
             _world_of_one(cfg)
     world, rank = dist.get_world_size(), dist.get_rank()
     problem, layout = None, None
+    cfg = resolve_paths(cfg)  # before anything reads a folder (a later os.chdir cannot move it)
     try:
         cfg = with_estimator(cfg, adv_estimator)  # it decides whether a critic is trained
         cfg.check_world(world)
@@ -97,6 +102,15 @@ def build_trainer(cfg: HybridRLConfig, *, train_data: Any = None, val_data: Any 
     except ValueError as err:
         problem = str(err).strip().splitlines()[0]
     agree(problem)
+    locks: list = []  # rank 0: every folder the run writes, before any model is built
+    if rank == 0:
+        try:
+            locks = lock_run_folders(cfg)
+        except ValueError as err:  # StartupError: a live run holds one of them
+            problem = str(err).strip().splitlines()[0]
+    agree(problem)
     groups = build_groups(*layout, timeout_s=cfg.trainer.collective_timeout_s)
-    return PPOTrainer(cfg, groups, train_data=train_data, val_data=val_data, reward_fn=reward_fn,
-                      print_fn=print_fn)
+    trainer = PPOTrainer(cfg, groups, train_data=train_data, val_data=val_data,
+                         reward_fn=reward_fn, print_fn=print_fn)
+    trainer.run_locks = locks  # held as long as the trainer lives
+    return trainer

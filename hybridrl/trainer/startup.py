@@ -23,6 +23,11 @@ the synthetic data folder unless ``data_given``) and removing its own probe file
   ``reward_fn`` given in Python), every ``data_source`` of the training/validation parquet files
   has a registered reward function (``REWARD_FNS``, or a ``reward_fn`` mapping's:
   ``known_sources(cfg, reward_fn)``), and no prompt has empty content.
+``resolve_paths(cfg)``: ``cfg`` with ``trainer.output_dir``, ``checkpoint_dir`` and
+``resume_path`` absolute (a reward function's later ``os.chdir`` cannot split the run folder).
+``lock_run_folders(cfg)`` (rank 0): the locks over every folder the run writes
+(``hybridrl.checkpoint.run_lock.acquire_run_locks``; ``StartupError``, one line, when a live run
+holds one); both the entrypoint and ``hybridrl.build_trainer`` take them before any model.
 ``row_problems(rows, name, known_sources)`` runs the last check on prompt rows given in memory
 (``PPOTrainer(train_data=...)``): the first row whose ``data_source`` is not in
 ``known_sources`` (None: no check, a reward function scores every row) and the first empty
@@ -226,3 +231,23 @@ def _registry_problems(cfg) -> list[str]:
             out.append(f"{key} {value!r} is not a registered {registry.kind}; registered: "
                        f"{registry.names()} (register yours before the run starts)")
     return out
+
+
+def resolve_paths(cfg):
+    """``cfg`` with the run's folders absolute (see the module docstring)."""
+    import dataclasses
+
+    t = cfg.trainer
+    fixed = {k: os.path.abspath(getattr(t, k)) for k in ("output_dir", "checkpoint_dir",
+                                                         "resume_path")
+             if getattr(t, k) and not os.path.isabs(getattr(t, k))}
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(t, **fixed)) if fixed else cfg
+
+
+def lock_run_folders(cfg):
+    """Rank 0: the locks over every folder the run writes (see the module docstring); keep
+    them for the run's life."""
+    from hybridrl.checkpoint import run_lock
+
+    return run_lock.acquire_run_locks(cfg.trainer.run_dir, cfg.trainer.checkpoint_dir,
+                                      run_lock.LOCK_WAIT_S)

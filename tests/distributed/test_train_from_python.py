@@ -9,14 +9,19 @@
   metrics, step for step (in-memory prompts are loaded as file rows are);
 - misuse, each raised on BOTH ranks as one line before any model is built (no hang): ranks
   holding different prompts; a malformed row on one rank only; a data_source no reward
-  function covers.
+  function covers; a trainer.checkpoint_dir held by another live run (a process the fixture
+  starts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import random
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -60,6 +65,10 @@ def _rank(rank, world, workdir):
     out["bad_row"] = _error(lambda: hybridrl.build_trainer(
         cfg, train_data=bad if rank == 1 else rows, reward_fn=ex.reward))
     out["no_reward"] = _error(lambda: hybridrl.build_trainer(cfg, train_data=rows))
+    held = dataclasses.replace(cfg, trainer=dataclasses.replace(
+        cfg.trainer, checkpoint_dir=f"{workdir}/held_ckpt"))  # a live run's (the fixture's)
+    out["held"] = _error(lambda: hybridrl.build_trainer(held, train_data=rows,
+                                                        reward_fn=ex.reward))
 
     torch.manual_seed(1000 + rank)
     np.random.seed(2000 + rank)
@@ -95,7 +104,19 @@ def _as_parquet(ex, hybridrl, workdir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_on_ranks(_rank, 2, str(tmp_path_factory.mktemp("from_python")), timeout=400)
+    workdir = str(tmp_path_factory.mktemp("from_python"))
+    code = ("import time\nfrom hybridrl.checkpoint.run_lock import acquire_run_locks\n"
+            f"held = acquire_run_locks({workdir + '/other_run'!r}, {workdir + '/held_ckpt'!r})\n"
+            "print('held', flush=True)\ntime.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)  # another live run, holding its checkpoint folder
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        out = run_on_ranks(_rank, 2, workdir, timeout=400)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    return [dict(o, holder=holder.pid) for o in out]
 
 
 @pytest.mark.slow
@@ -132,3 +153,12 @@ def test_misuse_is_one_line_on_every_rank(results):
     assert none[0] == none[1] and none[0].startswith(
         "train_data row 0: data_source 'example/sum' (rows [0, 1, 2]) has no reward function")
     assert all("\n" not in line for line in differ + bad + none)
+
+
+@pytest.mark.slow
+def test_a_live_runs_checkpoint_folder_is_refused_before_any_model(results):
+    """build_trainer takes the run locks as the entrypoint does: trainer.checkpoint_dir held by
+    another live run is one line on both ranks (rank 0 found it), before a model is built."""
+    held = [out["held"] for out in results]
+    assert held[0] == held[1] and held[0].startswith("rank 0: trainer.checkpoint_dir "), held
+    assert f"pid {results[0]['holder']}" in held[0] and "\n" not in held[0], held
