@@ -16,7 +16,7 @@ absolute first (``resolve_paths``); once the process groups are up, rank 0 locks
 the run writes (``lock_run_folders``: a second run on any of them exits 2, one line, before a
 model is built). Data with
 ``code`` rows where the code reward's OS sandbox cannot start exits 2 too
-(``code_sandbox_problems``). Process groups time out after
+(``hybridrl.trainer.startup.code_sandbox_problems``). Process groups time out after
 ``trainer.collective_timeout_s``; the line then names the ranks that did not arrive and their
 phase (``hybridrl.parallel.phases``). Any exception is reported as one line
 (``hybridrl.exits``): an error every rank shares once, one only rank N hit with its rank.
@@ -96,32 +96,6 @@ def resolve_paths(cfg):
     return absolute(cfg)
 
 
-def code_sandbox_problems(cfg) -> list[str]:
-    """[the sandbox's one line] when the data has ``code`` rows scored by the built-in code
-    reward and the OS sandbox cannot start here (``hybridrl.rewards.sandbox``): the run
-    refuses to start instead of failing at its first code row."""
-    if cfg.reward.reward_fn or cfg.reward.reward_model_path:
-        return []
-    import pyarrow.parquet as pq
-
-    from hybridrl.rewards import code
-    from hybridrl.rewards.sandbox import SandboxUnavailable
-
-    for file in [*cfg.data.train_files, *cfg.data.val_files]:
-        try:
-            if "data_source" not in pq.read_schema(file).names or "code" not in set(
-                    pq.read_table(file, columns=["data_source"]).column(0).to_pylist()):
-                continue
-        except Exception:  # unreadable: check_startup names it
-            continue
-        try:
-            code.default_sandbox().check()
-        except SandboxUnavailable as err:
-            return [f"data file {file!r} has 'code' rows but {err}"]
-        return []
-    return []
-
-
 def lock_run_folders(cfg):
     """Rank 0: the locks over every folder the run writes, before the models are built
     (``hybridrl.trainer.startup.lock_run_folders``, imported when called)."""
@@ -166,7 +140,7 @@ def main(argv=None) -> int:
         cfg = resolve_paths(cfg)
         cfg.check_world(world)
         train, gen = build_layout(cfg, world)
-        from hybridrl.trainer.startup import check_startup
+        from hybridrl.trainer.startup import check_startup, code_sandbox_problems
 
         problems = check_startup(cfg, rank)  # every rank, before any collective
     except Exception as err:  # config files, overrides, layout: bad input, one line

@@ -37,7 +37,12 @@ from hybridrl.config.root import HybridRLConfig
 from hybridrl.parallel.layout import GenLayout, TrainLayout
 from hybridrl.trainer.inputs import agree, with_estimator
 from hybridrl.trainer.ppo import PPOTrainer
-from hybridrl.trainer.startup import check_startup, lock_run_folders, resolve_paths
+from hybridrl.trainer.startup import (
+    check_startup,
+    code_sandbox_problems,
+    lock_run_folders,
+    resolve_paths,
+)
 
 
 def build_layout(cfg: HybridRLConfig, world: int) -> tuple[TrainLayout, GenLayout | None]:
@@ -96,6 +101,7 @@ def build_trainer(cfg: HybridRLConfig, *, train_data: Any = None, val_data: Any 
         layout = build_layout(cfg, world)
         problems = check_startup(cfg, rank, data_given=train_data is not None,
                                  reward_fn=reward_fn)
+        problems = problems or code_sandbox_problems(cfg, reward_fn)
         if problems:
             problem = problems[0] if len(problems) == 1 else (
                 f"{len(problems)} problems: " + "; ".join(problems))

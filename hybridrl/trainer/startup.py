@@ -28,6 +28,8 @@ the synthetic data folder unless ``data_given``) and removing its own probe file
 ``lock_run_folders(cfg)`` (rank 0): the locks over every folder the run writes
 (``hybridrl.checkpoint.run_lock.acquire_run_locks``; ``StartupError``, one line, when a live run
 holds one); both the entrypoint and ``hybridrl.build_trainer`` take them before any model.
+``code_sandbox_problems(cfg, reward_fn=None)``: the one line when the data files have ``code``
+rows for the built-in code reward and the OS sandbox cannot start here (both entries refuse).
 ``row_problems(rows, name, known_sources)`` runs the last check on prompt rows given in memory
 (``PPOTrainer(train_data=...)``): the first row whose ``data_source`` is not in
 ``known_sources`` (None: no check, a reward function scores every row) and the first empty
@@ -251,3 +253,30 @@ def lock_run_folders(cfg):
 
     return run_lock.acquire_run_locks(cfg.trainer.run_dir, cfg.trainer.checkpoint_dir,
                                       run_lock.LOCK_WAIT_S)
+
+
+def code_sandbox_problems(cfg, reward_fn=None) -> list[str]:
+    """[the sandbox's one line] when the data files have ``code`` rows scored by the built-in
+    code reward and the OS sandbox cannot start here (``hybridrl.rewards.sandbox``): the run
+    refuses to start instead of failing at its first code row. A reward function given in
+    Python, ``reward.reward_fn`` or a reward model scores instead: nothing to check."""
+    if reward_fn is not None or cfg.reward.reward_fn or cfg.reward.reward_model_path:
+        return []
+    import pyarrow.parquet as pq
+
+    from hybridrl.rewards import code
+    from hybridrl.rewards.sandbox import SandboxUnavailable
+
+    for file in [*cfg.data.train_files, *cfg.data.val_files]:
+        try:
+            if "data_source" not in pq.read_schema(file).names or "code" not in set(
+                    pq.read_table(file, columns=["data_source"]).column(0).to_pylist()):
+                continue
+        except Exception:  # unreadable: check_startup names it
+            continue
+        try:
+            code.default_sandbox().check()
+        except SandboxUnavailable as err:
+            return [f"data file {file!r} has 'code' rows but {err}"]
+        return []
+    return []

@@ -226,7 +226,7 @@ def test_a_run_with_code_rows_refuses_to_start_where_the_sandbox_cannot(tmp_path
     import pyarrow.parquet as pq
 
     from hybridrl.config.loader import load_config
-    from hybridrl.train import code_sandbox_problems
+    from hybridrl.trainer.startup import code_sandbox_problems
 
     rows = {"data_source": ["hybridrl/arithmetic", "code"], "prompt": [[{"role": "user",
                                                                           "content": "x"}]] * 2}
@@ -235,6 +235,7 @@ def test_a_run_with_code_rows_refuses_to_start_where_the_sandbox_cannot(tmp_path
     monkeypatch.setattr(code_reward, "default_sandbox", lambda: Sandbox(launcher=("false",)))
     (line,) = code_sandbox_problems(cfg)
     assert "has 'code' rows but code reward: the OS sandbox cannot start here" in line
+    assert code_sandbox_problems(cfg, reward_fn=lambda *a, **k: 0.0) == []  # Python scores
     pq.write_table(pa.table({**rows, "data_source": ["hybridrl/arithmetic"] * 2}),
                    tmp_path / "d.parquet")
     assert code_sandbox_problems(cfg) == []  # no code rows: not checked
