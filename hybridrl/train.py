@@ -12,11 +12,11 @@ the ``PPOTrainer`` and runs it (``parallel.placement=split``: the last ``paralle
 ranks serve generation instead, ``hybridrl.trainer.split_run``).
 Start-up checks (``hybridrl.trainer.startup``: folders writable, model/tokenizer files, data
 sources known) also run on every rank before any collective; the run's folder paths are made
-absolute first (``resolve_paths``); once the process groups are up, rank 0 locks every folder
-the run writes (``lock_run_folders``: a second run on any of them exits 2, one line, before a
-model is built). Data with
-``code`` rows where the code reward's OS sandbox cannot start exits 2 too
-(``hybridrl.trainer.startup.code_sandbox_problems``). Process groups time out after
+absolute first (``hybridrl.trainer.startup.resolve_paths``); once the process groups are up,
+rank 0 locks every folder the run writes (``startup.lock_run_folders``: a second run on any of
+them exits 2, one line, before a model is built). Data with ``code`` rows where the code
+reward's OS sandbox cannot start exits 2 too (``hybridrl.trainer.startup.code_sandbox_problems``).
+Process groups time out after
 ``trainer.collective_timeout_s``; the line then names the ranks that did not arrive and their
 phase (``hybridrl.parallel.phases``). Any exception is reported as one line
 (``hybridrl.exits``): an error every rank shares once, one only rank N hit with its rank.
@@ -88,22 +88,6 @@ def build_layout(cfg, world: int):
     return layouts(cfg, world)
 
 
-def resolve_paths(cfg):
-    """``cfg`` with ``trainer.output_dir``, ``checkpoint_dir`` and ``resume_path`` absolute
-    (``hybridrl.trainer.startup.resolve_paths``, imported when called)."""
-    from hybridrl.trainer.startup import resolve_paths as absolute
-
-    return absolute(cfg)
-
-
-def lock_run_folders(cfg):
-    """Rank 0: the locks over every folder the run writes, before the models are built
-    (``hybridrl.trainer.startup.lock_run_folders``, imported when called)."""
-    from hybridrl.trainer.startup import lock_run_folders as lock
-
-    return lock(cfg)
-
-
 def _check_kernels(use_compiled, on_cuda: bool) -> str | None:
     """Apply ``kernels.use_compiled`` before any kernel runs; a problem message or None."""
     from hybridrl.kernels import ops
@@ -137,10 +121,11 @@ def main(argv=None) -> int:
                           world_size=world, notices=notices)
         if rank == 0 and notices:
             sys.stderr.write(f"hybridrl.train: {notices[0]}\n")
+        from hybridrl.trainer.startup import check_startup, code_sandbox_problems, resolve_paths
+
         cfg = resolve_paths(cfg)
         cfg.check_world(world)
         train, gen = build_layout(cfg, world)
-        from hybridrl.trainer.startup import check_startup, code_sandbox_problems
 
         problems = check_startup(cfg, rank)  # every rank, before any collective
     except Exception as err:  # config files, overrides, layout: bad input, one line
@@ -231,6 +216,7 @@ def _agree_on_locks(cfg, rank: int, store, timeout_s: float, locks: list) -> Non
     from datetime import timedelta
 
     from hybridrl.checkpoint.run_identity import StartupError
+    from hybridrl.trainer.startup import lock_run_folders
 
     key = f"hybridrl/run_locks/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if rank == 0:

@@ -101,7 +101,7 @@ def _free_port() -> int:
 def test_paths_are_resolved_at_start(tmp_path, monkeypatch):
     """A reward function that changes the working directory cannot split the run folder."""
     from hybridrl.config.loader import load_config
-    from hybridrl.train import resolve_paths
+    from hybridrl.trainer.startup import resolve_paths
 
     monkeypatch.chdir(tmp_path)
     cfg = resolve_paths(load_config([], ["trainer.output_dir=rel", "trainer.checkpoint_dir=ck"]))
