@@ -11,28 +11,21 @@ The plain-torch example runs in tests/unit/test_examples_torch_loop.py (no ranks
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
 from hybridrl.testing.dist import run_on_ranks
+from tests.support.examples import load_example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _example(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _rank(rank, world, hf_folder, workdir):
     os.chdir(ROOT)
-    engine = _example("custom_engine_from_megatron").run(rank, world, hf_folder)
-    history, calls = _example("custom_reward_and_estimator").main(workdir, steps=2)
+    engine = load_example("custom_engine_from_megatron").run(rank, world, hf_folder)
+    history, calls = load_example("custom_reward_and_estimator").main(workdir, steps=2)
     return {"engine": engine, "history": history, "calls": calls}
 
 

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import random
 import signal
@@ -28,16 +27,9 @@ import pytest
 import torch
 
 from hybridrl.testing.dist import run_on_ranks
+from tests.support.examples import load_example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _example():
-    path = os.path.join(ROOT, "examples", "train_from_python.py")
-    spec = importlib.util.spec_from_file_location("train_from_python", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _error(fn) -> str:
@@ -51,7 +43,7 @@ def _error(fn) -> str:
 def _rank(rank, world, workdir):
     import hybridrl
 
-    ex = _example()
+    ex = load_example("train_from_python")
     cfg = hybridrl.load_config([], ["model.num_layers=2", "data.max_prompt_length=40",
                                     "data.train_batch_size=4", "rollout.n=2",
                                     "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2",

@@ -1,7 +1,6 @@
 """examples/: prepare_gsm8k.py writes verl's GSM8K rows; the launch scripts' command lines load
 (verl keys included) into the layout their comments promise, through hybridrl.train's parser."""
 
-import importlib.util
 import os
 import subprocess
 
@@ -13,6 +12,7 @@ from hybridrl import train
 from hybridrl.config.loader import load_config, resolve_config_name
 from hybridrl.data.schema import read_rows
 from hybridrl.rewards.gsm8k import compute_score
+from tests.support.examples import load_example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -26,13 +26,6 @@ GSM8K = [  # GSM8K's own columns (question, answer); answers end with "#### N"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
-def _load_example(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _gsm8k_folder(tmp_path):
     main = tmp_path / "gsm8k" / "main"
     main.mkdir(parents=True)
@@ -42,7 +35,7 @@ def _gsm8k_folder(tmp_path):
 
 
 def test_prepare_gsm8k_writes_verls_rows(tmp_path):
-    prepare = _load_example("prepare_gsm8k")
+    prepare = load_example("prepare_gsm8k")
     out = tmp_path / "out"
     written = prepare.main(["--src", str(_gsm8k_folder(tmp_path)), "--out", str(out)])
     assert written == {"train": str(out / "train.parquet"), "test": str(out / "test.parquet")}
@@ -67,7 +60,7 @@ def test_prepare_gsm8k_writes_verls_rows(tmp_path):
 
 
 def test_prepare_gsm8k_rejects_a_row_without_final_answer(tmp_path):
-    prepare = _load_example("prepare_gsm8k")
+    prepare = load_example("prepare_gsm8k")
     with pytest.raises(ValueError, match="train row 1: answer has no '#### N' line"):
         prepare.to_rows([GSM8K[0], {"question": "q", "answer": "no final line"}], "train")
     with pytest.raises(ValueError, match="no main/train"):
