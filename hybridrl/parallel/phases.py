@@ -17,7 +17,8 @@ Contract:
   by SIGSTOP, hung in C, killed, exited) with its age.
 - ``describe_timeout(rank, timeout_s)`` and ``describe_peer_loss(rank, err)``: one line that
   names the late or gone ranks (silent ones first, else those in another phase) and their
-  last phase. The line does not depend on which rank writes it, so the failure reporter
+  last phase; a "timeout" with no silent and no late rank waits for heartbeats to age and,
+  when one went silent meanwhile, is that rank's loss (gloo words a peer's death so). The line does not depend on which rank writes it, so the failure reporter
   (``hybridrl.exits``) shows it once.
 - ``is_timeout(err)``: whether an exception is a collective's timeout: a RuntimeError raised by
   torch / gloo / NCCL (not by hybridrl or user code: a reward function's ``TimeoutError`` or
@@ -139,6 +140,10 @@ class PhaseBoard:
         at = f"in {mine[1]} of step {mine[0]}" if mine else "before the first step"
         gone = self.silent(min(STALE_S * 2, timeout_s / 2))
         late = self.stragglers(rank)
+        if not gone and not late:  # gloo words a peer's death "timed out" when the socket
+            lost = self.describe_peer_loss(rank, None)  # closes mid-wait: a rank that just
+            if lost:  # died has a fresh heartbeat, so let it age and look again
+                return lost
         if gone:
             who = self._named(gone, lambda r: f"stopped responding (no heartbeat for "
                                               f"{gone[r]:.0f} s: stopped, hung or dead)")

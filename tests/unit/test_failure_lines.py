@@ -385,6 +385,27 @@ def test_a_silent_rank_is_named_in_one_line_that_any_rank_writes_alike():
         b.stop_heartbeat()
 
 
+def test_a_timeout_raised_as_a_peer_dies_names_the_dead_rank():
+    """CI of stop 47: rank 1 killed while all ranks were in the same phase; gloo raised a
+    "timed out" error on rank 0 before rank 1's heartbeat aged, and the line said "no rank
+    recorded another phase" instead of naming rank 1."""
+    import torch.distributed as dist
+
+    from hybridrl.parallel import phases
+
+    store = dist.HashStore()
+    boards = [phases.PhaseBoard(store, r, 2) for r in range(2)]
+    for b in boards:
+        b.record(3, "timing_s/gen")
+        b.start_heartbeat(0.05)
+    boards[1].stop_heartbeat()  # kill -9 just now: its last beat is still fresh
+    line = boards[0].describe_timeout(0, 600.0)
+    boards[0].stop_heartbeat()
+    assert line.startswith("a rank's process is gone (killed, crashed, or it exited: "
+                           "os._exit, a signal): rank 1 has sent no heartbeat for "), line
+    assert "last in timing_s/gen of step 3" in line, line
+
+
 # ---------------------------------------------------------------- 8: the reference at another layout
 def test_random_reference_resumed_at_another_tp_or_pp_says_so():
     from hybridrl.checkpoint.checkpointer import reference_notice
