@@ -44,6 +44,8 @@ class SamplingParams:
     pad_token_id: int = 0
     seed: int = 0
     row_seeds: tuple[int, ...] | None = None
+    stop_token_ids: tuple[int, ...] = ()  # more ids that end a row (kept, like eos): a
+    # tool-call marker or end of turn in a multi-turn rollout
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -57,6 +59,15 @@ class SamplingParams:
         if self.row_seeds is not None and not isinstance(self.row_seeds, tuple):
             raise ValueError(f"row_seeds must be a tuple of ints or None, got "
                              f"{type(self.row_seeds).__name__}")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise ValueError(f"stop_token_ids must be a tuple of ints, got "
+                             f"{type(self.stop_token_ids).__name__}")
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends a row: ``eos_token_id`` (when set) and ``stop_token_ids``."""
+        eos = () if self.eos_token_id is None else (int(self.eos_token_id),)
+        return eos + tuple(int(t) for t in self.stop_token_ids if t != self.eos_token_id)
 
     @property
     def greedy(self) -> bool:

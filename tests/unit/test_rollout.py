@@ -187,6 +187,23 @@ def test_eos_stops_rows_and_pads():
     assert all(t == 0 for t in row[first + 1:])
 
 
+def test_stop_token_ids_end_rows_like_eos():
+    """A multi-turn rollout's tool-call marker ends a row as eos does (the marker is kept)."""
+    model = tiny_hf()
+    engine = engine_from_hf(model)
+    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0))
+    marks = (int(greedy.response_ids[0, 1]), int(greedy.response_ids[1, 3]))
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0,
+                                                  stop_token_ids=marks))
+    for b in range(2):
+        full = greedy.response_ids[b].tolist()
+        end = min(full.index(m) for m in marks if m in full) + 1
+        assert out.response_mask[b].tolist() == [1] * end + [0] * (6 - end), (b, marks)
+        assert out.response_ids[b].tolist()[:end] == full[:end]
+    with pytest.raises(ValueError, match="stop_token_ids must be a tuple"):
+        SamplingParams(max_new_tokens=1, stop_token_ids=[3])
+
+
 def test_filters_and_sampling():
     z = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     assert torch.isinf(filter_logits(z, top_k=2)).tolist() == [[False, False, True, True]]

@@ -38,7 +38,7 @@ Contract:
   every TP rank continues with the same ones.
 - ``generate`` (see ``hybridrl.rollout.base``): prompts are left-padded in a KV cache of
   [B, hk, P + max_new, hd] per layer; positions count real tokens only; a row stops after its
-  eos; generation stops when every row stopped or after ``max_new_tokens``. Finished rows are
+  eos or any of ``params.stop_token_ids`` (the stop token is kept in the response); generation stops when every row stopped or after ``max_new_tokens``. Finished rows are
   not decoded further: once at least ``compact_at`` (default 0.25; 0 = never) of the rows
   being decoded have stopped, they leave the batch (KV cache rows, positions, per-row
   generators), so a long-tailed length mix costs what its live rows cost. A row's tokens
@@ -379,6 +379,7 @@ class BuiltinEngine:
         done_b = torch.zeros(B, dtype=torch.bool, device=dev)
         next_pos_b = pos_BP[:, -1] + 1
         steps = 0
+        stops = torch.tensor(params.stop_ids, device=h.device) if params.stop_ids else None
         for j in range(R):
             tokens_b, logp_b = sample_next(self.logits(h), params, generator)
             tokens_b = self._sync_tokens(tokens_b.masked_fill(done_b, params.pad_token_id))
@@ -386,8 +387,8 @@ class BuiltinEngine:
             out_logp[live, j] = logp_b.masked_fill(done_b, 0.0)
             valid_BT[live, P + j] = ~done_b
             steps = j + 1
-            if params.eos_token_id is not None:
-                done_b = done_b | (tokens_b == params.eos_token_id)
+            if stops is not None:  # eos and the stop ids end a row (the token is kept)
+                done_b = done_b | torch.isin(tokens_b, stops)
             if bool(done_b.all()) or j == R - 1:
                 break
             if int(done_b.sum()) >= self.compact_at * len(live) > 0:  # drop the finished rows

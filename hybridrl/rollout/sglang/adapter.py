@@ -376,8 +376,8 @@ def sampling_dicts(params: SamplingParams, n: int) -> list[dict]:
     """One SGLang sampling-params dict per request, each with its own seed."""
     base = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
             "top_p": params.top_p, "top_k": params.top_k}
-    if params.eos_token_id is not None:
-        base["stop_token_ids"] = [int(params.eos_token_id)]
+    if params.stop_ids:
+        base["stop_token_ids"] = list(params.stop_ids)
     seeds = params.row_seeds or [request_seed(params.seed, i) for i in range(n)]
     return [{**base, "sampling_seed": int(seed) % (2**63 - 1)} for seed in seeds]
 
