@@ -8,7 +8,10 @@ Contract:
   (old/ref log-probs, values, advantages, returns) live beside it as [N, R] tensors. On a DP
   rank it holds only that rank's rows: ``rows`` are their indices in the step's batch
   (ascending; ``range(N)`` for a whole batch).
-- ``subset(idx)``: rows ``idx`` as a batch of their own (``rows`` kept).
+  Optional per-row tensors: ``loss_mask`` [N, R] (the response tokens the losses see: a
+  multi-turn rollout's own model tokens; None = ``response_mask``) and ``routed_experts``
+  [N, P + R, layers, k] (a MoE engine's top-k expert ids per token, for routing replay).
+- ``subset(idx)``: rows ``idx`` as a batch of their own (``rows`` and the optional tensors kept).
 - ``microbatch(idx, tensors)``: the megatron input for rows ``idx``: ``input_ids`` [b, T]
   right-padded (prompt then response, starting at position 0 as megatron's RoPE needs, T = the
   longest prompt + response among the rows), ``resp_index`` [b, R] = the output positions that
@@ -51,6 +54,10 @@ class RolloutBatch:
     data_source: list[str]
     extra_info: list[dict]
     rows: list[int] | None = None  # indices in the step's batch; None = range(N)
+    loss_mask: torch.Tensor | None = None  # [N, R]: the tokens the losses see (a multi-turn
+    # rollout's model tokens; tool output and template tokens 0); None = response_mask
+    routed_experts: torch.Tensor | None = None  # [N, P + R, layers, k] int: the engine's top-k
+    # expert ids per token of a MoE model (prompt and response), for routing replay; or None
 
     def __post_init__(self) -> None:
         if self.rows is None:
@@ -76,7 +83,10 @@ class RolloutBatch:
                             self.response_mask[sel], self.rollout_logprobs[sel],
                             [self.uid[i] for i in idx], [self.ground_truth[i] for i in idx],
                             [self.data_source[i] for i in idx], [self.extra_info[i] for i in idx],
-                            rows=[self.rows[i] for i in idx])
+                            rows=[self.rows[i] for i in idx],
+                            loss_mask=None if self.loss_mask is None else self.loss_mask[sel],
+                            routed_experts=(None if self.routed_experts is None
+                                            else self.routed_experts[sel]))
 
     def microbatch(self, idx: list[int], tensors: dict[str, torch.Tensor] | None = None,
                    pad_token_id: int = 0, packed: bool = False) -> dict[str, torch.Tensor]:

@@ -59,3 +59,9 @@ def test_subset_keeps_every_field_of_its_rows():
     assert torch.equal(sub.response_mask, rb.response_mask[[1, 5]])
     assert sub.ground_truth == ["1", "5"] and sub.extra_info == [{"index": 1}, {"index": 5}]
     assert torch.equal(sub.microbatch([0, 1])["input_ids"], rb.microbatch([1, 5])["input_ids"])
+    assert sub.loss_mask is None and sub.routed_experts is None
+    rb.loss_mask = torch.arange(24).view(8, 3)
+    rb.routed_experts = torch.arange(8 * 5 * 2 * 2).view(8, 5, 2, 2)
+    sub = rb.subset([1, 5])
+    assert torch.equal(sub.loss_mask, rb.loss_mask[[1, 5]])
+    assert torch.equal(sub.routed_experts, rb.routed_experts[[1, 5]])
