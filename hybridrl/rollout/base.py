@@ -16,7 +16,11 @@ Contract:
   ``params.pad_token_id``, ``response_mask`` [B, R] (1 on generated tokens, the eos included),
   ``logprobs`` [B, R] fp32 (0 on padding) of each sampled token under the *temperature-scaled,
   unfiltered* distribution ``log_softmax(logits / T)`` (T = 1 when greedy), which is what the
-  actor recomputes; R <= ``params.max_new_tokens``.
+  actor recomputes; R <= ``params.max_new_tokens``. A mixture-of-experts engine may also fill
+  ``routed_experts`` [B, P + R, layers, k] (P = the longest prompt): the top-k expert ids (global
+  numbering, as in the HF checkpoint) its router chose for each token of each layer, row b's
+  token t of prompt-then-response at column t, -1 where the engine ran no forward (padding,
+  each row's last token); dense engines leave it None.
 - ``SamplingParams`` validates its fields (``ValueError`` naming the field): temperature 0 means
   greedy; ``top_k`` -1 = off; ``top_p`` in (0, 1]; ``seed`` makes sampling reproducible;
   ``row_seeds`` (one per prompt) gives each request its own seed instead, so a sequence's sample
@@ -81,6 +85,8 @@ class GenerationOutput:
     response_ids: torch.Tensor  # [B, R] int64, right-padded
     response_mask: torch.Tensor  # [B, R] int64
     logprobs: torch.Tensor  # [B, R] float32
+    routed_experts: torch.Tensor | None = None  # MoE engines: [B, P + R, layers, k] int16 top-k
+    # expert ids, row b's token t (prompt then response) at column t, -1 where not run
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

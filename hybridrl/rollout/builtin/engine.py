@@ -43,6 +43,10 @@ Contract:
   being decoded have stopped, they leave the batch (KV cache rows, positions, per-row
   generators), so a long-tailed length mix costs what its live rows cost. A row's tokens
   and log-probs do not depend on it (up to matmul rounding at another batch size).
+- Qwen3-MoE (``EngineSpec.num_experts`` > 0): every layer's MLP is a router and E experts
+  (``hybridrl.rollout.builtin.moe``: softmax over E in fp32, top-k, renormalized when
+  ``moe_norm_topk_prob``; each expert's F split over gen TP, the partial sums all-reduced like
+  the dense MLP's). ``generate`` then also returns ``routed_experts`` (``rollout.base``).
 - Gen pipeline parallelism is not supported: ``pp_size != 1`` raises ``ValueError``.
 - Per decode step the work is the matmuls plus a fixed, small number of ops per layer: RoPE
   tables and the attention mask are built once per forward and shared by every layer, q and k
@@ -65,6 +69,7 @@ import torch.nn.functional as F
 from hybridrl.config.hf_model import RopeScaling
 from hybridrl.models.rope import inv_freq
 from hybridrl.rollout.base import GenerationOutput, SamplingParams, as_prompt_lists
+from hybridrl.rollout.builtin.moe import RoutingRecord, experts_forward, route
 from hybridrl.rollout.builtin.weights import EngineWeights
 from hybridrl.rollout.sampling import sample_next
 
@@ -89,6 +94,21 @@ class EngineSpec:
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
     rope_scaling: RopeScaling | None = None  # llama3 / yarn (hybridrl.models.rope)
     max_position_embeddings: int | None = None  # the config's (yarn's default context)
+    num_experts: int = 0  # Qwen3-MoE: experts per layer (0 = dense MLP)
+    moe_topk: int = 0  # experts each token uses
+    moe_ffn_hidden_size: int | None = None  # each expert's F (HF moe_intermediate_size)
+    moe_norm_topk_prob: bool = True  # renormalize the top-k probabilities to sum 1
+
+    def __post_init__(self) -> None:
+        if self.num_experts:
+            if not 1 <= self.moe_topk <= self.num_experts:
+                raise ValueError(f"moe_topk must be in [1, num_experts={self.num_experts}], "
+                                 f"got {self.moe_topk!r}")
+            if not isinstance(self.moe_ffn_hidden_size, int) or self.moe_ffn_hidden_size < 1:
+                raise ValueError(f"moe_ffn_hidden_size must be a positive integer with experts, "
+                                 f"got {self.moe_ffn_hidden_size!r}")
+            if self.num_experts >= 1 << 15:  # the routing record is int16
+                raise ValueError(f"num_experts={self.num_experts} must be below 32768")
 
     @classmethod
     def from_llama(cls, spec, vocab_chunk: int, max_seq_len: int | None = None) -> EngineSpec:
@@ -98,7 +118,10 @@ class EngineSpec:
                    vocab_chunk, spec.rope_theta, spec.norm_eps, spec.tie_word_embeddings,
                    max_seq_len or spec.max_position_embeddings,
                    bool(getattr(spec, "qkv_bias", False)), bool(getattr(spec, "qk_norm", False)),
-                   getattr(spec, "rope_scaling", None), spec.max_position_embeddings)
+                   getattr(spec, "rope_scaling", None), spec.max_position_embeddings,
+                   int(getattr(spec, "num_experts", 0) or 0), int(getattr(spec, "moe_topk", 0) or 0),
+                   getattr(spec, "moe_ffn_hidden_size", None),
+                   bool(getattr(spec, "moe_norm_topk_prob", True)))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -278,8 +301,10 @@ class BuiltinEngine:
         out_BSX = out_BNSD.transpose(1, 2).reshape(B, S, self.hq * hd)
         return self._all_reduce(self._row(out_BSX, p + "self_attn.o_proj.weight"))
 
-    def _mlp(self, L: int, h_BSH: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, L: int, h_BSH: torch.Tensor, routed=None) -> torch.Tensor:
         p = f"model.layers.{L}."
+        if self.spec.num_experts:
+            return self._moe(L, h_BSH, routed)
         out = None
         for gate_up, down in zip(self._parts(p + "mlp.gate_up_proj.weight"),
                                  self._parts(p + "mlp.down_proj.weight")):
@@ -287,6 +312,23 @@ class BuiltinEngine:
             y = (F.silu(gate) * up) @ down.T
             out = y if out is None else out.add_(y)
         return self._all_reduce(out)
+
+    def _moe(self, L: int, h_BSH: torch.Tensor, routed) -> torch.Tensor:
+        """Qwen3-MoE feed-forward (``hybridrl.rollout.builtin.moe``); ``routed`` = (record,
+        rows, start) stores the layer's top-k ids."""
+        p, (B, S, H) = f"model.layers.{L}.mlp.", h_BSH.shape
+        x_TH = h_BSH.reshape(B * S, H)
+        w_Tk, ids_Tk = route(x_TH, self._w(p + "gate.weight"), self.spec.moe_topk,
+                             self.spec.moe_norm_topk_prob)
+        if routed is not None:
+            record, rows, start = routed
+            record.put(rows, start, L, ids_Tk.view(B, S, -1))
+
+        def parts(e: int):
+            return list(zip(self._parts(f"{p}experts.{e}.gate_up_proj.weight"),
+                            self._parts(f"{p}experts.{e}.down_proj.weight")))
+
+        return self._all_reduce(experts_forward(x_TH, ids_Tk, w_Tk, parts).view(B, S, H))
 
     def _mask(self, allowed_BSK: torch.Tensor) -> torch.Tensor:
         """The bool attention mask of every layer (True = attend; the diagonal always is, so no
@@ -300,8 +342,11 @@ class BuiltinEngine:
         rep = self.hq // self.hk
         return allowed_BSK[:, None, None].expand(B, 1, rep, S, K).reshape(B, 1, rep * S, K)
 
-    def forward(self, ids_BS, pos_BS, cache, start: int, allowed_BSK) -> torch.Tensor:
-        """Hidden states [B, S, H] after the final norm; fills ``cache`` columns [start, start+S)."""
+    def forward(self, ids_BS, pos_BS, cache, start: int, allowed_BSK, record=None,
+                rows=None) -> torch.Tensor:
+        """Hidden states [B, S, H] after the final norm; fills ``cache`` columns [start, start+S)
+        (and, for a MoE model, ``record``'s columns of the batch rows ``rows``)."""
+        routed = None if record is None else (record, rows, start)
         eps = self.spec.norm_eps
         h = self._embed(ids_BS)
         rope = self._rope_tables(pos_BS, h.dtype)
@@ -310,7 +355,8 @@ class BuiltinEngine:
             p = f"model.layers.{L}."
             h = h + self._attention(L, _rms_norm(h, self._w(p + "input_layernorm.weight"), eps),
                                     rope, cache, start, allowed_BSK)
-            h = h + self._mlp(L, _rms_norm(h, self._w(p + "post_attention_layernorm.weight"), eps))
+            h = h + self._mlp(L, _rms_norm(h, self._w(p + "post_attention_layernorm.weight"), eps),
+                              routed)
         return _rms_norm(h, self._w("model.norm.weight"), eps)
 
     def logits(self, h_BH: torch.Tensor) -> torch.Tensor:
@@ -340,8 +386,9 @@ class BuiltinEngine:
     def generate(self, prompt_ids, params: SamplingParams) -> GenerationOutput:
         """Sample responses for ``prompt_ids`` (see ``hybridrl.rollout.base``)."""
         with torch.inference_mode():  # less per-op bookkeeping than no_grad
-            ids, mask, logp = self._generate(prompt_ids, params)
-        return GenerationOutput(ids.clone(), mask.clone(), logp.clone())  # ordinary tensors
+            ids, mask, logp, routed = self._generate(prompt_ids, params)
+        return GenerationOutput(ids.clone(), mask.clone(), logp.clone(),  # ordinary tensors
+                                None if routed is None else routed.clone())
 
     def _generate(self, prompt_ids, params: SamplingParams):
         missing = self.missing_weights()
@@ -366,7 +413,10 @@ class BuiltinEngine:
         causal_PK = cols[:P, None] >= cols[None, :P]
         allowed = causal_PK & (valid_BT[:, None, :P] | torch.eye(P, dtype=torch.bool, device=dev))
         cache = self._new_cache(B, P + R)
-        h = self.forward(ids_BP, pos_BP, cache, 0, allowed)[:, -1]
+        record = (RoutingRecord(B, P + R, self.spec.num_layers, self.spec.moe_topk, dev)
+                  if self.spec.num_experts else None)
+        live = torch.arange(B, device=dev)  # the batch's rows still decoded (see compact_at)
+        h = self.forward(ids_BP, pos_BP, cache, 0, allowed, record, live)[:, -1]
         if params.row_seeds is not None:  # one generator per request
             if len(params.row_seeds) != B:
                 raise ValueError(f"row_seeds has {len(params.row_seeds)} seeds for {B} prompts")
@@ -375,7 +425,6 @@ class BuiltinEngine:
             generator = torch.Generator(device=dev).manual_seed(int(params.seed))
         out_ids = torch.full((B, R), params.pad_token_id, dtype=torch.long, device=dev)
         out_logp = torch.zeros(B, R, dtype=torch.float32, device=dev)
-        live = torch.arange(B, device=dev)  # the batch's rows still decoded (see compact_at)
         done_b = torch.zeros(B, dtype=torch.bool, device=dev)
         next_pos_b = pos_BP[:, -1] + 1
         steps = 0
@@ -400,8 +449,11 @@ class BuiltinEngine:
                     generator = [generator[i] for i in keep.tolist()]
             c = P + j
             allowed = (valid_BT[live, : c + 1] | (cols[: c + 1] == c)).unsqueeze(1)  # [b, 1, K]
-            h = self.forward(tokens_b[:, None], next_pos_b[:, None], cache, c, allowed)[:, -1]
+            h = self.forward(tokens_b[:, None], next_pos_b[:, None], cache, c, allowed, record,
+                             live)[:, -1]
             next_pos_b = next_pos_b + 1
         mask = valid_BT[:, P:P + steps].long()
+        routed = None if record is None else record.aligned(
+            [len(p) for p in prompts], mask.sum(-1).tolist(), P)[:, :P + steps]
         return (out_ids[:, :steps] * mask + params.pad_token_id * (1 - mask), mask,
-                out_logp[:, :steps] * mask)
+                out_logp[:, :steps] * mask, routed)

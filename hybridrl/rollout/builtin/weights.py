@@ -7,6 +7,12 @@ Contract:
   gen-layout layout (``qkv_proj`` grouped per KV head, [q heads of the group; k; v], as
   megatron's ``linear_qkv``; every other tensor as the engine format has it). Qwen3's per-head
   ``self_attn.q_norm.weight`` / ``k_norm.weight`` [hd] are replicated, like the other norms.
+- Qwen3-MoE (``spec.num_experts`` E > 0): every layer's MLP is the router
+  ``model.layers.L.mlp.gate.weight`` [E, H] (replicated, like a norm) and, per expert e,
+  ``mlp.experts.e.gate_up_proj.weight`` [2·Fm/tp, H] = [gate; up] and ``mlp.experts.e.down_proj
+  .weight`` [H, Fm/tp] (Fm = ``moe_ffn_hidden_size``): each expert's F split over gen TP as the
+  dense MLP's is (SGLang's FusedMoE at ep 1 shards its experts the same way), kept in K parts
+  like the dense ones.
 - ``blocks`` = K >= 1: every TP-sharded tensor is kept as K separate, contiguous sub-shards,
   each laid out exactly as megatron stores that tensor on one rank of TP size ``tp_size * K``
   (the gen rank's shard is the concatenation of K such shards: consecutive KV groups of qkv,
@@ -44,9 +50,10 @@ class EngineWeights:
     def __init__(self, spec, tp_size: int = 1, blocks: int = 1, dtype=torch.float32,
                  device: str | torch.device = "cpu"):
         n = tp_size * blocks
+        moe = (("moe_ffn_hidden_size", spec.moe_ffn_hidden_size),) if _experts(spec) else ()
         for field, value in (("num_attention_heads", spec.num_attention_heads),
                              ("num_kv_heads", spec.num_kv_heads),
-                             ("ffn_hidden_size", spec.ffn_hidden_size)):
+                             ("ffn_hidden_size", spec.ffn_hidden_size), *moe):
             if value % n:
                 raise ValueError(f"gen tp={tp_size} x blocks={blocks} does not divide "
                                  f"{field}={value}")
@@ -74,8 +81,7 @@ class EngineWeights:
                                      ("post_attention_layernorm.weight", (H,), None),
                                      ("self_attn.qkv_proj.weight", (qkv_rows, H), 0),
                                      ("self_attn.o_proj.weight", (H, self.hq * hd), 1),
-                                     ("mlp.gate_up_proj.weight", (2 * f, H), "gate_up"),
-                                     ("mlp.down_proj.weight", (H, f), 1)):
+                                     *self._mlp_layout(f)):
                 shapes[p + name], dims[p + name] = shape, dim
             if s.qkv_bias:
                 shapes[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
@@ -84,6 +90,23 @@ class EngineWeights:
                 for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
                     shapes[p + name], dims[p + name] = (hd,), None
         return shapes, dims
+
+    def _mlp_layout(self, f: int):
+        """(suffix, stored shape, split dim) of a layer's feed-forward: the dense MLP, or a MoE
+        layer's replicated router ``mlp.gate.weight`` [E, H] and every expert e's
+        ``mlp.experts.e.gate_up_proj.weight`` [2·Fm/tp, H] / ``down_proj`` [H, Fm/tp] (each
+        expert's F split over gen TP, like the dense MLP)."""
+        s, H = self.spec, self.spec.hidden_size
+        E = _experts(s)
+        if not E:
+            return (("mlp.gate_up_proj.weight", (2 * f, H), "gate_up"),
+                    ("mlp.down_proj.weight", (H, f), 1))
+        fm = s.moe_ffn_hidden_size // self.tp_size
+        out = [("mlp.gate.weight", (E, H), None)]
+        for e in range(E):
+            out += [(f"mlp.experts.{e}.gate_up_proj.weight", (2 * fm, H), "gate_up"),
+                    (f"mlp.experts.{e}.down_proj.weight", (H, fm), 1)]
+        return out
 
     # ------------------------------------------------------------------------ shapes, labels
     def n_parts(self, name: str) -> int:
@@ -216,3 +239,8 @@ class EngineWeights:
     def missing(self) -> list[str]:
         optional = {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
         return sorted(n for n in self.expected if n not in optional and not self.loaded(n))
+
+
+def _experts(spec) -> int:
+    """Experts per layer of ``spec`` (0: dense)."""
+    return int(getattr(spec, "num_experts", 0) or 0)
