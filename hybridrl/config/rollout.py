@@ -55,10 +55,12 @@ class RolloutConfig:
                             "collectives too), sglang's weight-push rounds and its flush "
                             "before release (half of it); parallel.placement=split: seconds "
                             "the training ranks wait for a generated batch.")
-    async_steps: int = knob(0, "0: each step generates its batch, then trains on it | 1 "
-                            "(needs parallel.placement=split): the generation ranks generate "
-                            "batch k+1 while the training ranks train on batch k (one-step "
-                            "off-policy; old log-probs recomputed on the training ranks).")
+    async_steps: int = knob(0, "k >= 0. 0: each step generates its batch, then trains on it | "
+                            "k >= 1 (needs parallel.placement=split): the generation ranks "
+                            "generate up to k batches ahead while the training ranks train (a "
+                            "batch is at most k policy versions stale: rollout/staleness_*; "
+                            "old log-probs recomputed on the training ranks; actor.rollout_is "
+                            "recommended).")
     deterministic: bool = knob(False, "sglang: enable_deterministic_inference (batch-invariant "
                                "kernels, NCCL tree all-reduce, no custom all-reduce; slower). "
                                "The pinned SGLang honours per-request seeds only then.")
@@ -69,7 +71,10 @@ class RolloutConfig:
         check_positive("rollout.response_length", self.response_length)
         check_positive("rollout.engine_start_timeout_s", self.engine_start_timeout_s)
         check_positive("rollout.timeout_s", self.timeout_s)
-        check_choice("rollout.async_steps", self.async_steps, (0, 1))
+        if isinstance(self.async_steps, bool) or not isinstance(self.async_steps, int) \
+                or self.async_steps < 0:
+            raise ValueError(f"rollout.async_steps must be an integer >= 0; got "
+                             f"{self.async_steps!r}")
         check_range("rollout.mem_fraction_static", self.mem_fraction_static, 0.0, 1.0,
                     low_open=True)
         check_range("rollout.engine_port_base", self.engine_port_base, 1024, 65535 - 16 * 64)

@@ -134,10 +134,10 @@ class HybridRLConfig:
     def _check_placement(self) -> None:
         split, r = self.parallel.split, self.rollout
         if r.async_steps and not split:
-            raise ValueError("rollout.async_steps=1 needs parallel.placement=split (generation "
-                             "overlaps training only on ranks of its own)")
+            raise ValueError(f"rollout.async_steps={r.async_steps} needs parallel.placement=split "
+                             "(generation overlaps training only on ranks of its own)")
         if r.async_steps and self.algorithm.filter_groups.enable:
-            raise ValueError("rollout.async_steps=1 does not combine with "
+            raise ValueError(f"rollout.async_steps={r.async_steps} does not combine with "
                              "algorithm.filter_groups.enable (its rounds depend on the scores)")
         if split and self.trainer.device == "cuda":
             raise ValueError("parallel.placement=split runs on CPU gloo ranks only for now; "

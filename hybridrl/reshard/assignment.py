@@ -130,6 +130,8 @@ def optimal_coords(train, specs: Sequence[ParamSpec], tp: int, pp: int,
         return None
     order = sorted(range(world), key=lambda r: (train.coords[r][2], train.coords[r][1],
                                                 train.coords[r][0]))
+    if train.experts is not None:  # experts over ep / etp: the dense weights decide
+        specs = [s for s in specs if s.expert is None]
     kept = kept_matrix(train, specs, tp, pp, vocab_chunk)
     ntype = tp * pp
     # row i of a block: its i-th rank; column i: gen type i % ntype (copy i // ntype), so the

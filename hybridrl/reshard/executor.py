@@ -68,7 +68,7 @@ from hybridrl.reshard.coalesce import Merges, message_numel, message_view, singl
 from hybridrl.reshard.coalesce import source_piece as _piece
 from hybridrl.reshard.planner import Plan, Transfer
 from hybridrl.reshard.schedule import local_phases, phase_schedule
-from hybridrl.reshard.specs import ParamSpec, canonical_view, storage_shape
+from hybridrl.reshard.specs import ParamSpec, canonical_view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,13 +175,13 @@ def train_sources(plan: Plan, *args: Any, rank: int | None = None,  # noqa: E302
         iv = t.interval(spec, rank)
         if iv is None or iv[1] <= iv[0]:
             continue
-        name = spec.local_name(t.pp, t.num_layers)
+        name = t.local_name(spec)
         if name not in named:
             error = (f"missing training tensor {name!r} (the model has no tensor of this name "
                      "on this rank's stage: check the shape description and naming)")
             break
         tensor = named[name]
-        want = storage_shape(spec, t.tp, t.vocab_chunk)
+        want = t.storage_shape(spec)
         if tuple(tensor.shape) != want:
             error = _shape_error(spec, name, tuple(tensor.shape), want, t.vocab_chunk)
             break

@@ -14,8 +14,13 @@ rank's gen shard, see hybridrl.reshard.specs):
   ``Qwen3Attention.q_norm`` / ``k_norm``), vocab-parallel ``embed_tokens`` / ``lm_head`` padded to ``gen.vocab_chunk`` (build
   ``gen`` with the engine's ``vocab_pad``, SGLang: 64). Tied models send ``lm_head`` only as the
   last stage's copy (pp > 1). ValueError when gen TP cannot split the KV heads.
+- Qwen3-MoE: the router is ``model.layers.L.mlp.gate.weight`` [E, H] (replicated) and expert
+  e's tensors ``model.layers.L.mlp.experts.e.gate_up_proj.weight`` = [gate; up] of the rank's
+  slice of its F and ``...experts.e.down_proj.weight`` (each expert's F cut over gen tp).
 - ``hf_format(shape)``: full HF tensors for export (q_proj, k_proj, v_proj, gate_proj, up_proj,
-  down_proj, o_proj, norms, embed_tokens, lm_head unless tied); needs full pieces (gen tp = 1).
+  down_proj, o_proj, norms, embed_tokens, lm_head unless tied; a MoE layer's ``mlp.gate`` and
+  ``mlp.experts.e.{gate_proj,up_proj,down_proj}``: the per-expert names checkpoints hold on
+  disk); needs full pieces (gen tp = 1).
 - ``build_format(name, shape, gen, rank)`` picks one by name (``FORMATS``).
 - ``hf_to_canonical(shape, hf)``: the inverse of ``hf_format`` (full canonical tensors by key).
 """
@@ -48,7 +53,9 @@ _LAYER_NAMES = {  # megatron suffix -> HF suffix (engine packing for qkv / fc1)
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3 [hd], replicated
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.router.weight": "mlp.gate.weight",  # Qwen3-MoE router [E, H], replicated
 }
+_EXPERT_NAMES = {"linear_fc1.weight": "gate_up_proj.weight", "linear_fc2.weight": "down_proj.weight"}
 
 
 def hf_name(spec: ParamSpec) -> str:
@@ -57,6 +64,9 @@ def hf_name(spec: ParamSpec) -> str:
         return {EMBED: "model.embed_tokens.weight", FINAL_NORM: "model.norm.weight",
                 OUTPUT: "lm_head.weight"}[spec.name]
     suffix = spec.name.split(f"layers.{spec.layer}.", 1)[1]
+    if spec.expert is not None:  # mlp.experts.local_experts.e.linear_fc1.weight (e global)
+        last = suffix.split(f"local_experts.{spec.expert}.", 1)[1]
+        return f"model.layers.{spec.layer}.mlp.experts.{spec.expert}.{_EXPERT_NAMES[last]}"
     return f"model.layers.{spec.layer}.{_LAYER_NAMES[suffix]}"
 
 

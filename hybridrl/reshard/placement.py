@@ -33,6 +33,13 @@ Contract:
   replica i // (tp*pp): a gen replica is consecutive ranks, so one node when tp*pp fills it).
   Both placements span all ``train.world + gen_world`` ranks; the planner's ``split`` strategy
   moves weights between them.
+- Mixture of experts: a training placement may carry ``ep`` (EP size), ``etp`` (expert TP
+  size, 0 = tp) and ``experts`` (per rank: (expert tp rank, EP rank), megatron's expert
+  RankGenerator: ``expert_coords``). An expert parameter's rows on a rank are its expert TP
+  slice when the rank's EP rank holds the expert, else none; ``pieces`` names its shards
+  (expert tp rank, pp rank, EP rank), ``shard_ranks`` / ``shard_rank`` find their ranks (an
+  expert shard may have no rank in a given DP replica). Gen placements have ep = 1: every gen
+  rank holds every expert, its F cut over gen tp (the engines' layout).
 - Nothing here touches torch.distributed.
 """
 
@@ -42,7 +49,14 @@ import dataclasses
 
 from hybridrl.parallel.layout import GenLayout, TrainLayout
 from hybridrl.reshard.assignment import optimal_coords
-from hybridrl.reshard.specs import LlamaShape, ParamSpec, build_specs, check_split
+from hybridrl.reshard.specs import (
+    LlamaShape,
+    ParamSpec,
+    build_specs,
+    check_expert_split,
+    check_split,
+    storage_shape,
+)
 
 GROUPINGS = ("auto", "hybridflow", "vanilla", "consecutive", "optimal")
 
@@ -66,12 +80,17 @@ class Placement:
     vocab_chunk: int
     coords: tuple[tuple[int, int, int], ...]
     grouping: str = "train"
+    ep: int = 1  # MoE: expert parallel size
+    etp: int = 0  # MoE: expert tensor parallel size (0: tp)
+    experts: tuple[tuple[int, int], ...] | None = None  # per rank (etp_rank, ep_rank) or None
     _index: dict = dataclasses.field(default=None, repr=False, compare=False)
     _exact: dict = dataclasses.field(default=None, repr=False, compare=False)
+    _eindex: dict = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         index: dict[tuple[int, int], list[int]] = {}
         exact: dict[tuple[int, int, int], int] = {}
+        eindex: dict[tuple[int, int, int], list[int]] = {}
         for r, c in enumerate(self.coords):
             if c is None:  # a rank outside this placement (split placement)
                 continue
@@ -82,10 +101,51 @@ class Placement:
             if not (0 <= b < self.tp and 0 <= a < self.pp):
                 raise ValueError(f"rank {r}: coords {(b, a)} outside tp={self.tp}, pp={self.pp}")
             index.setdefault((b, a), []).append(r)
+            eb, er = self.expert_coords(r)
+            eindex.setdefault((eb, a, er), []).append(r)
         if len(index) != self.tp * self.pp:
             raise ValueError(f"placement leaves some of the tp*pp={self.tp * self.pp} shards empty")
+        if len(eindex) != self.expert_tp * self.pp * self.ep:
+            raise ValueError(f"placement leaves some of the etp*pp*ep="
+                             f"{self.expert_tp * self.pp * self.ep} expert shards empty")
         object.__setattr__(self, "_index", {k: tuple(v) for k, v in index.items()})
         object.__setattr__(self, "_exact", exact)
+        object.__setattr__(self, "_eindex", {k: tuple(v) for k, v in eindex.items()})
+
+    @property
+    def expert_tp(self) -> int:
+        """The TP size each expert's F is cut over (``etp``, or ``tp`` when 0)."""
+        return self.etp or self.tp
+
+    def expert_coords(self, rank: int) -> tuple[int, int]:
+        """(expert TP rank, EP rank) of ``rank`` (without ``experts``: (tp rank, 0))."""
+        if self.experts is not None:
+            return self.experts[rank]
+        return self.coords[rank][0], 0
+
+    def tp_of(self, spec: ParamSpec) -> int:
+        """The TP size ``spec`` is cut over here (expert TP for an expert)."""
+        return self.tp if spec.expert is None else self.expert_tp
+
+    def local_name(self, spec: ParamSpec) -> str:
+        """megatron's name of ``spec`` on its stage and EP rank in this placement."""
+        return spec.local_name(self.pp, self.num_layers, self.ep)
+
+    def storage_shape(self, spec: ParamSpec) -> tuple[int, ...]:
+        """Shape of megatron's tensor of ``spec`` on one rank of this placement."""
+        return storage_shape(spec, self.tp_of(spec), self.vocab_chunk)
+
+    def shard_ranks(self, shard: tuple) -> tuple[int, ...]:
+        """Ranks holding a shard of ``pieces``: (tp_rank, pp_rank) or, for an expert,
+        (expert tp rank, pp_rank, EP rank)."""
+        return self.ranks_at(*shard) if len(shard) == 2 else self._eindex.get(shard, ())
+
+    def shard_rank(self, shard: tuple, replica: int) -> int | None:
+        """The rank of ``replica`` holding ``shard`` (None if none does: an expert shard
+        another DP replica's EP rank holds)."""
+        if len(shard) == 2:
+            return self.rank_at(*shard, replica)
+        return next((r for r in self.shard_ranks(shard) if self.coords[r][2] == replica), None)
 
     @property
     def world(self) -> int:
@@ -118,13 +178,25 @@ class Placement:
         b, a, _ = self.coords[rank]
         if not spec.on_stage(self.pp, self.num_layers, a):
             return None
+        if spec.expert is not None:
+            eb, er = self.expert_coords(rank)
+            if er != spec.ep_rank(self.ep):
+                return None
+            return spec.tp_interval(self.expert_tp, eb)
         return spec.tp_interval(self.tp, b, self.vocab_chunk)
 
-    def pieces(self, spec: ParamSpec) -> dict[tuple[int, int], list[tuple[int, int]]]:
-        """Distinct non-empty pieces of ``spec``: {(lo, hi): [(tp_rank, pp_rank) shards]}."""
-        out: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    def pieces(self, spec: ParamSpec) -> dict[tuple[int, int], list[tuple]]:
+        """Distinct non-empty pieces of ``spec``: {(lo, hi): [shards]}, a shard being
+        (tp_rank, pp_rank), or (expert tp rank, pp_rank, EP rank) for an expert
+        (``shard_ranks``)."""
+        out: dict[tuple[int, int], list[tuple]] = {}
         for a in range(self.pp):
             if not spec.on_stage(self.pp, self.num_layers, a):
+                continue
+            if spec.expert is not None:
+                for eb in range(self.expert_tp):
+                    lo, hi = spec.tp_interval(self.expert_tp, eb)
+                    out.setdefault((lo, hi), []).append((eb, a, spec.ep_rank(self.ep)))
                 continue
             for b in range(self.tp):
                 lo, hi = spec.tp_interval(self.tp, b, self.vocab_chunk)
@@ -145,17 +217,47 @@ def _consecutive(train: TrainLayout, tp: int, pp: int) -> tuple[tuple[int, int, 
     return tuple(coords)
 
 
-def train_placement(layout: TrainLayout, shape: LlamaShape) -> Placement:
+def train_placement(layout: TrainLayout, shape: LlamaShape, ep: int | None = None,
+                    etp: int | None = None) -> Placement:
     """megatron's training placement of ``shape`` on ``layout`` (replica = DP index; vocab
     padded to make_vocab_size_divisible_by * tp). ValueError when megatron cannot split the
-    shape that way (KV groups or ffn by tp, layers by pp)."""
+    shape that way (KV groups or ffn by tp, layers by pp, experts by ep, their F by etp).
+
+    MoE: ``ep`` (default ``layout.ep``, else 1) and ``etp`` (default tp, as megatron-core)
+    place the experts as megatron's expert RankGenerator does (``expert_coords``); the dense
+    DP index (the replica) is then megatron's: the rank's place in its stage // tp."""
     check_split(shape, layout.tp, layout.pp, "train")
-    coords = []
-    for r in range(layout.world):
+    ep = ep or int(getattr(layout, "ep", 1) or 1)
+    etp = etp or layout.tp
+    check_expert_split(shape, etp, ep, "train")
+    world, stage = layout.world, layout.world // layout.pp
+    coords, experts = [], None
+    for r in range(world):
         c = layout.coords(r)
         coords.append((c["tp"], c["pp"], c["dp"]))
+    if shape.num_experts and (ep > 1 or etp != layout.tp):
+        experts = expert_coords(world, layout.pp, etp, ep)
+        if any(c[1] != r // stage or c[0] != r % layout.tp for r, c in enumerate(coords)):
+            raise ValueError(f"ep={ep}, expert tp={etp}: megatron's expert ranks need tp "
+                             f"fastest and pp slowest in the layout order (got "
+                             f"{getattr(layout, 'order', '?')!r})")
+        coords = [(r % layout.tp, r // stage, (r % stage) // layout.tp) for r in range(world)]
     chunk = shape.padded_vocab(layout.tp) // layout.tp
-    return Placement(layout.tp, layout.pp, shape.layers, chunk, tuple(coords), "train")
+    if experts is None:
+        return Placement(layout.tp, layout.pp, shape.layers, chunk, tuple(coords), "train")
+    return Placement(layout.tp, layout.pp, shape.layers, chunk, tuple(coords), "train", ep, etp,
+                     experts)
+
+
+def expert_coords(world: int, pp: int, etp: int, ep: int) -> tuple[tuple[int, int], ...]:
+    """(expert tp rank, EP rank) of every rank as megatron-core's expert RankGenerator (order
+    tp-cp-ep-dp-pp, cp = 1) lays them: within a pipeline stage expert TP varies fastest, then
+    EP, then expert DP. ValueError unless etp * ep divides the ranks of a stage."""
+    stage = world // pp
+    if stage % (etp * ep):
+        raise ValueError(f"expert tp x ep = {etp}x{ep} must divide the {stage} ranks of a "
+                         f"pipeline stage (world={world}, pp={pp})")
+    return tuple(((r % stage) % etp, (r % stage) // etp % ep) for r in range(world))
 
 
 def gen_placement(
@@ -218,7 +320,9 @@ def split_placements(train: TrainLayout, shape: LlamaShape, gen_world: int, tp: 
     t = train_placement(train, shape)
     chunk = _gen_vocab_chunk(train, shape, tp, vocab_pad)
     gen = tuple((i % tp, (i // tp) % pp, i // (tp * pp)) for i in range(gen_world))
-    return (dataclasses.replace(t, coords=t.coords + (None,) * gen_world, grouping="split"),
+    experts = None if t.experts is None else t.experts + (None,) * gen_world
+    return (dataclasses.replace(t, coords=t.coords + (None,) * gen_world, grouping="split",
+                                experts=experts),
             Placement(tp, pp, shape.layers, chunk, (None,) * train.world + gen, "split"))
 
 

@@ -21,7 +21,10 @@ Contract:
     peer holds (vocab chunks that a different padding does not nest) come from the nearest
     holder, as in p2p.
   * ``p2p``: any (tg, pg); a rank keeps what it holds and receives exactly the missing rows, each
-    from a holder in its own DP replica when one exists: the minimum volume.
+    from a holder in its own DP replica when one exists: the minimum volume. MoE experts
+    (EP > 1): an expert no rank of the receiver's DP replica holds comes from one of its
+    holders anywhere (chosen by the receiving rank's index, spreading the load); still exactly
+    the missing rows, once.
   * ``split``: the generation ranks are apart from the training ranks (``split_placements``),
     and only this strategy applies there. Each generation rank receives exactly its gen shard,
     once; every piece is cut evenly over ALL its holders (every training DP replica), the cut
@@ -212,10 +215,12 @@ class Sourcer:
         return self._pieces[key]
 
     def in_replica(self, shards, rep: int) -> list[int]:
-        return sorted(self.train.rank_at(b, a, rep) for b, a in shards)
+        """Holders of ``shards`` in DP replica ``rep`` (an expert shard may have none there)."""
+        found = (self.train.shard_rank(sh, rep) for sh in shards)
+        return sorted(r for r in found if r is not None)
 
     def everywhere(self, shards) -> list[int]:
-        return sorted(r for b, a in shards for r in self.train.ranks_at(b, a))
+        return sorted(r for sh in shards for r in self.train.shard_ranks(sh))
 
     def owners(self, key: str, group: int, members: Callable,
                whole_small: bool = False) -> list[tuple[int, int, int]]:
@@ -271,7 +276,8 @@ class Sourcer:
         """Rows not held by ``rank``: from a holder in its own DP replica."""
         out, rep = [], self.train.replica(rank)
         for lo, hi, shards in self.pieces(key):
-            near = self.in_replica(shards, rep)
+            # an expert another replica's EP rank holds: the holders spread over the receivers
+            near = self.in_replica(shards, rep) or self.everywhere(shards)
             src = near[rank % len(near)]
             for a, b in rest:
                 out += _clip([(src, lo, hi)], a, b)

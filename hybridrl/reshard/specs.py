@@ -27,10 +27,18 @@ Contract:
          fc2 X=F)
   vocab  [V, H] (V unpadded)          0        [chunk, H], chunk = Vpad/n; real rows
                                                [b*chunk, min((b+1)*chunk, V)), padding after
-  norm   [H] ([hd]: Qwen3's q/k norm) 0        replicated, the whole vector
+  norm   [H] ([hd]: Qwen3's q/k norm; 0        replicated, the whole vector
+         [E, H]: a MoE router)
   ====== ============================ ======= =============================================
 
   G = num_query_groups, hpg = heads/G, hd = head_dim, F = ffn, H = hidden.
+- Qwen3-MoE (``num_experts`` E > 0, every layer sparse): a layer's MLP is
+  ``mlp.router.weight`` [E, H] (kind norm: replicated over tp and ep) and, per global expert e,
+  ``mlp.experts.local_experts.e.linear_fc1.weight`` (kind fc1, [2, Fm, H]) and ``linear_fc2``
+  (kind row, [H, Fm]) with ``expert`` = e: megatron-core's SequentialMLP names at ep = 1. At
+  EP size ep, EP rank e // (E/ep) holds expert e as local expert e mod E/ep
+  (``local_name(pp, layers, ep)``), cut over expert TP (``etp``) as a dense fc1 / fc2 over tp.
+  The layer norm before the MoE is ``pre_mlp_layernorm.weight`` in both namings.
 - Tied embeddings: megatron keeps a copy named ``output_layer.weight`` on the last stage only when
   pp > 1; its ``key`` is the embedding's (the same full tensor). ``on_stage`` knows this.
 - Bad shapes or layouts raise ``ValueError`` naming the field and the numbers.
@@ -67,8 +75,23 @@ class LlamaShape:
     make_vocab_size_divisible_by: int = 128
     qkv_bias: bool = False  # Qwen2: linear_qkv.bias, interleaved per query group like the weight
     qk_norm: bool = False  # Qwen3: q_layernorm / k_layernorm weights [head_dim], replicated
+    num_experts: int = 0  # Qwen3-MoE: experts per layer (0 = dense)
+    moe_topk: int = 0  # experts per token
+    moe_ffn_hidden_size: int | None = None  # each expert's F (HF moe_intermediate_size)
+    moe_norm_topk_prob: bool = True  # top-k probabilities renormalized (no weight, no reshard)
 
     def __post_init__(self) -> None:
+        if self.num_experts:
+            if not isinstance(self.num_experts, int) or self.num_experts < 1:
+                raise ValueError(f"num_experts must be a non-negative integer, got "
+                                 f"{self.num_experts!r}")
+            if not isinstance(self.moe_topk, int) or not 1 <= self.moe_topk <= self.num_experts:
+                raise ValueError(f"moe_topk must be in [1, num_experts={self.num_experts}], "
+                                 f"got {self.moe_topk!r}")
+            f = self.moe_ffn_hidden_size
+            if not isinstance(f, int) or isinstance(f, bool) or f < 1:
+                raise ValueError(f"moe_ffn_hidden_size must be a positive integer with experts, "
+                                 f"got {f!r}")
         for f in ("hidden", "ffn", "heads", "num_query_groups", "layers", "vocab",
                   "make_vocab_size_divisible_by"):
             v = getattr(self, f)
@@ -133,7 +156,11 @@ class LlamaShape:
             head_dim=None if cfg.get("head_dim") is None else size("head_dim"),
             tied=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            **({"num_experts": size("num_experts"), "moe_topk": size("num_experts_per_tok"),
+                "moe_ffn_hidden_size": size("moe_intermediate_size"),
+                "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", False))}  # HF default
+               if arch == "Qwen3MoeForCausalLM" else {}),
         )
 
     @staticmethod
@@ -163,11 +190,20 @@ class LlamaShape:
                 tied=bool(m.tie_word_embeddings) if tied is None else tied,
                 qkv_bias=bool(getattr(m, "qkv_bias", False)),
                 qk_norm=bool(getattr(m, "qk_norm", False)),
+                **_moe_fields(m),
             )
         except AttributeError as err:
             raise ValueError(f"from_model: {type(m).__name__} is not a LlamaSpec, ModelConfig, "
                              f"megatron TransformerConfig or GPTModel (lacks {err.name!r})"
                              ) from None
+
+
+def _moe_fields(m) -> dict:
+    """The MoE fields of a LlamaSpec / ModelConfig (absent: dense)."""
+    return {"num_experts": int(getattr(m, "num_experts", 0) or 0),
+            "moe_topk": int(getattr(m, "moe_topk", 0) or 0),
+            "moe_ffn_hidden_size": getattr(m, "moe_ffn_hidden_size", None),
+            "moe_norm_topk_prob": bool(getattr(m, "moe_norm_topk_prob", True))}
 
 
 def _from_megatron(m, vocab: int | None, tied: bool | None, divisor: int) -> LlamaShape:
@@ -263,6 +299,8 @@ class ParamSpec:
     last_stage: bool = False
     tied_copy: bool = False
     unit: int = 1  # TP slices are whole multiples of ``unit`` rows (a qkv query group)
+    expert: int | None = None  # MoE: the global expert index (named so: its ep = 1 name)
+    num_experts: int = 0  # MoE: experts per layer (for the local index at ep > 1)
 
     @property
     def numel(self) -> int:
@@ -307,12 +345,21 @@ class ParamSpec:
         per = self.rows // n
         return b * per, (b + 1) * per
 
-    def local_name(self, pp: int, num_layers: int) -> str:
-        """The name megatron gives it on its stage (layer index local to the stage)."""
+    def local_name(self, pp: int, num_layers: int, ep: int = 1) -> str:
+        """The name megatron gives it on its stage (layer index local to the stage; an expert's
+        index local to its EP rank: global e is local expert e mod E/ep)."""
         if self.layer is None:
             return self.name
         offset = self.stage(pp, num_layers) * (num_layers // pp)
-        return self.name.replace(f"layers.{self.layer}.", f"layers.{self.layer - offset}.", 1)
+        name = self.name.replace(f"layers.{self.layer}.", f"layers.{self.layer - offset}.", 1)
+        if self.expert is not None and ep > 1:
+            local = self.expert % (self.num_experts // ep)
+            name = name.replace(f"local_experts.{self.expert}.", f"local_experts.{local}.", 1)
+        return name
+
+    def ep_rank(self, ep: int) -> int | None:
+        """The EP rank of ``ep`` holding this expert (None: not an expert parameter)."""
+        return None if self.expert is None else self.expert // (self.num_experts // ep)
 
     def part_intervals(self, lo: int, hi: int, parts: int,
                        vocab_chunk: int) -> list[tuple[int, int]]:
@@ -334,6 +381,21 @@ def check_split(shape: LlamaShape, tp: int, pp: int, what: str = "train") -> Non
         raise ValueError(f"{what} tp={tp} must divide ffn={shape.ffn}")
     if shape.layers % pp:
         raise ValueError(f"{what} pp={pp} must divide layers={shape.layers}")
+    if what == "gen":  # the engines split each expert's F over gen tp (training: etp, ep)
+        check_expert_split(shape, tp, 1, what)
+
+
+def check_expert_split(shape: LlamaShape, etp: int, ep: int, what: str = "train") -> None:
+    """ValueError unless the experts split over expert TP ``etp`` and EP ``ep``."""
+    if not shape.num_experts:
+        if ep != 1:
+            raise ValueError(f"{what} ep={ep} needs a mixture-of-experts model (num_experts > 0)")
+        return
+    if shape.num_experts % ep:
+        raise ValueError(f"{what} ep={ep} must divide num_experts={shape.num_experts}")
+    if shape.moe_ffn_hidden_size % etp:
+        raise ValueError(f"{what} expert tp={etp} must divide "
+                         f"moe_ffn_hidden_size={shape.moe_ffn_hidden_size}")
 
 
 def _layer_specs(s: LlamaShape, layer: int, naming: str) -> list[ParamSpec]:
@@ -352,6 +414,8 @@ def _layer_specs(s: LlamaShape, layer: int, naming: str) -> list[ParamSpec]:
                        0, unit=group_rows)] if s.qkv_bias else []  # Qwen2
     qkv_extras += [spec(f"self_attention.{n}_layernorm.weight", "norm", (s.head_dim,), 0)
                    for n in ("q", "k")] if s.qk_norm else []  # Qwen3
+    if s.num_experts:  # a MoE layer: megatron has no fused norm there in either naming
+        ln2 = "pre_mlp_layernorm.weight"
     return [
         spec(ln1, "norm", (H,), 0),
         spec("self_attention.linear_qkv.weight", "qkv",
@@ -359,9 +423,24 @@ def _layer_specs(s: LlamaShape, layer: int, naming: str) -> list[ParamSpec]:
         *qkv_extras,
         spec("self_attention.linear_proj.weight", "row", (H, s.heads * s.head_dim), 1),
         spec(ln2, "norm", (H,), 0),
-        spec("mlp.linear_fc1.weight", "fc1", (2, s.ffn, H), 1),
-        spec("mlp.linear_fc2.weight", "row", (H, s.ffn), 1),
+        *(_moe_specs(s, layer) if s.num_experts else [
+            spec("mlp.linear_fc1.weight", "fc1", (2, s.ffn, H), 1),
+            spec("mlp.linear_fc2.weight", "row", (H, s.ffn), 1)]),
     ]
+
+
+def _moe_specs(s: LlamaShape, layer: int) -> list[ParamSpec]:
+    """A MoE layer's router (replicated over tp and ep: kind norm, [E, H]) and every expert's
+    fc1 / fc2, named with the global expert index (their ep = 1 names)."""
+    p, H, E, F = f"decoder.layers.{layer}.mlp.", s.hidden, s.num_experts, s.moe_ffn_hidden_size
+    out = [ParamSpec(p + "router.weight", p + "router.weight", "norm", (E, H), 0, layer=layer)]
+    for e in range(E):
+        q = f"{p}experts.local_experts.{e}."
+        out += [ParamSpec(q + "linear_fc1.weight", q + "linear_fc1.weight", "fc1", (2, F, H), 1,
+                          layer=layer, expert=e, num_experts=E),
+                ParamSpec(q + "linear_fc2.weight", q + "linear_fc2.weight", "row", (H, F), 1,
+                          layer=layer, expert=e, num_experts=E)]
+    return out
 
 
 def build_specs(shape: LlamaShape, naming: str = "local") -> list[ParamSpec]:

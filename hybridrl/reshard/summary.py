@@ -63,7 +63,7 @@ def _signature(spec: ParamSpec, train: Placement, gen: Placement):
     if spec.layer is None:
         return spec.key
     return (spec.kind, spec.shape, spec.unit, spec.stage(train.pp, train.num_layers),
-            spec.stage(gen.pp, gen.num_layers))
+            spec.stage(gen.pp, gen.num_layers), spec.ep_rank(train.ep))
 
 
 def _classes(specs: Sequence[ParamSpec], train: Placement, gen: Placement):

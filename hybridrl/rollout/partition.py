@@ -1,6 +1,8 @@
 """Rollouts partitioned over data parallelism: each DP replica receives only the rows it trains on.
 
 Contract:
+- ``TransportStats``: a rank's bytes of one hand-off; ``a + b`` sums them, ``metrics()`` is
+  the step metric ``rollout/handoff_bytes`` (received: its rows plus the lengths).
 - ``plan_rollout_partition(seq_lens, dp_size, chunk, group_size)`` (pure): the global rows of
   each DP rank, ascending. The batch is cut into consecutive chunks of ``chunk`` rows (the
   mini-batch granularity, so every PPO mini-batch is spread over all DP ranks and the updates see
@@ -16,6 +18,9 @@ Contract:
   fp32 log-probs bit-cast to int32); no padding and no zero rows travel. Returns this rank's rows
   as a ``GenerationOutput`` [n_local, R] (R = the longest response of the whole batch, as the
   whole-batch path) and ``TransportStats`` (bytes received / sent over the network).
+- ``pack_rows(rows, position, out, lens)`` / ``unpack_rows(buf, rows, lens, local, ids, mask,
+  logp)``: that int32 buffer and back (also the split placement's hand-off,
+  ``hybridrl.rollout.split.link``).
 - ``rollout_bytes_model(...)`` (pure): bytes received per rank per step by today's whole-batch
   all_gather path and by this partitioned path, for benchmarks/ and docs/scaling.md.
 """
@@ -39,6 +44,15 @@ class TransportStats:
     bytes_in: int = 0
     bytes_out: int = 0
     scalar_bytes: int = 0  # the per-sequence lengths every rank receives (4 bytes each)
+
+    def __add__(self, other: TransportStats) -> TransportStats:
+        return TransportStats(self.bytes_in + other.bytes_in, self.bytes_out + other.bytes_out,
+                              self.scalar_bytes + other.scalar_bytes)
+
+    def metrics(self) -> dict:
+        """``rollout/handoff_bytes``: the bytes this rank received for its rows (and the
+        lengths every rank receives) in the step's hand-offs."""
+        return {"rollout/handoff_bytes": float(self.bytes_in + self.scalar_bytes)}
 
 
 def plan_rollout_partition(seq_lens: list[int], dp_size: int, chunk: int,
@@ -72,7 +86,7 @@ def plan_transfers(owner: list[int], parts: list[list[int]],
     return out
 
 
-def _pack(rows: list[int], position: dict[int, int], out: GenerationOutput,
+def pack_rows(rows: list[int], position: dict[int, int], out: GenerationOutput,
           lens: list[int]) -> torch.Tensor:
     """int32 [2·tokens]: the valid token ids of ``rows``, then their log-probs' fp32 bits."""
     ids, logp = [], []
@@ -86,7 +100,7 @@ def _pack(rows: list[int], position: dict[int, int], out: GenerationOutput,
                       torch.cat(logp).float().contiguous().view(torch.int32)])
 
 
-def _unpack(buf: torch.Tensor, rows: list[int], lens: list[int], local: dict[int, int],
+def unpack_rows(buf: torch.Tensor, rows: list[int], lens: list[int], local: dict[int, int],
             ids_NR: torch.Tensor, mask_NR: torch.Tensor, logp_NR: torch.Tensor) -> None:
     total = sum(lens[r] for r in rows)
     buf = buf.cpu()
@@ -124,9 +138,9 @@ def exchange_rollouts(rank: int, transfers: dict, mine: list[int], src_rows: lis
     ops, recvs = [], []
     for (src, dst), rows in sorted(transfers.items()):
         if src == rank and dst == rank:
-            _unpack(_pack(rows, position, src_out, lens), rows, lens, local, ids, mask, logp)
+            unpack_rows(pack_rows(rows, position, src_out, lens), rows, lens, local, ids, mask, logp)
         elif src == rank:
-            buf = _pack(rows, position, src_out, lens).to(device)
+            buf = pack_rows(rows, position, src_out, lens).to(device)
             stats.bytes_out += buf.numel() * 4
             ops.append(dist.P2POp(dist.isend, buf, dst))
         elif dst == rank:
@@ -139,7 +153,7 @@ def exchange_rollouts(rank: int, transfers: dict, mine: list[int], src_rows: lis
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     for buf, rows in recvs:
-        _unpack(buf, rows, lens, local, ids, mask, logp)
+        unpack_rows(buf, rows, lens, local, ids, mask, logp)
     return GenerationOutput(ids, mask, logp), stats
 
 

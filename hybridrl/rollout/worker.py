@@ -28,24 +28,23 @@ Contract:
   training phases; SGLang then gives its GPU memory back (no-op for the builtin engine).
 - ``generate(prompts, params, seed)`` (collective): the N prompts are cut into contiguous shares,
   one per gen replica (``numpy.array_split`` order); each replica samples its share with seed
-  ``seed * 1_000_003 + replica`` (reproducible, resumable without saved generator state); the
-  shares are all-gathered as tensors on the engine's device (one packed float64 tensor per
-  rank, no pickling) so every rank returns the same ``GenerationOutput`` for all N, in prompt
-  order, R = the longest response. (The whole batch on every rank: kept for callers that need
-  it; the trainer uses ``generate_partitioned``.)
+  ``seed * 1_000_003 + replica`` (reproducible, resumable without saved generator state); every
+  rank returns the same ``GenerationOutput`` for all N, in prompt order, R = the longest
+  response, received as ``generate_partitioned``'s rows are (lengths first, then int32 ids +
+  fp32 log-probs, no padding; one part holding every row). (The whole batch on every rank:
+  kept for callers that need it; the trainer uses ``generate_partitioned``.)
 - ``generate_partitioned(prompts, params, seed, plan_parts)`` (collective): the same replica
   shares, but request i gets its own seed ``request_seed(seed, i)`` (so a sequence's sample does
   not depend on the layout); one all_reduce of an int32 length per sequence, then
   ``plan_parts(lengths)`` -> rows per DP rank (``hybridrl.rollout.partition``) and each rank
   receives only its DP replica's rows, point to point. Returns ``(rows, GenerationOutput of
-  them, TransportStats)``.
+  them, TransportStats)``. No float64 and no padding to the batch's longest response travel.
 - One timeout around generation, ``rollout.timeout_s`` (``timeout_s``). After its generate
   call k, each gen-TP source sets ``GEN_DONE_KEY`` (its rank, k) in the job's store; every rank
   then waits for all sources' keys of call k in the store (``store.wait``: no polling, no
   collective) at most ``timeout_s``, and only then posts the first collective after generate
-  (the length all-reduce of ``generate_partitioned``, the size all-gather of ``generate``; NCCL
-  on GPUs), so a slow engine is never waited for inside an NCCL collective, whose own group
-  timeout (600 s by default) would abort it first. Past ``timeout_s`` it raises RuntimeError
+  (the length all-reduce of the hand-off; NCCL on GPUs), so a slow engine is never waited for
+  inside an NCCL collective, whose own group timeout (600 s by default) would abort it first. Past ``timeout_s`` it raises RuntimeError
   naming the late engines (gen-TP group, source rank). That collective is itself waited at
   most ``timeout_s``; the gen-TP groups this worker creates get it as their timeout (SGLang's
   side groups have it too).
@@ -232,7 +231,10 @@ class RolloutWorker:
             params = dataclasses.replace(params, seed=seed * 1_000_003 + self.replica)
             out = self.engine.generate([prompts[i] for i in mine], params)
         self._generated()
-        return self._gather(len(prompts), mine if self.is_src else [], out)
+        everyone = list(range(len(prompts)))
+        _, local, _ = self._handoff(len(prompts), mine, out, lambda lens: [everyone],
+                                    [list(range(dist.get_world_size()))])
+        return local
 
     def generate_partitioned(self, prompts: list[list[int]], params: SamplingParams, seed: int,
                              plan_parts) -> tuple[list[int], GenerationOutput, TransportStats]:
@@ -245,8 +247,18 @@ class RolloutWorker:
             out = self.engine.generate([prompts[i] for i in gen_rows],
                                        dataclasses.replace(params, seed=seed, row_seeds=seeds))
         self._generated()
+        world = dist.get_world_size()
+        replicas = [[r for r in range(world) if self.layout.coords(r)["dp"] == d]
+                    for d in range(self.layout.dp)]
+        return self._handoff(len(prompts), gen_rows, out, plan_parts, replicas)
+
+    def _handoff(self, n_prompts: int, gen_rows: list[int], out, plan_parts,
+                 replicas: list[list[int]]) -> tuple[list[int], GenerationOutput, TransportStats]:
+        """Lengths to everyone (one int32 all_reduce), ``plan_parts(lengths)`` -> rows of each
+        part, then each part's rows to the ranks of ``replicas[part]``, point to point (int32
+        ids + fp32 log-probs, no padding: ``partition.exchange_rollouts``)."""
         src_rows = gen_rows if self.is_src else []
-        lens = torch.zeros(len(prompts), dtype=torch.int32)
+        lens = torch.zeros(n_prompts, dtype=torch.int32)
         if src_rows:
             lens[src_rows] = torch.tensor(check_prefix_mask(out), dtype=torch.int32)
         lens = lens.to(self.device)
@@ -256,15 +268,14 @@ class RolloutWorker:
         lens = [int(v) for v in lens.cpu()]
         parts = plan_parts(lens)
         gen = self.gen
+        shares = np.array_split(np.arange(n_prompts), self.n_replicas)
         owner = [gen.rank_at(0, 0, rep) for rep, share in enumerate(shares) for _ in share]
-        world = dist.get_world_size()
-        replicas = [[r for r in range(world) if self.layout.coords(r)["dp"] == d]
-                    for d in range(len(parts))]
-        mine = parts[self.layout.coords(self.rank)["dp"]]
+        part = next(d for d, ranks in enumerate(replicas) if self.rank in ranks)
+        mine = parts[part]
         transfers = plan_transfers(owner, parts, replicas)
         local, stats = exchange_rollouts(self.rank, transfers, mine, src_rows, out, lens,
                                          self.pad_token_id, self.device)
-        stats.scalar_bytes = 4 * len(prompts)
+        stats.scalar_bytes = 4 * n_prompts
         return mine, local, stats
 
     # ------------------------------------------------------------------ one timeout
@@ -316,41 +327,6 @@ class RolloutWorker:
                             f"(source rank {members[0]} has not finished generate call "
                             f"{self.generates})")
         return late
-
-    def _gather(self, n_prompts: int, rows: list[int], out) -> GenerationOutput:
-        """Every replica's share on every rank, in prompt order (two all_gathers over the world).
-
-        Each gen TP source packs its share as one float64 tensor [rows, 1 + 3R] = (prompt index,
-        ids, mask, log-probs), exact for token ids below 2^53; the other ranks send 0 rows. The
-        tensors live on the engine's device, so NCCL carries them; no pickling.
-        """
-        world, dev = dist.get_world_size(), self.device
-        r = out.response_ids.shape[1] if rows else 0
-        size = torch.tensor([[len(rows), r]], dtype=torch.long, device=dev)
-        sizes = [torch.empty_like(size) for _ in range(world)]
-        self._await_engines("the response sizes")
-        self._bounded(dist.all_gather(sizes, size, async_op=True), "the response sizes")
-        sizes = torch.cat(sizes).cpu()
-        n_max, r_max = (int(v) for v in sizes.max(dim=0).values)
-        packed = torch.zeros(n_max, 1 + 3 * r_max, dtype=torch.float64, device=dev)
-        if rows:
-            packed[:len(rows), 0] = torch.tensor(rows, dtype=torch.float64)
-            for k, t in enumerate((out.response_ids, out.response_mask, out.logprobs)):
-                packed[:len(rows), 1 + k * r_max:1 + k * r_max + r] = t.to(dev, torch.float64)
-        parts = [torch.empty_like(packed) for _ in range(world)]
-        dist.all_gather(parts, packed)
-        ids = torch.full((n_prompts, r_max), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(n_prompts, r_max, dtype=torch.long)
-        logp = torch.zeros(n_prompts, r_max, dtype=torch.float32)
-        for (n, r), part in zip(sizes.tolist(), parts):
-            if n == 0:
-                continue
-            part = part[:n].cpu()
-            idx = part[:, 0].long()
-            ids[idx, :r] = part[:, 1:1 + r].long()
-            mask[idx, :r] = part[:, 1 + r_max:1 + r_max + r].long()
-            logp[idx, :r] = part[:, 1 + 2 * r_max:1 + 2 * r_max + r].float()
-        return GenerationOutput(ids, mask, logp)
 
 
 def _store():

@@ -81,7 +81,7 @@ from hybridrl.planning.report import pipeline_lines
 from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
 from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
-from hybridrl.rollout.partition import plan_rollout_partition
+from hybridrl.rollout.partition import TransportStats, plan_rollout_partition
 from hybridrl.rollout.split.remote import build_rollout_worker
 from hybridrl.rollout.worker import reshard_metrics
 from hybridrl.trainer import dynamic_sampling
@@ -152,6 +152,7 @@ class PPOTrainer:
         self.dist_scorer = DistributedScorer(self.scorer, self.tokenizer, cfg.reward,
                                              cfg.rollout.response_length)
         self.partition = None  # this step's (rows per DP rank, global sequence lengths)
+        self.transport = TransportStats()  # this step's rollout hand-off bytes
         self.tally = TokenTally()  # tokens of the step's forwards (perf/pad_fraction)
         self.step, self.run_id, self.temperature = 0, run_id(cfg), cfg.rollout.temperature or 1.0
         self.log = build_metrics_log(cfg, self.rank, print_fn)  # the run folder's sinks
@@ -194,9 +195,10 @@ class PPOTrainer:
             return self.partition[0]
 
         params = self.worker.sampling_params(r.response_length, r.temperature, r.top_k, r.top_p)
-        rows, out, self.transport = self.worker.generate_partitioned(
+        rows, out, transport = self.worker.generate_partitioned(
             [prompts.prompt_ids[i] for i in uid], params,
             seed=self.cfg.trainer.seed * 100_003 + self.step, plan_parts=plan)
+        self.transport += transport  # the step's hand-offs (DAPO: every round's)
         pick = [uid[g] for g in rows]
         return RolloutBatch([prompts.prompt_ids[i] for i in pick], out.response_ids,
                             out.response_mask, out.logprobs, pick,
@@ -271,6 +273,7 @@ class PPOTrainer:
         with self.memory.timed(timing, "reshard"):
             sync = self.worker.sync_weights(self.actor)
         scored = None  # DAPO dynamic sampling scores while it generates (algorithm.filter_groups)
+        self.transport = TransportStats()  # rollout/handoff_bytes
         with self.memory.timed(timing, "gen"):
             if cfg.algorithm.filter_groups.enable:
                 rb, *scored = dynamic_sampling.collect(self, prompts)
@@ -338,7 +341,8 @@ class PPOTrainer:
                               self.world, self._gloo_dp())
         batch = {k: v for k, v in batch.items() if not (self.on_policy and k in GAP_METRICS)}
         batch.update(self.tally.pop_metrics(self._gloo_dp()))  # perf/pad_fraction, tokens_per_s
-        return {**metrics, **batch, **timing, **reshard_metrics(sync), **self.overlap.metrics()}
+        return {**metrics, **batch, **timing, **reshard_metrics(sync), **self.overlap.metrics(),
+                **self.transport.metrics()}
 
     # ------------------------------------------------------------------ KL guard
     def _models(self):

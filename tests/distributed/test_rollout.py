@@ -5,8 +5,10 @@ Each rank loads its engine-format shard (cut from the HF tensors by the independ
 runs the TP all-reduces and the vocab all-gather. Checked in the parent against one process of
 transformers: last-position logits of every prompt (1e-5), greedy tokens and their log-probs,
 sampled tokens' log-probs at temperature 0.8 (top-k/top-p on) against the HF recompute, and that
-both TP ranks return the same responses; ``RolloutWorker._gather`` assembles shares of different
-sizes and response lengths (and ranks that send nothing) in prompt order, the same on every rank.
+both TP ranks return the same responses; ``RolloutWorker._handoff`` (the hand-off of
+``generate``, one part holding every row) assembles shares of different sizes and response lengths
+(and ranks that send nothing) in prompt order, the same on every rank, from int32 ids + fp32
+log-probs of the valid tokens only.
 The engine-vs-megatron-actor log-prob check on 2 ranks
 (through the real reshard) lives in test_trainer.py (``training/rollout_logprob_diff``).
 """
@@ -203,38 +205,46 @@ def _share(rows, R):
     return GenerationOutput(ids, mask, -(ids % 7).float() / 7)
 
 
-SHARES = {0: ([0, 2, 4], 3), 1: ([1, 3], 2)}  # rank -> (prompt rows, response length)
+SHARES = {0: ([0, 1, 2], 3), 1: ([3, 4], 2)}  # rank -> (prompt rows, response length)
+ONE_REPLICA = ([0, 1, 2, 3, 4], 3)
 
 
 def _gather_case(rank):
-    """RolloutWorker._gather on 2 ranks: shares of 3 and 2 prompts with responses of different
-    lengths, then the same with rank 1 not a gen TP source (it sends 0 rows)."""
+    """RolloutWorker._handoff on 2 ranks, every row to both: shares of 3 and 2 prompts with
+    responses of different lengths, then the same with rank 1 not a gen TP source (it sends 0
+    rows)."""
     import types
 
     from hybridrl.rollout.worker import RolloutWorker
 
-    # the gather alone: the engines' store wait and the bounded collective wait are
+    # the hand-off alone: the engines' store wait and the bounded collective wait are
     # tests/distributed/test_sglang_timeouts.py's
-    fake = types.SimpleNamespace(device=torch.device("cpu"), pad_token_id=-1,
-                                 _await_engines=lambda what: None,
-                                 _bounded=lambda work, what: work.wait())
-    rows, R = SHARES[rank]
-    out = _share(rows, R)
-    both = RolloutWorker._gather(fake, 5, rows, out)
-    only0 = RolloutWorker._gather(fake, 5, rows if rank == 0 else [], out)
-    return {"both": both, "only0": only0}
+    out = {}
+    # both: 2 replicas of gen tp 1 (rank r generates SHARES[r]); only0: one replica of gen tp 2
+    # (both ranks generate every row, rank 0 is its source, rank 1 sends nothing)
+    for key, src, n_rep, (rows, R) in (("both", True, 2, SHARES[rank]),
+                                       ("only0", rank == 0, 1, ONE_REPLICA)):
+        fake = types.SimpleNamespace(device=torch.device("cpu"), pad_token_id=-1, rank=rank,
+                                     is_src=src, n_replicas=n_rep,
+                                     gen=types.SimpleNamespace(rank_at=lambda b, p, rep: rep),
+                                     _await_engines=lambda what: None,
+                                     _bounded=lambda work, what: work.wait())
+        _, out[key], stats = RolloutWorker._handoff(fake, 5, rows, _share(rows, R),
+                                                    lambda lens: [list(range(5))], [[0, 1]])
+        out[key + "_bytes"] = stats.bytes_in
+    return out
 
 
-def _expected(ranks):
+def _expected(shares):
     ids = torch.full((5, 3), -1, dtype=torch.long)
     mask = torch.zeros(5, 3, dtype=torch.long)
     logp = torch.zeros(5, 3)
-    for rank in ranks:
-        rows, R = SHARES[rank]
+    for rows, R in shares:
         out = _share(rows, R)
         ids[rows, :R], mask[rows, :R], logp[rows, :R] = (out.response_ids, out.response_mask,
                                                          out.logprobs)
-    return ids, mask, logp
+    valid = mask.bool()  # past its length a row holds the pad id and log-prob 0
+    return torch.where(valid, ids, -1), mask, torch.where(valid, logp, torch.zeros_like(logp))
 
 
 @pytest.fixture(scope="module")
@@ -251,10 +261,15 @@ def test_gen_tp_group_reused_or_created_with_timeout(gen_tp_results):
 
 @pytest.mark.slow
 def test_generate_gathers_every_share_in_prompt_order(gen_tp_results):
-    for key, ranks in (("both", (0, 1)), ("only0", (0,))):
-        want = _expected(ranks)
+    for key, shares in (("both", list(SHARES.values())), ("only0", [ONE_REPLICA])):
+        want = _expected(shares)
         for res in gen_tp_results:
             got = res["gathered"][key]
             assert got.logprobs.dtype == torch.float32, key
             for g, w in zip((got.response_ids, got.response_mask, got.logprobs), want):
                 assert torch.equal(g, w), key
+    # what crosses: the other rank's valid tokens, 8 bytes each (no padding, no float64)
+    other = [int(_share(*SHARES[1 - r]).response_mask.sum()) for r in (0, 1)]
+    assert [res["gathered"]["both_bytes"] for res in gen_tp_results] == [8 * n for n in other]
+    whole = int(_share(*ONE_REPLICA).response_mask.sum())
+    assert [res["gathered"]["only0_bytes"] for res in gen_tp_results] == [0, 8 * whole]

@@ -40,7 +40,8 @@ def base_overrides(root: str) -> list[str]:
 
 
 def _clean(history: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/", "reshard/"))}
+    return [{k: v for k, v in m.items()
+             if not k.startswith(("timing_s/", "perf/", "reshard/", "rollout/handoff"))}
             for m in history]
 
 

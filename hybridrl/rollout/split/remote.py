@@ -12,19 +12,29 @@ Contract:
   over the bridge (each generation rank receives exactly its engine shard once, balanced over
   the training ranks, bucketed: ``reshard.planner``'s split strategy); returns ``RunStats``.
 - ``request(prompts, params, seed)`` (rank 0 sends, every training rank records it) starts a
-  generation and returns at once; ``collect()`` waits for the outstanding request's results
-  (every training rank receives the whole batch from each gen replica, waiting at most
-  ``rollout.timeout_s``: ``link.recv_shares``) and keeps them, with
-  the replicas' generation seconds, the seconds this rank waited for them and the weight syncs
-  the generation ranks had received when they generated them (``last_gen_s``, ``last_wait_s``,
-  ``last_syncs``: those of the results ``generate_partitioned`` used last).
+  generation and returns at once; several may be outstanding (``rollout.async_steps``), the
+  generation ranks take the commands in order. ``collect(seed=None)`` receives the outstanding
+  requests' response lengths in request order up to ``seed`` (all when None), each wait at most
+  ``rollout.timeout_s`` (``link.recv_lengths``), and keeps them (``Results``) with the
+  replicas' generation seconds, the seconds this rank waited and the weight syncs the
+  generation ranks had received when they generated them (``last_gen_s``, ``last_wait_s``,
+  ``last_syncs``: those of the results ``generate_partitioned`` used last). ``in_flight()``:
+  requests started and not yet used.
   ``generate_partitioned(prompts, params, seed, plan_parts)`` uses kept results of the same
-  request, else collects an outstanding one, requests and collects; then
-  ``plan_parts(lengths)`` -> rows per DP rank, and returns this DP rank's rows (row order and
-  right padding as ``RolloutWorker.generate_partitioned``: the same tensors).
-- ``kept_state(seed)`` / ``keep(state)``: request ``seed``'s results (collected first) as plain
-  data and back (the in-flight batch a checkpoint holds). Results are kept per request, so a
-  validation generated between a prefetch and its use does not displace the prefetched batch.
+  request, else collects an outstanding one, else requests and collects; then
+  ``plan_parts(lengths)`` -> rows per DP rank, rank 0 sends ``handoff`` and each training rank
+  receives only its DP replica's rows, int32 ids + fp32 log-probs without padding
+  (``link.recv_rows``; row order and right padding as ``RolloutWorker.generate_partitioned``:
+  the same tensors). ``TransportStats``: ``bytes_in`` = this rank's rows, ``scalar_bytes`` =
+  the lengths and headers (``link.handoff_bytes``).
+- ``kept_state(seed)`` / ``keep(states)``: request ``seed``'s results as plain data, the whole
+  batch on rank 0 (collective: a ``handoff`` of every row to rank 0 with ``drop=False``, so the
+  generation ranks still hand it off later; other ranks return None) and back (a list of them:
+  the in-flight batches a checkpoint holds; kept whole on every rank, no hand-off needed).
+  Results are kept per request, so a validation generated between a prefetch and its use does
+  not displace the prefetched batch.
+- Failure lines (``who(src)``): a generation replica is named by its first rank, its replica
+  index and the last command rank 0 sent (``link.GenerationTimeout``).
 - ``close()`` (every training rank; rank 0 says ``stop``): the generation loop ends.
 - No collective on the default group: rank 0 <-> generation ranks on the command group, every
   training rank <-> generation ranks on the bridge, point to point.
@@ -32,6 +42,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -41,7 +52,13 @@ from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.executor import run_plan, train_sources
 from hybridrl.rollout.base import GenerationOutput, SamplingParams
 from hybridrl.rollout.partition import TransportStats, check_prefix_mask
-from hybridrl.rollout.split.link import Command, build_split_plan, recv_shares
+from hybridrl.rollout.split.link import (
+    Command,
+    build_split_plan,
+    handoff_bytes,
+    recv_lengths,
+    recv_rows,
+)
 
 
 def build_rollout_worker(cfg, groups, actor, tokenizer, split=None):
@@ -51,6 +68,21 @@ def build_rollout_worker(cfg, groups, actor, tokenizer, split=None):
     from hybridrl.rollout.worker import RolloutWorker
 
     return RolloutWorker(cfg, groups, actor, tokenizer)
+
+
+@dataclasses.dataclass
+class Results:
+    """One request's generated batch as the training ranks know it: its prompts, the response
+    lengths, the replicas' generation seconds, this rank's wait and the weight syncs the replicas
+    had received; ``local``: the whole batch on this rank (a checkpoint's in-flight batch),
+    else None (the rows wait on the generation ranks for a ``handoff``)."""
+
+    prompts: list
+    lens: list
+    gen_s: float
+    wait_s: float
+    syncs: int
+    local: GenerationOutput | None = None
 
 
 class RemoteRollout:
@@ -71,23 +103,32 @@ class RemoteRollout:
         self.plan, self.gen = self.sp.plan, self.sp.gen
         self.n_replicas = len(split.gen_replicas())
         self.sources = [members[0] for members in split.gen_replicas()]
+        self.device = split.device() if hasattr(split, "device") else torch.device("cpu")
+        self.dp_of = [groups.train.coords(t)["dp"] for t in range(groups.train.world)]
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
-        self.outstanding = None  # (seed, prompts) requested, not yet collected
-        self.kept = {}  # seed -> (prompts, GenerationOutput, gen s, wait s, syncs): not yet used
+        self.outstanding = []  # (seed, prompts) requested, not yet collected, in request order
+        self.kept = {}  # seed -> Results: collected, not yet used
         self.last_gen_s = self.last_wait_s = 0.0  # of the results generate_partitioned used
         self.last_syncs = 0
+        self.last_command = "none yet"  # rank 0's last command (failure lines)
         self.verify = True
-        self.timeout_s = cfg.rollout.timeout_s  # the wait for a batch (link.recv_shares)
+        self.timeout_s = cfg.rollout.timeout_s  # the wait for a batch (link.recv_lengths)
 
     def _command(self, cmd: Command) -> None:
+        self.last_command = cmd.describe()
         if self.rank == 0:
             dist.broadcast_object_list([cmd], src=0, group=self.split.command)
 
+    def who(self, src: int) -> str:
+        """One generation replica in a failure line: rank, replica, rank 0's last command."""
+        return (f"generation rank {src} (replica {self.sources.index(src)} of "
+                f"{self.n_replicas}; last command: {self.last_command})")
+
     @torch.no_grad()
     def sync_weights(self, actor):
-        """The actor's training shards -> every generation rank's engine (collective)."""
-        self.collect()  # a generation in flight finishes on the weights it started with
+        """The actor's training shards -> every generation rank's engine (collective). The
+        generation ranks take it after the batches requested before it (in command order)."""
         self._command(Command("sync"))
         named = {n: p.detach() for n, p in actor.module.named_parameters()}
         sources = train_sources(self.plan, self.rank, named)
@@ -105,62 +146,87 @@ class RemoteRollout:
         return SamplingParams(max_new_tokens, temperature, top_k, top_p, self.eos_token_id,
                               self.pad_token_id)
 
+    def in_flight(self) -> int:
+        """Requests started and not yet used (outstanding or collected)."""
+        return len(self.outstanding) + len(self.kept)
+
     def request(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> None:
-        """Start generating ``prompts`` on the generation ranks; returns at once."""
-        self.collect()
+        """Start generating ``prompts`` on the generation ranks; returns at once (up to
+        ``rollout.async_steps`` requests may be outstanding)."""
         self._command(Command("gen", prompts, params, seed))
-        self.outstanding = (seed, prompts)
+        self.outstanding.append((seed, prompts))
 
-    def collect(self) -> None:
-        """Wait for the outstanding request's results (no-op without one)."""
-        if self.outstanding is None:
-            return
-        t0 = time.perf_counter()
-        out, gen_s, syncs = recv_shares(self.split.bridge, self.sources, len(self.outstanding[1]),
-                                 self.pad_token_id, self.timeout_s)
-        seed, prompts = self.outstanding
-        self.kept[seed] = (prompts, out, gen_s, time.perf_counter() - t0, syncs)
-        self.outstanding = None
+    def collect(self, seed: int | None = None) -> None:
+        """Receive the lengths of the outstanding requests up to request ``seed`` (all of them
+        when None), in request order (no-op without one)."""
+        while self.outstanding and (seed is None or seed in (s for s, _ in self.outstanding)):
+            t0 = time.perf_counter()
+            s, prompts = self.outstanding.pop(0)
+            lens, gen_s, syncs = recv_lengths(self.split.bridge, self.sources, len(prompts),
+                                              self.timeout_s, self.who, self.device)
+            self.kept[s] = Results(prompts, lens, gen_s, time.perf_counter() - t0, syncs)
+            if s == seed:
+                break
 
-    def _results(self, prompts, params, seed) -> GenerationOutput:
-        self.collect()
-        if seed not in self.kept or self.kept[seed][0] != prompts:
+    def _results(self, prompts, params, seed) -> Results:
+        self.collect(seed)
+        if seed not in self.kept or self.kept[seed].prompts != prompts:
             self.request(prompts, params, seed)
-            self.collect()
-        _, out, self.last_gen_s, self.last_wait_s, self.last_syncs = self.kept.pop(seed)
-        return out
+            self.collect(seed)
+        res = self.kept.pop(seed)
+        self.last_gen_s, self.last_wait_s, self.last_syncs = res.gen_s, res.wait_s, res.syncs
+        return res
 
     def generate_partitioned(self, prompts: list[list[int]], params: SamplingParams, seed: int,
                              plan_parts) -> tuple[list[int], GenerationOutput, TransportStats]:
         """This DP replica's rows of the request's results (module docstring)."""
-        out = self._results(prompts, params, seed)
-        lens = check_prefix_mask(out)
-        parts = plan_parts(lens)
+        res = self._results(prompts, params, seed)
+        parts = plan_parts(res.lens)
         mine = parts[self.groups.dp_rank]
-        idx = torch.tensor(mine, dtype=torch.long)
-        local = GenerationOutput(out.response_ids[idx], out.response_mask[idx], out.logprobs[idx])
-        received = sum(8 * (1 + 3 * out.response_ids.shape[1]) for _ in lens) + 24 * len(self.sources)
-        return mine, local, TransportStats(bytes_in=received)
+        stats = TransportStats(scalar_bytes=handoff_bytes(res.lens, [], self.n_replicas))
+        if res.local is not None:  # a checkpoint's batch: every row is here
+            idx = torch.tensor(mine, dtype=torch.long)
+            out = res.local
+            return mine, GenerationOutput(out.response_ids[idx], out.response_mask[idx],
+                                          out.logprobs[idx]), stats
+        self._command(Command("handoff", seed=seed, parts=parts, dp_of=self.dp_of))
+        local, stats.bytes_in = recv_rows(self.split.bridge, self.sources, res.lens, mine,
+                                          self.pad_token_id, self.timeout_s, self.who,
+                                          self.device)
+        return mine, local, stats
 
-    # ------------------------------------------------------------------ in-flight batch
+    # ------------------------------------------------------------------ in-flight batches
     def kept_state(self, seed: int) -> dict | None:
-        """The results of request ``seed`` (collected first), as plain data; None if none."""
-        self.collect()
+        """The results of request ``seed`` (collected first) as plain data, the whole batch on
+        rank 0 (the generation ranks keep it for its hand-off); None if none. Collective."""
+        self.collect(seed)
         if seed not in self.kept:
             return None
-        prompts, out, gen_s, wait_s, syncs = self.kept[seed]
-        return {"seed": seed, "prompts": prompts, "ids": out.response_ids,
-                "mask": out.response_mask, "logprobs": out.logprobs, "gen_s": gen_s,
-                "wait_s": wait_s, "syncs": syncs}
+        res = self.kept[seed]
+        out = res.local
+        if out is None:
+            dp_of = [0] + [None] * (len(self.dp_of) - 1)
+            everything = list(range(len(res.lens)))
+            self._command(Command("handoff", seed=seed, parts=[everything], dp_of=dp_of,
+                                  drop=False))
+            if self.rank == 0:
+                out, _ = recv_rows(self.split.bridge, self.sources, res.lens, everything,
+                                   self.pad_token_id, self.timeout_s, self.who, self.device)
+        if out is None:
+            return None  # not rank 0: only rank 0's state is written
+        return {"seed": seed, "prompts": res.prompts, "ids": out.response_ids,
+                "mask": out.response_mask, "logprobs": out.logprobs, "gen_s": res.gen_s,
+                "wait_s": res.wait_s, "syncs": res.syncs}
 
-    def keep(self, state: dict | None) -> None:
-        """Forget every kept result, then keep ``state``'s (``kept_state``'s form)."""
+    def keep(self, states: list[dict]) -> None:
+        """Forget every kept result, then keep ``states``' (``kept_state``'s form)."""
         self.collect()
         self.kept = {}
-        if state is not None:
-            self.kept[state["seed"]] = (state["prompts"], GenerationOutput(
-                state["ids"], state["mask"], state["logprobs"]), state["gen_s"], state["wait_s"],
-                state.get("syncs", 0))
+        for state in states:
+            out = GenerationOutput(state["ids"], state["mask"], state["logprobs"])
+            self.kept[state["seed"]] = Results(state["prompts"], check_prefix_mask(out),
+                                               state["gen_s"], state["wait_s"],
+                                               state.get("syncs", 0), local=out)
 
     def close(self) -> None:
         """The generation ranks' loop ends (after any outstanding results are received)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -32,7 +31,7 @@ from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.executor import run_plan
 from hybridrl.rollout.engine_sync import inplace_targets
 from hybridrl.rollout.sampling import request_seed
-from hybridrl.rollout.split.link import build_split_plan, send_share
+from hybridrl.rollout.split.link import build_split_plan, replica_rows, send_lengths, send_rows
 
 
 def receive_command(split):
@@ -41,23 +40,31 @@ def receive_command(split):
     return box[0]
 
 
+def build_engine(spec, sp, split, dtype, tp_rank: int, tp_src: int):
+    """This generation rank's engine on its gen shard (empty until the first sync): the one
+    place an engine is constructed, so another engine can be swapped in here."""
+    from hybridrl.rollout.builtin.engine import BuiltinEngine, EngineSpec
+
+    return BuiltinEngine(EngineSpec.from_llama(spec, sp.gen.vocab_chunk), tp_group=split.gen_tp,
+                         tp_rank=tp_rank, tp_size=sp.gen.tp, tp_src=tp_src,
+                         device=torch.device("cpu"), dtype=dtype, pp_size=1, blocks=1)
+
+
 def serve(cfg, split, phases=None, on_started=None) -> int:
     """The generation rank's loop (module docstring). ``phases``: the entrypoint's
     ``PhaseBoard``, told what the rank does (``generation: sync`` / ``generation: gen`` of the
     batch count), so a failure line names where a generation rank was. ``on_started()``: called
     once the engine is built (``split_run.fit_split``)."""
-    from hybridrl.rollout.builtin.engine import BuiltinEngine, EngineSpec
-
     spec, uses_te, dtype, train = receive_command(split)
     sp = build_split_plan(train, spec, len(split.gen_ranks), split.gen_tp_size,
                           cfg.reshard.bucket_mb, dtype, uses_te)
     rank = split.rank
     tp_rank, _, replica = sp.gen.coords[rank]
     members = split.gen_replicas()[replica]
-    engine = BuiltinEngine(EngineSpec.from_llama(spec, sp.gen.vocab_chunk), tp_group=split.gen_tp,
-                           tp_rank=tp_rank, tp_size=sp.gen.tp, tp_src=members[0],
-                           device=torch.device("cpu"), dtype=dtype, pp_size=1, blocks=1)
+    engine = build_engine(spec, sp, split, dtype, tp_rank, members[0])
     n_replicas, pending, batches, verify, syncs = len(split.gen_replicas()), [], 0, True, 0
+    held = {}  # request seed -> (rows, GenerationOutput): generated, not yet handed off
+    is_src = rank == members[0]
     if on_started is not None:
         on_started()
     while True:
@@ -74,18 +81,24 @@ def serve(cfg, split, phases=None, on_started=None) -> int:
             engine.finish_update()
             verify, syncs = False, syncs + 1
             continue
-        for w in pending:  # the last batch has reached every training rank
-            w.wait()
-        shares = np.array_split(np.arange(len(cmd.prompts)), n_replicas)
-        rows = [int(i) for i in shares[replica]]
+        if cmd.op == "handoff":
+            rows, out = held[cmd.seed]
+            if is_src:
+                pending += send_rows(split.bridge, rows, out, cmd.parts, cmd.dp_of)
+            if cmd.drop:
+                del held[cmd.seed]
+            continue
+        pending = [w for w in pending if not w.is_completed()]  # sent: no longer held
+        rows = replica_rows(len(cmd.prompts), n_replicas)[replica]
         out, t0 = None, time.perf_counter()
         if rows:
             seeds = tuple(request_seed(cmd.seed, i) for i in rows)
             out = engine.generate([cmd.prompts[i] for i in rows],
                                   dataclasses.replace(cmd.params, seed=cmd.seed, row_seeds=seeds))
         gen_s = time.perf_counter() - t0
-        pending = (send_share(split.bridge, split.train_ranks, rows, out, gen_s, syncs)
-                   if rank == members[0] else [])
+        if is_src:
+            held[cmd.seed] = (rows, out)
+            pending += send_lengths(split.bridge, split.train_ranks, out, gen_s, syncs)
         batches += 1
     for w in pending:
         w.wait()
