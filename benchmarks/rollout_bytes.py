@@ -5,8 +5,9 @@
 On each world size (gloo ranks on CPU; training layout tp = pp = 1 so dp = world, gen tp 2, as
 the engine's gen-TP sources hold the responses), every gen replica holds its share of ``--seqs``
 sequences with random lengths up to ``--max-len``. In the same process group it runs:
-- ``allgather``: ``RolloutWorker._gather`` (the whole-batch path: a [rows, 1 + 3R] float64
-  tensor from every rank, zero rows from non-source ranks), bytes = what each rank receives;
+- ``allgather``: the former whole-batch path (``RolloutWorker._gather`` until issue 39: a
+  [rows, 1 + 3R] float64 tensor from every rank, zero rows from non-source ranks, after a size
+  all_gather), bytes = what each rank received, computed from the lengths (the path is gone);
 - ``partitioned``: ``exchange_rollouts`` of the rows ``plan_rollout_partition`` gives each DP
   rank (int32 ids + fp32 log-probs, point to point) plus the int32 length per sequence;
 and prints, per world, the largest per-rank figure of each path, the rank's useful share, the
@@ -29,8 +30,6 @@ GEN_TP = 2
 
 
 def _rank(rank: int, world: int, n_seqs: int, max_len: int) -> dict:
-    import types
-
     import numpy as np
     import torch
 
@@ -40,7 +39,6 @@ def _rank(rank: int, world: int, n_seqs: int, max_len: int) -> dict:
         plan_rollout_partition,
         plan_transfers,
     )
-    from hybridrl.rollout.worker import RolloutWorker
 
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(1, max_len + 1, (n_seqs,), generator=gen).tolist()
@@ -51,11 +49,9 @@ def _rank(rank: int, world: int, n_seqs: int, max_len: int) -> dict:
     mask = (torch.arange(R)[None, :] < torch.tensor([lens[i] for i in rows])[:, None]).long()
     ids = torch.randint(0, 32000, (len(rows), R), generator=gen) * mask
     out = GenerationOutput(ids, mask, -torch.rand(len(rows), R, generator=gen) * mask)
-    # today: every rank gathers every row (sizes, then the packed float64 rows)
-    fake = types.SimpleNamespace(device=torch.device("cpu"), pad_token_id=0)
-    whole = RolloutWorker._gather(fake, n_seqs, rows if is_src else [], out)
+    # before: every rank gathered every row (sizes, then the packed float64 rows)
     n_max = max(len(s) for s in shares)
-    r_max = whole.response_ids.shape[1]
+    r_max = max(lens)
     old_bytes = world * 2 * 8 + world * n_max * (1 + 3 * r_max) * 8
     # new: each DP rank (dp = world here) receives its rows only
     parts = plan_rollout_partition(lens, world, n_seqs, 1)
@@ -63,8 +59,7 @@ def _rank(rank: int, world: int, n_seqs: int, max_len: int) -> dict:
     transfers = plan_transfers(owner, parts, [[d] for d in range(world)])
     local, stats = exchange_rollouts(rank, transfers, parts[rank], rows if is_src else [],
                                      out, lens, 0, "cpu")
-    assert torch.equal(local.response_ids, whole.response_ids[parts[rank]])  # same rows
-    assert torch.equal(local.logprobs, whole.logprobs[parts[rank]])
+    assert local.response_mask.sum(-1).tolist() == [lens[i] for i in parts[rank]]  # its rows
     useful = sum(lens[i] for i in parts[rank]) * 8
     return {"allgather": old_bytes, "partitioned": stats.bytes_in + 4 * n_seqs,
             "useful": useful, "mean_len": sum(lens) / n_seqs, "r_max": r_max}
