@@ -139,12 +139,10 @@ class HybridRLConfig:
         if r.async_steps and self.algorithm.filter_groups.enable:
             raise ValueError(f"rollout.async_steps={r.async_steps} does not combine with "
                              "algorithm.filter_groups.enable (its rounds depend on the scores)")
-        if split and self.trainer.device == "cuda":
-            raise ValueError("parallel.placement=split runs on CPU gloo ranks only for now; "
-                             "use trainer.device=cpu or parallel.placement=colocated")
-        if split and r.engine != "builtin":
-            raise ValueError(f"parallel.placement=split runs rollout.engine=builtin only for now; "
-                             f"got {r.engine!r}")
+        if split and r.engine == "sglang" and self.trainer.device != "cuda":
+            raise ValueError("parallel.placement=split with rollout.engine=sglang needs "
+                             f"trainer.device=cuda (one SGLang Engine per generation replica on "
+                             f"its own GPUs); got trainer.device={self.trainer.device!r}")
         if split and self.reshard.strategy != "auto":
             raise ValueError("parallel.placement=split moves weights with the split strategy; "
                              f"reshard.strategy must be 'auto', got {self.reshard.strategy!r}")

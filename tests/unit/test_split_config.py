@@ -38,7 +38,7 @@ def test_split_config_trains_on_the_first_ranks():
     (["rollout.async_steps=2"], "rollout.async_steps=2 needs parallel.placement=split"),
     (["parallel.placement=both"], "parallel.placement must be one of"),
     ([*SPLIT, "reshard.strategy=p2p"], "reshard.strategy must be 'auto'"),
-    ([*SPLIT, "trainer.device=cuda"], "runs on CPU gloo ranks only for now"),
+    ([*SPLIT, "rollout.engine=sglang"], "rollout.engine=sglang needs trainer.device=cuda"),
     ([*SPLIT, "rollout.async_steps=1", "algorithm.filter_groups.enable=true", "rollout.n=2",
       "algorithm.adv_estimator=grpo"], "filter_groups"),
 ])

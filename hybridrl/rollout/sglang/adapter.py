@@ -169,8 +169,13 @@ def engine_start_kwargs(model_path: str, *, tp_size: int, base: int, step: int,
 
 
 def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]], rank: int,
-                        device, dtype: torch.dtype, rollout, backend: SGLangBackend | None = None):
-    """Collective: start one engine per gen-TP group (see the module docstring)."""
+                        device, dtype: torch.dtype, rollout, backend: SGLangBackend | None = None,
+                        groups: tuple | None = None):
+    """Collective: start one engine per gen-TP group (see the module docstring). ``groups``:
+    (this rank's gen-TP gloo group or None, a gloo group over every rank of ``all_members``)
+    made by the caller (a split placement's ``gen_tp_gloo`` / ``gen_gloo``: its generation
+    ranks cannot create groups on their own); then the call is collective over those ranks
+    only and creates no group."""
     bad = sorted(set(rollout.engine_kwargs) & set(RESERVED))
     if bad:
         raise ValueError(f"rollout.engine_kwargs must not set {bad}: the gen layout decides "
@@ -178,13 +183,16 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
     backend = backend or sglang_backend()
     members = next(m for m in all_members if rank in m)
     table = engine_param_shapes(shape, len(members))
-    tp_group, world_group = _gloo_groups(all_members, rank, rollout)
+    tp_group, world_group = groups or _gloo_groups(all_members, rank, rollout)
+    ranks = sorted(r for m in all_members for r in m) if groups else None
+    index = {r: i for i, r in enumerate(ranks)} if ranks else None
     device = torch.device(device)
     local = device.index if device.type == "cuda" else int(os.environ.get("LOCAL_RANK", rank))
     mine = (socket.gethostname(), local, free_memory(device, backend.free_memory))
-    gpus: list = [None] * dist.get_world_size()
+    gathered: list = [None] * (len(ranks) if ranks else dist.get_world_size())
     # the barrier of the start: every rank has emptied its cache before any engine starts
-    dist.all_gather_object(gpus, mine, group=world_group)
+    dist.all_gather_object(gathered, mine, group=world_group)
+    gpus = {r: gathered[index[r] if index else r] for m in all_members for r in m}
     placements = [gpu_placement([gpus[r][:2] for r in m]) for m in all_members]  # all alike
     base, step = placements[all_members.index(members)]
     engine, error, checked = None, None, None
@@ -214,7 +222,7 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
         except Exception as err:  # any start failure is reported on every rank below
             line = (str(err).splitlines() or [repr(err)])[0]
             error = f"rank {rank}: the SGLang engine failed to start: {type(err).__name__}: {line}"
-    errors: list = [None] * dist.get_world_size()
+    errors: list = [None] * len(gathered)
     try:
         dist.all_gather_object(errors, error, group=world_group)
     except RuntimeError:
