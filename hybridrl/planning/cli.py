@@ -13,7 +13,8 @@ Contract:
   ones), an HF folder or its config.json of any supported architecture; ``--memory --config``
   without ``--model`` plans the config's own ``model.path`` (``model_of_config``).
 - ``--gen-world N`` plans the split placement instead (``hybridrl.planning.split``: both rank
-  sets, bytes received per generation rank and sent per training rank, the send balance).
+  sets, bytes received per generation rank and sent per training rank, the send balance, and
+  the sync's seconds at each ``--link-gbps`` speed, a comma list: ``link_speeds``).
 - ``--memory`` prints the per-GPU memory plan instead (``memory_report``: bytes by phase, the
   verdict; ``hybridrl.planning.memory``), or its JSON with ``--json``.
 - ``--time`` / ``--search`` / ``--calibrate``: the predicted seconds of a step, the best
@@ -277,7 +278,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             0 if args.engine == "builtin" else ENGINE_VOCAB_PAD)
         rep = split_report(load_shape(args.model), args.world, args.tp, args.pp, args.gen_world,
                            args.gen_tp, DTYPE_BYTES[args.dtype], args.bucket_mb, args.gbps,
-                           pad or None)
+                           pad or None, link_speeds(args.link_gbps))
         print(json.dumps(rep) if args.json else split_text(rep, args.model, args.gbps))
         return 0
     if args.memory:
@@ -297,6 +298,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+LINKS = "25,50,100,200,400"
+
+
+def link_speeds(text: str) -> tuple[float, ...]:
+    """``--link-gbps``: comma-separated positive Gbit/s (ValueError naming the flag)."""
+    try:
+        speeds = tuple(float(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        speeds = ()
+    if not speeds or not all(g > 0 for g in speeds):
+        raise ValueError(f"--link-gbps must be positive Gbit/s separated by commas, got {text!r}")
+    return speeds
+
+
 def _fill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model",
                    help=f"a preset ({', '.join(PRESETS)}), an HF model folder or its "
@@ -312,6 +327,10 @@ def _fill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-world", type=int, default=0,
                    help="split placement: the last N of --world ranks generate (bytes per rank, "
                         "send balance of the split weight sync)")
+    p.add_argument("--link-gbps", default=LINKS,
+                   help="with --gen-world: the sync's seconds at each of these comma-separated "
+                        "link speeds, Gbit/s per rank (e.g. RoCE 200, IB NDR 400; default "
+                        f"{LINKS})")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     p.add_argument("--gbps", type=float, default=400.0, help="per-rank link speed, Gbit/s")
     p.add_argument("--bucket-mb", type=float, default=512.0, help="reshard bucket size, MiB")

@@ -6,7 +6,9 @@ ranks after them, ``gen_tp`` consecutive ranks per replica), ``received_per_gen_
 generation rank's engine shard: M/tg bytes), ``sent_per_train_rank`` (per training rank),
 ``send_balance`` (max / mean bytes sent over the training ranks; 1.0 = even),
 ``total_bytes`` (= replicas x M), ``est_seconds`` (the busiest rank's bytes in or out over
-``gbps``) and ``counted``: ``plan`` (the enumerated ``split`` plan, worlds up to
+``gbps``), ``seconds_at_gbps`` ({link Gbit/s: seconds} for each of ``links``: the same busiest
+rank over each link speed; the buckets are pipelined, so the wire, not the copy, bounds the
+sync: a lower bound at full link rate) and ``counted``: ``plan`` (the enumerated ``split`` plan, worlds up to
 ``EXACT_UP_TO`` ranks) or ``summary`` (``reshard.summary``: layers counted with a
 multiplicity; a rank's sent bytes then within a few % of the plan's, received exact).
 ``split_text(report)``: the human form.
@@ -24,7 +26,8 @@ EXACT_UP_TO = 32
 
 
 def split_report(shape, world: int, tp: int, pp: int, gen_world: int, gen_tp: int,
-                 itemsize: int, bucket_mb: float, gbps: float, vocab_pad: int | None) -> dict:
+                 itemsize: int, bucket_mb: float, gbps: float, vocab_pad: int | None,
+                 links: tuple[float, ...] = ()) -> dict:
     if not 0 < gen_world < world:
         raise ValueError(f"--gen-world must be in 1 .. world-1 = {world - 1}, got {gen_world}")
     layout = TrainLayout(world=world - gen_world, tp=tp, pp=pp)
@@ -50,7 +53,9 @@ def split_report(shape, world: int, tp: int, pp: int, gen_world: int, gen_tp: in
             "received_per_gen_rank": [recv[r] for r in g_ranks],
             "sent_per_train_rank": sent_t,
             "send_balance": max(sent_t) / mean if mean else 1.0,
-            "total_bytes": sum(recv), "est_seconds": busiest * 8 / (gbps * 1e9)}
+            "total_bytes": sum(recv), "est_seconds": busiest * 8 / (gbps * 1e9),
+            "busiest_bytes": busiest,
+            "seconds_at_gbps": {f"{g:g}": busiest * 8 / (g * 1e9) for g in links}}
 
 
 def _compact(values: list[int], unit: float = 1e9) -> str:
@@ -70,4 +75,7 @@ def split_text(rep: dict, model: str, gbps: float) -> str:
         f"  sent per train rank GB:     {_compact(rep['sent_per_train_rank'])}",
         f"  send balance (max / mean):  {rep['send_balance']:.3f}",
         f"  total moved {rep['total_bytes'] / 1e9:.3f} GB, est {rep['est_seconds']:.3f} s @ "
-        f"{gbps:g} Gb/s (busiest rank; counted from the {rep['counted']})"])
+        f"{gbps:g} Gb/s (busiest rank; counted from the {rep['counted']})",
+        *([f"  sync seconds (busiest rank, {rep['busiest_bytes'] / 1e9:.3f} GB) per link: "
+           + ", ".join(f"{s:.2f} s @ {g} Gb/s" for g, s in rep["seconds_at_gbps"].items())]
+          if rep.get("seconds_at_gbps") else [])])
