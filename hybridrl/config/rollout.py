@@ -20,9 +20,46 @@ from hybridrl.config._fields import (
     check_positive,
     check_range,
     knob,
+    section,
 )
 
 ENGINES = ("builtin", "sglang")
+MULTI_TURN_FORMATS = ("auto", "plain", "hermes", "llama3_json")
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (hybridrl.rollout.multi_turn, docs/rollout.md)."""
+
+    enable: bool = knob(False, "Each sequence alternates model turns and tool outputs until it "
+                        "answers or a budget ends it; rollout.response_length bounds the whole "
+                        "tail (model tokens, tool outputs, template tokens); the losses see "
+                        "the model's tokens only.")
+    format: str = knob("auto", "How tool calls and outputs are written: plain (<NAME ARG>, the "
+                       "demo's character tokenizer) | hermes (Qwen2.5/Qwen3 <tool_call>) | "
+                       "llama3_json (Llama 3.x) | auto (plain for the character tokenizer, "
+                       "else from the chat template).")
+    tools: list[str] = knob(["calculator"], "Tools: calculator | python (the code sandbox) | "
+                            "'package.module:attr' (a tool object, class or factory).")
+    max_assistant_turns: int = knob(4, "Most model turns per sequence (>= 1).")
+    max_tool_calls: int = knob(4, "Most tool calls per sequence (>= 0).")
+    max_tokens_per_turn: int = knob(0, "Most tokens of one model turn (0: what is left of "
+                                    "rollout.response_length).")
+    tool_timeout_s: float = knob(0.0, "Seconds a tool call may take before it is killed and "
+                                 "answered 'error: timed out' (0: each tool's own).")
+    max_tool_response_chars: int = knob(2000, "Tool output longer than this is cut (> 0).")
+    max_parallel_calls: int = knob(4, "Tool calls of one round run on this many threads.")
+
+    def __post_init__(self) -> None:
+        check_choice("rollout.multi_turn.format", self.format, MULTI_TURN_FORMATS)
+        check_positive("rollout.multi_turn.max_assistant_turns", self.max_assistant_turns)
+        check_non_negative("rollout.multi_turn.max_tool_calls", self.max_tool_calls)
+        check_non_negative("rollout.multi_turn.max_tokens_per_turn", self.max_tokens_per_turn)
+        check_non_negative("rollout.multi_turn.tool_timeout_s", self.tool_timeout_s)
+        check_positive("rollout.multi_turn.max_tool_response_chars", self.max_tool_response_chars)
+        check_positive("rollout.multi_turn.max_parallel_calls", self.max_parallel_calls)
+        if not isinstance(self.tools, (list, tuple)) or not all(isinstance(t, str) for t in self.tools):
+            raise ValueError(f"rollout.multi_turn.tools must be a list of names; got {self.tools!r}")
 
 
 @dataclass(frozen=True)
@@ -64,6 +101,7 @@ class RolloutConfig:
     deterministic: bool = knob(False, "sglang: enable_deterministic_inference (batch-invariant "
                                "kernels, NCCL tree all-reduce, no custom all-reduce; slower). "
                                "The pinned SGLang honours per-request seeds only then.")
+    multi_turn: MultiTurnConfig = section(MultiTurnConfig, "Multi-turn rollouts with tools.")
 
     def __post_init__(self) -> None:
         check_choice("rollout.engine", self.engine, ENGINES)

@@ -10,13 +10,18 @@ Contract:
   micro-batches of the same count on every DP rank (``packed``: each micro-batch one pack of
   whole sequences, budgets in real tokens, ``hybridrl.models.packing``; ``tally``, a
   ``TokenTally``, counts their tokens). The loss uses the global normalizers of the mini-batch
-  (``compute_agg_normalizers`` over ``groups.dp``, verl's constant ``loss_scale``). One optimizer step per mini-batch
+  (``compute_agg_normalizers`` over ``groups.dp``, verl's constant ``loss_scale``) over the
+  tokens the losses see: ``rb.loss_mask`` when the batch has one (a multi-turn rollout's own
+  model tokens; it then rides in each micro-batch as ``loss_mask``), else ``response_mask``.
+  One optimizer step per mini-batch
   (``hybridrl.models.train_step``); the weights are gathered whole afterwards (the next reader
   needs them). Returns the metrics averaged over the optimizer steps, ``<prefix>/<name>`` (keys
   with a ``/`` kept as they are), plus ``actor/ppo_kl_max`` when the actor's KL is reported.
 - ``actor_loss_fn(actor_cfg, on_policy, outputs, batch, *, norm, k)`` and
   ``critic_loss_fn(critic_cfg, outputs, batch, *, norm, k)``: the per-micro-batch losses
-  (``hybridrl.algos.losses``) on the response tokens; ``on_policy`` uses the current log-probs,
+  (``hybridrl.algos.losses``) on the tokens the losses see (``loss_mask_of``: the
+  micro-batch's ``loss_mask`` when it has one, as verl's multi-turn critic and actor);
+  ``on_policy`` uses the current log-probs,
   detached, as the old ones (``hybridrl.trainer.on_policy``). megatron divides each
   micro-batch loss by the ``k`` micro-batches; the global normalizers already count all of them,
   so the loss and its share metrics are scaled back by ``k``.
@@ -58,7 +63,7 @@ def actor_loss_fn(a, on_policy: bool, outputs, batch, *, norm, k):
     logp = gather_response(outputs["logprobs"], idx)
     loss, metrics = actor_loss(
         old_or_current(None if on_policy else batch["old_log_probs"].to(dev), logp), logp,
-        batch["advantages"].to(dev), batch["response_mask"].to(dev),
+        batch["advantages"].to(dev), loss_mask_of(batch).to(dev),
         policy_loss=a.policy_loss, entropy_BT=ent, entropy_coeff=a.entropy_coeff,
         ref_log_prob=batch["ref_log_probs"].to(dev) if "ref_log_probs" in batch else None,
         use_kl_loss=a.use_kl_loss, kl_loss_type=a.kl_loss_type, kl_loss_coef=a.kl_loss_coef,
@@ -69,12 +74,17 @@ def actor_loss_fn(a, on_policy: bool, outputs, batch, *, norm, k):
     return _undo_megatron_mean(loss, metrics, k)
 
 
+def loss_mask_of(batch):
+    """The response tokens the losses see: ``loss_mask`` when present, else ``response_mask``."""
+    return batch["loss_mask"] if "loss_mask" in batch else batch["response_mask"]
+
+
 def critic_loss_fn(c, outputs, batch, *, norm, k):
     """The critic's value loss of one micro-batch (``c``: the critic config section)."""
     dev = outputs["values"].device
     vpreds = gather_response(outputs["values"], batch["resp_index"])
     loss, metrics = value_loss(vpreds, batch["returns"].to(dev), batch["values"].to(dev),
-                               batch["response_mask"].to(dev), c.cliprange_value,
+                               loss_mask_of(batch).to(dev), c.cliprange_value,
                                c.loss_agg_mode, norm)
     return _undo_megatron_mean(loss, metrics, k)
 
@@ -88,6 +98,8 @@ def ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix: str, *, 
     acc = defaultdict(list)
     parts, lens = partition
     local = {g: j for j, g in enumerate(rb.rows)}
+    if rb.loss_mask is not None:  # a multi-turn batch: the model's own tokens
+        tensors = {**tensors, "loss_mask": rb.loss_mask}
     for _ in range(role_cfg.ppo_epochs):
         for rows in split_mini_batches(len(lens), mini):  # consecutive global rows
             lo, hi = rows[0], rows[-1] + 1
@@ -103,7 +115,7 @@ def ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix: str, *, 
                 micro = [share[s:s + size] for s in range(0, len(share), size)]
             mbs = [rb.microbatch(m, tensors, packed=packed) for m in micro]
             norm = compute_agg_normalizers(  # on the model's device: NCCL takes no CPU tensors
-                [mb["response_mask"].to(model.device) for mb in mbs],
+                [loss_mask_of(mb).to(model.device) for mb in mbs],
                 groups.dp if dp > 1 else None, loss_scale_factor=loss_scale)  # verl: a constant L
             loss_fn = functools.partial(loss_method, norm=norm, k=len(mbs))
             with (tally or TokenTally()).count(mbs, sp_multiple(model)):

@@ -29,10 +29,12 @@ FLOORS = {
     "config": 1, "config.verl": 1.1, "config.loader": 1.2, "config.__init__": 1.3,
     "config.reference": 1.4,
     "models": 2, "reshard": 2, "rewards": 2, "algos": 2,
+    "tools": 2.5,  # multi-turn tools: the python tool runs in the rewards' code sandbox
     "planning": 3, "checkpoint": 3,
     # rollout: protocol / batch / sampling / partition / engine_sync, the engines, the worker
     # (it picks an engine), split placement (it runs the worker's interface and an engine)
     "rollout": 3, "rollout.builtin": 3.1, "rollout.sglang": 3.1, "rollout.worker": 3.2,
+    "rollout.multi_turn": 3.1,  # the agent loop: above the protocol and the tools
     "rollout.split": 3.3, "rollout.__init__": 3.4,
     "trainer": 4, "testing": 4,
     # the top-level modules: entrypoints and their helpers
