@@ -1,7 +1,9 @@
 """Parallel, reshard and kernels sections: the two layouts and how weights move between them.
 
-Contract: ``ParallelConfig`` is the training layout (tp, pp, dp, cp = ep = 1, Megatron rank order)
-plus the generation layout ``gen`` (tp, pp, grouping). ``dp = 0`` means "derive from the world
+Contract: ``ParallelConfig`` is the training layout (tp, pp, dp, cp = 1, Megatron rank order; for
+MoE models ep and etp: megatron's expert layout world = etp*ep*edp*pp over the same ranks, ep
+splitting the data-parallel replicas' experts, not multiplying the world) plus the generation
+layout ``gen`` (tp, pp, grouping). ``dp = 0`` means "derive from the world
 size"; ``resolve_dp(world_size)`` returns dp or raises ``ValueError`` naming the fields. Checks that
 need only these numbers run in ``__post_init__``; checks that also need the reshard strategy run in
 ``HybridRLConfig``. The rank math itself lives in ``hybridrl.parallel``.
@@ -38,13 +40,17 @@ class GenParallelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Training layout N = tp*cp*ep*dp*pp and the generation layout derived from it."""
+    """Training layout N = tp*cp*dp*pp (experts: N = etp*ep*edp*pp) and the generation layout
+    derived from it."""
 
     tp: int = knob(1, "Training tensor-parallel size (t).")
     pp: int = knob(1, "Training pipeline-parallel size (p).")
-    dp: int = knob(0, "Training data-parallel size (d); 0 = world_size / (tp*pp*cp*ep).")
+    dp: int = knob(0, "Training data-parallel size (d); 0 = world_size / (tp*pp*cp).")
     cp: int = knob(1, "Context-parallel size (must be 1 for now).")
-    ep: int = knob(1, "Expert-parallel size (must be 1 for now).")
+    ep: int = knob(1, "Expert-parallel size (MoE models): each expert lives on one of ep ranks "
+                   "(megatron's expert layout world = etp*ep*edp*pp; ep*etp*pp must divide the "
+                   "training world); 1 for dense models.")
+    etp: int = knob(0, "Expert tensor-parallel size (MoE models); 0 = parallel.tp.")
     order: str = knob("tp-cp-ep-dp-pp", "Megatron rank order, leftmost axis varies fastest.")
     gen: GenParallelConfig = section(GenParallelConfig, "Generation (rollout) layout.")
     placement: str = knob("colocated", "colocated (every rank trains and generates) | split "
@@ -55,10 +61,10 @@ class ParallelConfig:
         check_positive("parallel.tp", self.tp)
         check_positive("parallel.pp", self.pp)
         check_non_negative("parallel.dp", self.dp)
-        for name in ("cp", "ep"):
-            if getattr(self, name) != 1:
-                raise ValueError(f"parallel.{name} must be 1 (not implemented yet); "
-                                 f"got {getattr(self, name)!r}")
+        if self.cp != 1:
+            raise ValueError(f"parallel.cp must be 1 (not implemented yet); got {self.cp!r}")
+        check_positive("parallel.ep", self.ep)
+        check_non_negative("parallel.etp", self.etp)
         tokens = self.order.split("-")
         if sorted(tokens) != sorted(AXES):
             raise ValueError("parallel.order must be a '-'-joined permutation of "
@@ -95,8 +101,14 @@ class ParallelConfig:
 
     @property
     def model_parallel_size(self) -> int:
-        """Ranks holding one training replica: tp*pp*cp*ep."""
-        return self.tp * self.pp * self.cp * self.ep
+        """Ranks holding one dense training replica: tp*pp*cp (ep splits experts inside the
+        data-parallel ranks, as megatron does)."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size (etp; 0 means tp)."""
+        return self.etp or self.tp
 
     @property
     def nested(self) -> bool:
@@ -112,12 +124,17 @@ class ParallelConfig:
         """The training DP size for ``world_size`` ranks (derived when dp = 0, else checked)."""
         mp = self.model_parallel_size
         if world_size < 1 or world_size % mp:
-            raise ValueError(f"world size {world_size} is not divisible by parallel.tp*pp*cp*ep "
-                             f"= {self.tp}*{self.pp}*{self.cp}*{self.ep} = {mp}")
+            raise ValueError(f"world size {world_size} is not divisible by parallel.tp*pp*cp "
+                             f"= {self.tp}*{self.pp}*{self.cp} = {mp}")
         if self.dp and self.dp * mp != world_size:
             raise ValueError(f"parallel.dp = {self.dp} does not fit world size {world_size}: "
-                             f"tp*pp*cp*ep*dp = {mp * self.dp}; set parallel.dp={world_size // mp} "
+                             f"tp*pp*cp*dp = {mp * self.dp}; set parallel.dp={world_size // mp} "
                              "or 0 (derive)")
+        expert = self.expert_tp * self.ep * self.pp
+        if world_size % expert:
+            raise ValueError(f"world size {world_size} is not divisible by parallel.etp*ep*pp = "
+                             f"{self.expert_tp}*{self.ep}*{self.pp} = {expert} (megatron's "
+                             "expert layout)")
         return world_size // mp
 
 

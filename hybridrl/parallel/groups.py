@@ -18,7 +18,10 @@ Contract:
 - The result, ``ParallelGroups``, is frozen and passed explicitly; there are no module globals.
   Layers should take the narrowest member they need (``groups.tp``), not the whole object.
 - Train axes are named as megatron-core's ProcessGroupCollection names them (tp, pp, dp, cp, mp,
-  tp_cp, dp_cp, tp_dp_cp, embd, pos_embd, ep, expt_tp, tp_ep, tp_ep_pp, expt_dp); the generation
+  tp_cp, dp_cp, tp_dp_cp, embd, pos_embd, ep, expt_tp, tp_ep, tp_ep_pp, expt_dp); the expert
+  families (ep, expt_tp, tp_ep, tp_ep_pp, expt_dp) come from the layout's expert generator
+  (``TrainLayout.expert_groups``: etp x ep x edp x pp), the others from the dense one; the
+  generation
   layout adds gen_tp, gen_pp, micro_dp and gen_dp (all ranks holding the same generation shard).
 """
 
@@ -54,19 +57,22 @@ TRAIN_AXES = {
     "pp": "pp",
     "dp": "dp",
     "cp": "cp",
-    "ep": "ep",
     "mp": "tp-pp",
     "tp_cp": "tp-cp",
     "dp_cp": "cp-dp",
     "tp_dp": "tp-dp",
     "tp_dp_cp": "tp-cp-dp",
-    "expt_tp": "tp",  # ep == 1: experts are split like dense layers
-    "tp_ep": "tp-ep",
-    "tp_ep_pp": "tp-ep-pp",
-    "expt_dp": "cp-dp",
     # megatron's distributed-optimizer instance (one instance: every training rank); its grad
     # norm and num-zeros are reduced over it
     "intra_dist_opt": "tp-cp-ep-dp-pp",
+}
+# name -> axes of TrainLayout.expert_groups() (megatron's expert RankGenerator: tp there is etp)
+EXPERT_AXES = {
+    "ep": "ep",
+    "expt_tp": "tp",
+    "tp_ep": "tp-ep",
+    "tp_ep_pp": "tp-ep-pp",
+    "expt_dp": "dp",
 }
 
 
@@ -82,6 +88,7 @@ def position_embedding_groups(train: TrainLayout) -> list[list[int]]:
 def all_rank_sets(train: TrainLayout, gen: GenLayout | None) -> dict[str, list[list[int]]]:
     """Every named group family of the two layouts, as lists of rank lists (pure)."""
     sets = {name: train.groups(axes) for name, axes in TRAIN_AXES.items()}
+    sets.update({name: train.expert_groups(axes) for name, axes in EXPERT_AXES.items()})
     sets["embd"] = embedding_groups(train)
     sets["pos_embd"] = position_embedding_groups(train)
     if gen is not None:
@@ -104,6 +111,7 @@ class ParallelGroups:
     members: dict[str, tuple[int, ...]]
     gloo_dp: dist.ProcessGroup | None = None  # gloo twin of dp (megatron's optimizer checkpoints)
     gloo_dp_cp: dist.ProcessGroup | None = None
+    gloo_expt_dp: dist.ProcessGroup | None = None  # gloo twin of expt_dp
 
     def __getattr__(self, name: str) -> dist.ProcessGroup:
         groups = self.__dict__.get("groups", {})
@@ -141,6 +149,22 @@ class ParallelGroups:
     @property
     def dp_size(self) -> int:
         return self.train.dp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.index("ep")
+
+    @property
+    def ep_size(self) -> int:
+        return self.train.ep
+
+    @property
+    def etp_rank(self) -> int:
+        return self.index("expt_tp")
+
+    @property
+    def etp_size(self) -> int:
+        return self.train.etp
 
     @property
     def is_first_stage(self) -> bool:
@@ -229,10 +253,12 @@ def build_groups(
             if rank in ranks:
                 groups[name], members[name] = pg, tuple(ranks)
     # megatron keeps gloo twins of the DP groups for CPU-side collectives (on gloo: themselves)
-    gloo = {name: groups[name] for name in ("dp", "dp_cp")}
+    gloo = {name: groups[name] for name in ("dp", "dp_cp", "expt_dp")}
     if backend != "gloo":
         for name in gloo:
-            for ranks in train.groups(TRAIN_AXES[name]):
+            rank_sets = (train.expert_groups(EXPERT_AXES[name]) if name in EXPERT_AXES
+                         else train.groups(TRAIN_AXES[name]))
+            for ranks in rank_sets:
                 pg = make(tuple(ranks), "gloo")
                 gloo[name] = pg if rank in ranks else gloo[name]
     gloo_dp, gloo_dp_cp = gloo["dp"], gloo["dp_cp"]
@@ -245,4 +271,5 @@ def build_groups(
         members=members,
         gloo_dp=gloo_dp,
         gloo_dp_cp=gloo_dp_cp,
+        gloo_expt_dp=gloo["expt_dp"],
     )

@@ -1,10 +1,16 @@
 """Pure rank math for the training layout (p x t x d, Megatron order) and the generation layout.
 
 Contract:
-- ``TrainLayout`` is a frozen, validated description of N = tp * cp * ep * dp * pp ranks laid out in
+- ``TrainLayout`` is a frozen, validated description of N = tp * cp * dp * pp ranks laid out in
   an order string such as Megatron's default ``"tp-cp-ep-dp-pp"`` (leftmost axis varies fastest).
-  ``groups(axes)`` returns exactly what megatron-core's ``RankGenerator.get_ranks(axes)`` returns:
-  the same groups, in the same order, each listed in the same order.
+  ``groups(axes)`` returns exactly what megatron-core's ``RankGenerator.get_ranks(axes)`` returns
+  for the dense (attention) part: the same groups, in the same order, each listed in the same
+  order (the dense generator has ep = 1).
+- Experts (MoE layers) are laid out by megatron's second generator over the same N ranks:
+  N = etp * ep * edp * pp (``etp``: expert tensor parallel, default tp; ``edp``: expert data
+  parallel, derived), cp = 1, same order string. ``expert_groups(axes)`` /
+  ``expert_coords(rank)`` are that generator's groups and coordinates. Validation is
+  megatron's: etp * ep * pp divides N, and with pp > 1 the order ends in pp or edp == dp.
 - ``GenLayout`` derives the generation layout pg x tg x dg x d from a training layout (see
   docs/parallel.md): ``grouping="hybridflow"`` nests every training shard inside its rank's
   generation shard (needs tg | t and pg | p); ``grouping="vanilla"`` is HybridFlow-V, where gen TP
@@ -67,7 +73,8 @@ def masked_rank_groups(shape: Sequence[int], mask: Sequence[bool]) -> list[list[
 
 @dataclasses.dataclass(frozen=True)
 class TrainLayout:
-    """Training layout: world = tp * cp * ep * dp * pp in ``order`` (dp derived when None)."""
+    """Training layout: world = tp * cp * dp * pp in ``order`` (dp derived when None); experts:
+    world = etp * ep * edp * pp (edp derived)."""
 
     world: int
     tp: int = 1
@@ -76,33 +83,91 @@ class TrainLayout:
     cp: int = 1
     ep: int = 1
     order: str = DEFAULT_ORDER
+    etp: int | None = None  # expert tensor parallel; None = tp
 
     def __post_init__(self) -> None:
         _check_positive("world", self.world)
         for name in ("tp", "pp", "cp", "ep"):
             _check_positive(name, getattr(self, name))
-        if self.cp != 1 or self.ep != 1:
-            raise ValueError(f"cp and ep must be 1 for now, got cp={self.cp}, ep={self.ep}")
-        model = self.tp * self.pp * self.cp * self.ep
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        _check_positive("etp", self.etp)
+        if self.cp != 1:
+            raise ValueError(f"cp must be 1 for now, got cp={self.cp}")
+        model = self.tp * self.pp * self.cp
         if self.dp is None:
             if self.world % model:
                 raise ValueError(
-                    f"world={self.world} is not divisible by tp*pp*cp*ep={model} "
-                    f"(tp={self.tp}, pp={self.pp}, cp={self.cp}, ep={self.ep})"
+                    f"world={self.world} is not divisible by tp*pp*cp={model} "
+                    f"(tp={self.tp}, pp={self.pp}, cp={self.cp})"
                 )
             object.__setattr__(self, "dp", self.world // model)
         else:
             _check_positive("dp", self.dp)
             if model * self.dp != self.world:
                 raise ValueError(
-                    f"tp*pp*dp*cp*ep = {self.tp}*{self.pp}*{self.dp}*{self.cp}*{self.ep} = "
+                    f"tp*pp*dp*cp = {self.tp}*{self.pp}*{self.dp}*{self.cp} = "
                     f"{model * self.dp} must equal world={self.world}"
                 )
+        expert = self.etp * self.ep * self.pp
+        if self.world % expert:
+            raise ValueError(
+                f"world={self.world} is not divisible by etp*ep*pp = {self.etp}*{self.ep}*"
+                f"{self.pp} = {expert} (experts: world = etp*ep*edp*pp)")
         sizes = self.sizes()
-        object.__setattr__(self, "order", "-".join(_parse_order(self.order, sizes)))
+        order = "-".join(_parse_order(self.order, {**sizes, "ep": self.ep}))
+        object.__setattr__(self, "order", order)
+        if self.pp > 1 and not order.endswith("pp") and self.edp != self.dp:
+            raise ValueError(
+                f"order {order!r} does not end in pp: with pp={self.pp} the expert data-parallel "
+                f"size (world/(etp*ep*pp) = {self.edp}) must equal dp={self.dp} (megatron's rule)")
+        if self.groups("pp") != self.expert_groups("pp"):  # megatron asserts the same
+            raise ValueError(f"order {order!r}: the pipeline groups of the dense and the expert "
+                             f"layout differ (tp={self.tp}, etp={self.etp}, ep={self.ep})")
 
     def sizes(self) -> dict[str, int]:
-        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp}
+        """Sizes of the dense (attention) generator: ep is 1 there (megatron's rule)."""
+        return {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: world / (etp * ep * pp)."""
+        return self.world // (self.etp * self.ep * self.pp)
+
+    def expert_sizes(self) -> dict[str, int]:
+        """Sizes of megatron's expert generator (tp = etp, dp = edp, cp = 1)."""
+        return {"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp}
+
+    @property
+    def expert_shape(self) -> tuple[int, ...]:
+        return tuple(self.expert_sizes()[a] for a in self.axes)
+
+    def expert_groups(self, axes: str) -> list[list[int]]:
+        """Expert rank groups spanning ``axes`` ("tp" = etp, "ep", "dp" = edp, "tp-ep", ...), as
+        megatron's expert RankGenerator gives them."""
+        wanted = [a for a in axes.lower().split("-") if a]
+        for a in wanted:
+            if a not in AXES:
+                raise ValueError(f"axes: unknown axis {a!r}; allowed {AXES}")
+        return masked_rank_groups(self.expert_shape, [a in wanted for a in self.axes])
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """Coordinates {axis: index} of a global rank in the expert layout (tp = etp index)."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank must be in [0, {self.world}), got {rank}")
+        out, rest = {}, rank
+        for axis, size in zip(self.axes, self.expert_shape):
+            out[axis] = rest % size
+            rest //= size
+        return out
+
+    def local_experts(self, rank: int, num_experts: int) -> range:
+        """Global expert ids held by ``rank``: ep_rank * E/ep + j (megatron's numbering)."""
+        if num_experts % self.ep:
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep={self.ep}")
+        per = num_experts // self.ep
+        first = self.expert_coords(rank)["ep"] * per
+        return range(first, first + per)
 
     @property
     def axes(self) -> tuple[str, ...]:

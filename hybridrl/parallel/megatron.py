@@ -47,7 +47,7 @@ def to_process_group_collection(groups: ParallelGroups):
 
 
 def _state_values(groups: ParallelGroups) -> dict[str, object]:
-    """parallel_state global name -> value, for a dense (no-MoE, cp=1) model."""
+    """parallel_state global name -> value (cp=1; the expert groups from the expert layout)."""
     g = groups.groups
     m = {k: list(v) for k, v in groups.members.items()}
     # megatron leaves the embedding groups None on ranks outside them; so do we
@@ -84,9 +84,9 @@ def _state_values(groups: ParallelGroups) -> dict[str, object]:
         "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": g["tp_ep"],
         "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": g["tp_ep_pp"],
         "_EXPERT_DATA_PARALLEL_GROUP": g["expt_dp"],
-        "_EXPERT_DATA_PARALLEL_GROUP_GLOO": groups.gloo_dp_cp,
+        "_EXPERT_DATA_PARALLEL_GROUP_GLOO": groups.gloo_expt_dp,
         "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": g["expt_dp"],
-        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": groups.gloo_dp_cp,
+        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": groups.gloo_expt_dp,
         "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": g["intra_dist_opt"],
     }
 

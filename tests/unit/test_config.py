@@ -185,7 +185,7 @@ def test_malformed_inputs(tmp_path):
     ("trainer.kl_guard.row_fraction=nan", ["trainer.kl_guard.row_fraction must be in (0, 1]"]),
     ("parallel.order=tp-dp-pp", ["parallel.order must be", "tp, cp, ep, dp, pp"]),
     ("parallel.cp=2", ["parallel.cp must be 1"]),
-    ("parallel.ep=4", ["parallel.ep must be 1"]),
+    ("parallel.ep=0", ["parallel.ep must be > 0"]),
     ("parallel.tp=0", ["parallel.tp must be > 0"]),
     ("parallel.gen.grouping=nested", ["parallel.gen.grouping must be one of", "'hybridflow'", "'vanilla'"]),
     ("reshard.strategy=nccl", ["reshard.strategy must be one of", "'zero_redundancy'", "'p2p'"]),
@@ -247,7 +247,7 @@ def test_cross_section_rules_that_do_not_apply():
 def test_check_world_derives_or_checks_dp():
     cfg = load_config([DEMO], ["parallel.tp=2", "parallel.pp=2"])
     assert cfg.check_world(4) == 1 and cfg.check_world(8) == 2
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by parallel.tp\*pp\*cp\*ep = 2\*2\*1\*1 = 4"):
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by parallel.tp\*pp\*cp = 2\*2\*1 = 4"):
         cfg.check_world(6)
     pinned = load_config([DEMO], ["parallel.dp=2"])
     with pytest.raises(ValueError, match="parallel.dp = 2 does not fit world size 4"):

@@ -1,0 +1,70 @@
+"""Expert layout (issue 38 item 1): megatron's expert RankGenerator order, validation, configs."""
+
+import pytest
+from megatron.core.parallel_state import RankGenerator
+
+from hybridrl.config.parallel import ParallelConfig
+from hybridrl.parallel.groups import EXPERT_AXES, all_rank_sets
+from hybridrl.parallel.layout import TrainLayout
+
+EXPERT_TOKENS = ["tp", "ep", "dp", "pp", "tp-ep", "tp-ep-pp"]
+
+
+def _cases():
+    for world in (1, 2, 4, 8, 12, 16, 24, 32, 64):
+        for tp in (1, 2, 4):
+            for pp in (1, 2, 4):
+                if world % (tp * pp):
+                    continue
+                for etp in (1, tp):
+                    for ep in (1, 2, 4, 8):
+                        if world % (etp * ep * pp) == 0:
+                            yield world, tp, pp, etp, ep
+
+
+def test_expert_groups_equal_megatron_expert_rank_generator():
+    seen = 0
+    for world, tp, pp, etp, ep in _cases():
+        layout = TrainLayout(world=world, tp=tp, pp=pp, ep=ep, etp=etp)
+        dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1,
+                              order="tp-cp-ep-dp-pp")
+        edp = world // (etp * ep * pp)
+        expert = RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        assert layout.dp == world // (tp * pp) and layout.edp == edp
+        for axes in ("tp", "pp", "dp", "tp-pp", "tp-dp"):  # the dense part is unchanged by ep
+            assert layout.groups(axes) == dense.get_ranks(axes), (world, tp, pp, ep, axes)
+        for axes in EXPERT_TOKENS:
+            assert layout.expert_groups(axes) == expert.get_ranks(axes), (world, tp, pp, ep, axes)
+        sets = all_rank_sets(layout, None)
+        for name, axes in EXPERT_AXES.items():
+            assert sets[name] == expert.get_ranks(axes)
+        for rank in range(world):  # coords agree with the groups
+            c = layout.expert_coords(rank)
+            group = next(g for g in expert.get_ranks("ep") if rank in g)
+            assert group.index(rank) == c["ep"]
+            experts = layout.local_experts(rank, 8 * ep)
+            assert list(experts) == list(range(c["ep"] * 8, c["ep"] * 8 + 8))
+        seen += 1
+    assert seen > 40
+
+
+def test_expert_layout_validation_is_one_line():
+    with pytest.raises(ValueError, match=r"world=4 is not divisible by etp\*ep\*pp = 1\*8\*1"):
+        TrainLayout(world=4, ep=8)
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by ep=4"):
+        TrainLayout(world=4, ep=4).local_experts(0, 6)
+    with pytest.raises(ValueError, match="does not end in pp"):  # megatron's rule
+        TrainLayout(world=8, tp=1, pp=2, ep=2, order="tp-cp-ep-pp-dp")
+    with pytest.raises(ValueError, match="cp must be 1"):
+        TrainLayout(world=4, cp=2)
+
+
+def test_parallel_config_accepts_ep_and_checks_the_world():
+    cfg = ParallelConfig(tp=2, ep=2)
+    assert cfg.expert_tp == 2 and cfg.resolve_dp(8) == 4 and cfg.model_parallel_size == 2
+    assert ParallelConfig(tp=2, ep=4, etp=1).resolve_dp(4) == 2
+    with pytest.raises(ValueError, match=r"parallel.etp\*ep\*pp = 2\*4\*1 = 8"):
+        cfg = ParallelConfig(tp=2, ep=4)
+        cfg.resolve_dp(4)
+    with pytest.raises(ValueError, match="parallel.ep must be > 0"):
+        ParallelConfig(ep=0)
