@@ -7,9 +7,11 @@ Contract:
   Anything else raises one ``ValueError`` naming ``architectures``.
 - ``check_hf_features(cfg, arch)``: one ``ValueError`` naming the key for a feature these models
   do not have: an activation other than SiLU, MLP biases, sliding-window attention in use
-  (``use_sliding_window`` true or a non-full ``layer_types`` entry), experts (``num_experts``,
-  ``num_local_experts``, ``n_routed_experts``), attention biases on Llama/Qwen3, another RoPE
-  type or a partial rotary factor.
+  (``use_sliding_window`` true or a non-full ``layer_types`` entry), experts on a dense
+  architecture (``num_experts``, ``num_local_experts``, ``n_routed_experts``), attention biases
+  on Llama/Qwen3, another RoPE type or a partial rotary factor. ``Qwen3MoeForCausalLM``: every
+  layer a MoE layer (``decoder_sparse_step`` 1, ``mlp_only_layers`` empty), no shared expert,
+  ``num_experts`` >= 1 and 1 <= ``num_experts_per_tok`` <= ``num_experts``.
 - ``RopeScaling`` is the frozen, validated description of a config's RoPE scaling: ``rope_type``
   ``"llama3"`` (Llama 3.1/3.2/3.3) or ``"yarn"`` (Qwen2.5's long-context recipe), with the keys
   each needs. No scaling (``rope_type`` ``"default"``) is ``None``. ``parse_rope_scaling(cfg)``
@@ -29,9 +31,12 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM")
 MODEL_TYPES = MappingProxyType({"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                                "Qwen3ForCausalLM": "qwen3"})  # read-only
+                                "Qwen3ForCausalLM": "qwen3",
+                                "Qwen3MoeForCausalLM": "qwen3_moe"})  # read-only
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 ROPE_TYPES = ("default", "llama3", "yarn")
 
 
@@ -148,12 +153,44 @@ def check_hf_features(cfg: dict, arch: str) -> None:
     _reject(cfg, "use_sliding_window", bool, "sliding-window attention is not supported")
     _reject(cfg, "layer_types", lambda v: any(t != "full_attention" for t in v or ()),
             "only full attention in every layer (no sliding-window layers)")
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        _reject(cfg, key, bool, "mixture-of-experts models are not supported")
+    if arch in MOE_ARCHITECTURES:
+        _check_moe(cfg)
+    else:
+        for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+            _reject(cfg, key, bool, f"experts on {arch} are not supported (mixture-of-experts: "
+                    f"{', '.join(MOE_ARCHITECTURES)})")
     if arch != "Qwen2ForCausalLM":
         _reject(cfg, "attention_bias", bool,
                 f"attention biases are not supported for {arch.replace('ForCausalLM', '')}")
     parse_rope_scaling(cfg)  # raises for other RoPE types
+
+
+def moe_num_experts(cfg: dict):
+    """A Qwen3-MoE config.json's expert count: ``num_experts`` (the Hub's files) or
+    ``num_local_experts`` (what transformers 5 writes for the same attribute)."""
+    key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    return key, cfg.get(key)
+
+
+def _check_moe(cfg: dict) -> None:
+    """Qwen3-MoE as hybridrl builds it: every layer sparse, routed experts only."""
+    key, experts = moe_num_experts(cfg)
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"config.json {key}={experts!r} is not supported: a positive "
+                         "number of experts")
+    topk = cfg.get("num_experts_per_tok")
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= experts:
+        raise ValueError(f"config.json num_experts_per_tok={topk!r} is not supported: 1 .. "
+                         f"num_experts ({experts})")
+    ffn = cfg.get("moe_intermediate_size")
+    if isinstance(ffn, bool) or not isinstance(ffn, int) or ffn < 1:
+        raise ValueError(f"config.json moe_intermediate_size={ffn!r} is not supported: a "
+                         "positive integer")
+    _reject(cfg, "decoder_sparse_step", lambda v: v not in (None, 1),
+            "only 1 (every layer a MoE layer)")
+    _reject(cfg, "mlp_only_layers", bool, "only [] (every layer a MoE layer)")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        _reject(cfg, key, bool, "shared experts are not supported (Qwen3-MoE has none)")
 
 
 def _reject(cfg: dict, key: str, bad, why: str) -> None:

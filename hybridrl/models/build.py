@@ -128,17 +128,21 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def layer_spec(use_te: bool, qk_norm: bool = False):
+def layer_spec(use_te: bool, qk_norm: bool = False, num_experts: int = 0):
     """megatron-core layer spec for a llama layer: TE's fused modules, else megatron's local
     modules with hybridrl's lean forwards (``hybridrl.models.local_spec``); ``qk_norm``: Qwen3's
-    per-head q/k RMSNorm (megatron's ``q_layernorm`` / ``k_layernorm``)."""
+    per-head q/k RMSNorm (megatron's ``q_layernorm`` / ``k_layernorm``); ``num_experts`` > 0:
+    the MLP is megatron's MoELayer (router, alltoall dispatcher, experts: TE grouped GEMM with
+    TE, else SequentialMLP)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    experts = num_experts or None
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=bool(experts), qk_layernorm=qk_norm)
     from hybridrl.models.local_spec import local_layer_spec
 
-    return local_layer_spec(qk_layernorm=qk_norm)
+    return local_layer_spec(qk_layernorm=qk_norm, num_experts=num_experts)
 
 
 def install_rope(module, spec: LlamaSpec) -> None:
@@ -171,14 +175,16 @@ def ensure_megatron_state(groups):
     return pgc
 
 
-def _seed(seed: int, tp_rank: int) -> None:
+def _seed(seed: int, groups) -> None:
     torch.manual_seed(seed)
+    tp_rank, ep_rank, etp_rank = groups.tp_rank, groups.ep_rank, groups.etp_rank
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=tp_rank)
+        model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank,
+                                        etp_rank=etp_rank)
     else:
-        cpu_compat.seed_cpu_rng_tracker(seed, tp_rank)
+        cpu_compat.seed_cpu_rng_tracker(seed, tp_rank, ep_rank, etp_rank)
 
 
 def build_model(
@@ -198,10 +204,10 @@ def build_model(
         config.variable_seq_lengths = True  # micro-batches may differ in [B, T]
     use_te = transformer_engine_available()
     vocab = padded_vocab_size(spec.vocab_size, groups.tp_size)
-    _seed(seed, groups.tp_rank)
+    _seed(seed, groups)
     with cpu_compat.cpu_model_construction():
         module = GPTModel(
-            config, layer_spec(use_te, spec.qk_norm), vocab_size=vocab,
+            config, layer_spec(use_te, spec.qk_norm, spec.num_experts), vocab_size=vocab,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
             share_embeddings_and_output_weights=(spec.tie_word_embeddings

@@ -23,6 +23,19 @@ What megatron-core assumes and what is patched (see docs/models.md):
    ``Tensor.cuda`` is the identity on CPU-only torch.
 4. megatron's optimizers accept only parameters whose ``type()`` is 'torch.cuda.*Tensor' (and
    clip_grads asserts it): inside ``cuda_type_names()`` a CPU tensor reports its CUDA twin's name.
+6. MoE (megatron's router, experts, moe_utils and alltoall token dispatcher): the same proxy,
+   whose ``torch.cuda`` also hands out a program-order stream (``Stream()``,
+   ``current_stream()``, ``stream(s)``, ``record_event().synchronize()``: the dispatcher's
+   device-to-host copies of its split sizes run on a side stream on GPU; on CPU the sizes are
+   already host tensors). gloo runs the dispatcher's ``all_to_all_single`` with uneven splits,
+   given as lists: megatron's ``maybe_move_tensor_to_cpu`` turns split sizes into numpy only
+   when they were on the GPU, so the dispatcher's copy of it (``_host_splits``) also does it
+   for host tensors asked ``as_numpy``. With tp > 1 (sequence parallel) the dispatcher gathers
+   and reduce-scatters routed tokens in uneven pieces over TP: the proxy's
+   ``torch.distributed`` (``_CpuDistributed``) pads them to equal pieces for gloo.
+   ``moe_utils`` binds its transformer-engine functions only when TE imports, yet the router's
+   gating linear reads ``te_general_gemm`` unconditionally: without TE the missing names are
+   bound to None (megatron's own "not available" value), so the torch path runs.
 5. Sequence parallelism: megatron's tensor-parallel layers and mappings gather / reduce-scatter
    along the sequence (first) dim with ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` into
    [s, b, h] buffers placed on ``torch.cuda.current_device()``; gloo takes 1-D tensors only. Both
@@ -54,8 +67,16 @@ PATCHED_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.tensor_parallel.layers",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
 )
 SP_COLLECTIVES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers")
+_TE_MOE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                  "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                  "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+                  "fused_unpermute", "te_general_gemm")
 _CPU = torch.device("cpu")
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand")
 
@@ -69,8 +90,39 @@ def _cpu_device(device):
     return device
 
 
+class _CpuEvent:
+    """A recorded CUDA event on CPU: everything already happened."""
+
+    def synchronize(self):
+        return None
+
+    def wait(self, *args, **kwargs):
+        return None
+
+
+class _CpuStream:
+    """A CUDA stream on CPU (the MoE alltoall dispatcher's device-to-host side stream): work
+    runs in program order, so waiting and recording are no-ops."""
+
+    def wait_stream(self, other):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return _CpuEvent()
+
+    def synchronize(self):
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
 class _CpuCuda:
-    """``torch.cuda`` as megatron's modules see it on CPU: the current device is the CPU."""
+    """``torch.cuda`` as megatron's modules see it on CPU: the current device is the CPU,
+    streams and events are program order."""
 
     def current_device(self):
         return _CPU
@@ -78,8 +130,57 @@ class _CpuCuda:
     def synchronize(self, *args, **kwargs):
         return None
 
+    def Stream(self, *args, **kwargs):  # noqa: N802 (torch's name)
+        return _CPU_STREAM
+
+    def current_stream(self, *args, **kwargs):
+        return _CPU_STREAM
+
+    def stream(self, stream):
+        return contextlib.nullcontext()
+
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
+
+
+class _CpuDistributed:
+    """``torch.distributed`` as megatron's modules see it on CPU: gloo's ``all_gather`` and
+    ``reduce_scatter`` of tensor lists need equal sizes, which the MoE dispatcher's sequence-
+    parallel gather/scatter of routed tokens (megatron's ``_gather_along_first_dim`` /
+    ``_reduce_scatter_along_first_dim`` with split sizes) does not have: uneven lists go
+    through equal, zero-padded pieces. Everything else is the real ``torch.distributed``."""
+
+    @staticmethod
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        dist = torch.distributed
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        pieces = [torch.empty_like(padded) for _ in tensor_list]
+        dist.all_gather(pieces, padded, group=group)
+        for out, piece in zip(tensor_list, pieces):
+            out.copy_(piece[: out.shape[0]])
+        return None
+
+    @staticmethod
+    def reduce_scatter(output, input_list, op=None, group=None, async_op=False):
+        dist = torch.distributed
+        op = dist.ReduceOp.SUM if op is None else op
+        if all(t.shape == output.shape for t in input_list):
+            return dist.reduce_scatter(output, input_list, op=op, group=group,
+                                       async_op=async_op)
+        rows = max(t.shape[0] for t in input_list)
+        padded = output.new_zeros((len(input_list), rows, *output.shape[1:]))
+        for i, t in enumerate(input_list):
+            padded[i, : t.shape[0]] = t
+        dist.all_reduce(padded, op=op, group=group)
+        output.copy_(padded[dist.get_rank(group), : output.shape[0]])
+        return None
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
 
 
 class _CpuTorch:
@@ -87,6 +188,7 @@ class _CpuTorch:
 
     def __init__(self):
         self.cuda = _CpuCuda()
+        self.distributed = _CpuDistributed()
         for name in _FACTORIES:
             setattr(self, name, self._factory(getattr(torch, name)))
 
@@ -165,14 +267,16 @@ def _install_rng_tracker() -> CpuRNGStatesTracker:
     return mrandom._CUDA_RNG_STATE_TRACKER
 
 
-def seed_cpu_rng_tracker(seed: int, tp_rank: int) -> None:
+def seed_cpu_rng_tracker(seed: int, tp_rank: int, ep_rank: int = 0,
+                         etp_rank: int | None = None) -> None:
     """CPU twin of megatron's ``model_parallel_cuda_manual_seed`` (same seed offsets)."""
     tracker = _install_rng_tracker()
     tracker.reset()
     torch.manual_seed(seed)
     tracker.add("data-parallel-rng", seed)
     tracker.add("model-parallel-rng", seed + 2718 + tp_rank)  # megatron's TP offset
-    tracker.add("expert-parallel-rng", seed + 1024 + tp_rank)  # ep = 1
+    etp_rank = tp_rank if etp_rank is None else etp_rank
+    tracker.add("expert-parallel-rng", seed + 1024 + 100 * ep_rank + etp_rank)
 
 
 def install() -> bool:
@@ -190,6 +294,13 @@ def install() -> bool:
         if not getattr(module.dist_all_gather_func, "flat", False):
             module.dist_all_gather_func = _flat(torch.distributed.all_gather_into_tensor)
             module.dist_reduce_scatter_func = _flat(torch.distributed.reduce_scatter_tensor)
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if token_dispatcher.maybe_move_tensor_to_cpu is not _host_splits:
+        token_dispatcher.maybe_move_tensor_to_cpu = _host_splits
+    for name in _TE_MOE_NAMES:  # unbound without transformer-engine (see 6.)
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
     from megatron.core.transformer import transformer_block
 
     from hybridrl.models.local_spec import SequenceParallelNorm
@@ -197,6 +308,14 @@ def install() -> bool:
     transformer_block.LayerNormImpl = SequenceParallelNorm
     _install_rng_tracker()
     return True
+
+
+def _host_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's ``maybe_move_tensor_to_cpu`` for host tensors: ``as_numpy`` split sizes
+    become numpy arrays, which ``all_to_all_single`` takes as its split lists."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 def _flat(collective):

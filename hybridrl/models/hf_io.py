@@ -11,8 +11,11 @@ Contract:
   ``spec.vocab_size`` (megatron's padding) are zero. A critic loads the trunk and, when the folder
   has one, ``score.weight`` (HF's token-classification head); otherwise its head keeps its init.
   A reward model must have ``score.weight`` (ValueError otherwise).
-- ``export_hf(model, folder)``: TP pieces are gathered on the dp_rank 0 replica; the tp_rank 0 rank
-  of each stage writes ``model-000{s+1}-of-000{pp}.safetensors``; global rank 0 writes config.json
+- Qwen3-MoE: the router ``mlp.router.weight`` is HF's ``mlp.gate.weight``; global expert e's
+  ``linear_fc1`` is [gate_proj; up_proj] rows of its expert-TP slice, ``linear_fc2`` the
+  ``down_proj`` columns (``model.layers.L.mlp.experts.e.*`` on disk, what transformers writes).
+- ``export_hf(model, folder)``: TP pieces are gathered on the dp_rank 0 replica (experts: expert
+  TP pieces on the expert-dp 0 ranks, then over ep); the tp_rank 0 rank of each stage writes ``model-000{s+1}-of-000{pp}.safetensors``; global rank 0 writes config.json
   and ``model.safetensors.index.json``. Vocab padding never reaches the files; tied models write no
   ``lm_head.weight``; every tensor is written in the model's dtype. Collective: every rank of
   the layout must call it.
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.models.build import VALUE_ROLES, ShardedModel, build_model
-from hybridrl.models.naming import named_local_parameters, tp_partition_dim
+from hybridrl.models.naming import expert_index, named_local_parameters, tp_partition_dim
 from hybridrl.models.spec import DTYPES, check_layout, read_hf_spec
 
 if TYPE_CHECKING:
@@ -48,7 +51,10 @@ _LAYER_MAP = {
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
 _REPLICATED = ("input_layernorm.weight", "pre_mlp_layernorm.weight",
-               "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+               "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
+               "mlp.router.weight")
+_LAYER_MAP["mlp.router.weight"] = "mlp.gate.weight"  # Qwen3-MoE router, [E, H]
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 
 class HFReader:
@@ -111,10 +117,25 @@ def _qkv_local(reader, prefix: str, kind: str, model: ShardedModel) -> torch.Ten
     return fused.reshape(-1, *rest)
 
 
+def _expert_local(reader, prefix: str, expert: int, kind: str, model: ShardedModel):
+    """This rank's expert-TP slice of global expert ``expert`` (HF: per-expert gate/up/down)."""
+    etp, etp_rank = model.groups.etp_size, model.groups.etp_rank
+    f = model.spec.moe_ffn_hidden_size // etp
+    lo, hi = etp_rank * f, (etp_rank + 1) * f
+    base = f"{prefix}.mlp.experts.{expert}"
+    if kind == "linear_fc2":
+        return reader.cols(f"{base}.down_proj.weight", lo, hi)
+    return torch.cat([reader.rows(f"{base}.gate_proj.weight", lo, hi),
+                      reader.rows(f"{base}.up_proj.weight", lo, hi)])
+
+
 def _layer_local(reader, layer: int, rest: str, model: ShardedModel) -> torch.Tensor:
     prefix = f"model.layers.{layer}"
     tp_size, tp_rank = model.groups.tp_size, model.groups.tp_rank
     spec = model.spec
+    expert = _EXPERT.match(rest)
+    if expert:
+        return _expert_local(reader, prefix, int(expert.group(1)), expert.group(2), model)
     if rest in _REPLICATED:
         return reader.full(f"{prefix}.{_LAYER_MAP[rest]}")
     if rest.startswith("self_attention.linear_qkv."):
@@ -222,6 +243,14 @@ def hf_tensors_from_full(name: str, pieces: list[torch.Tensor], spec, role: str 
                 "lm_head.weight": torch.cat(pieces)[: spec.vocab_size]}
         raise ValueError(f"no HF mapping for megatron parameter {name}")
     prefix, rest = f"model.layers.{match.group(1)}", match.group(2)
+    expert = _EXPERT.match(rest)
+    if expert:  # pieces: the expert-TP slices of one global expert
+        base = f"{prefix}.mlp.experts.{expert.group(1)}"
+        if expert.group(2) == "linear_fc2":
+            return {f"{base}.down_proj.weight": torch.cat(pieces, dim=1)}
+        halves = [p.chunk(2) for p in pieces]
+        return {f"{base}.gate_proj.weight": torch.cat([h[0] for h in halves]),
+                f"{base}.up_proj.weight": torch.cat([h[1] for h in halves])}
     if rest in _REPLICATED:
         return {f"{prefix}.{_LAYER_MAP[rest]}": pieces[0]}
     if rest in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
@@ -241,14 +270,39 @@ def hf_tensors_from_full(name: str, pieces: list[torch.Tensor], spec, role: str 
     raise ValueError(f"no HF mapping for megatron parameter {name}")
 
 
-def _gather_tp(param: torch.Tensor, groups) -> list[torch.Tensor]:
-    """Every TP rank's piece of ``param`` (one all_gather over the TP group when split)."""
+def _gather_tp(param: torch.Tensor, groups, name: str = "tp") -> list[torch.Tensor]:
+    """Every TP rank's piece of ``param`` (one all_gather over the ``name`` group, TP or expert
+    TP, when split)."""
     local = param.detach().contiguous()
-    if tp_partition_dim(param) is None or groups.tp_size == 1:
+    size = groups.size(name)
+    if tp_partition_dim(param) is None or size == 1:
         return [local]
-    pieces = [torch.empty_like(local) for _ in range(groups.tp_size)]
-    dist.all_gather(pieces, local, group=groups.tp)
+    pieces = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(pieces, local, group=groups.groups[name])
     return pieces
+
+
+def _expert_tensors(model: ShardedModel) -> dict[str, torch.Tensor]:
+    """HF tensors of every expert of this stage, on the stage's writer (expert coordinates all
+    0; {} elsewhere): expert-TP pieces gathered on the expert-dp index 0 ranks, then each ep
+    rank's experts collected over the ep group. Collective over the ranks holding experts."""
+    groups = model.groups
+    if not getattr(model.spec, "num_experts", 0) or groups.index("expt_dp") != 0:
+        return {}
+    mine: dict[str, torch.Tensor] = {}
+    for name, param in named_local_parameters(model):
+        if expert_index(name) is None:
+            continue
+        pieces = [p.cpu() for p in _gather_tp(param, groups, "expt_tp")]
+        if groups.etp_rank == 0:
+            mine.update(hf_tensors_from_full(name, pieces, model.spec, model.role))
+    if groups.etp_rank != 0:
+        return {}
+    seen: list = [None] * groups.ep_size
+    dist.all_gather_object(seen, mine, group=groups.ep)
+    if groups.ep_rank != 0:
+        return {}
+    return {k: v for part in seen for k, v in part.items()}
 
 
 def export_hf(model: ShardedModel, folder: str | Path) -> None:
@@ -257,15 +311,19 @@ def export_hf(model: ShardedModel, folder: str | Path) -> None:
 
     groups, folder = model.groups, Path(folder)
     tensors: dict[str, torch.Tensor] = {}
+    experts = _expert_tensors(model)
     if groups.dp_rank == 0:
         for name, param in named_local_parameters(model):
+            if expert_index(name) is not None:
+                continue
             pieces = [p.cpu() for p in _gather_tp(param, groups)]
             if groups.tp_rank == 0:
                 for hf_name, t in hf_tensors_from_full(name, pieces, model.spec, model.role).items():
                     tensors[hf_name] = t.to(DTYPES[model.dtype]).contiguous()
     file_name = f"model-{groups.pp_rank + 1:05d}-of-{groups.pp_size:05d}.safetensors"
     writer = groups.dp_rank == 0 and groups.tp_rank == 0
-    if writer:
+    if writer:  # the stage's first rank: also expert rank (0, 0, 0) of the stage
+        tensors.update({k: t.to(DTYPES[model.dtype]).contiguous() for k, t in experts.items()})
         folder.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(folder / file_name), metadata={"format": "pt"})
     mine = ({k: file_name for k in tensors}, sum(t.numel() * t.element_size()

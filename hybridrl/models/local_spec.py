@@ -34,6 +34,8 @@ Contract:
     ``finalize_model_grads`` then all-reduces its gradient over TP, each rank having seen only
     its slice of the sequence); megatron's ``WrappedTorchNorm`` itself refuses sequence
     parallelism. With it off the module is ``WrappedTorchNorm``'s, unchanged.
+  * ``QKNorm`` for Qwen3's q/k norms: megatron's torch RMSNorm, allowed under sequence
+    parallelism too.
   ``make_output_layer_lean(gpt_model)`` gives the output layer (built by GPTModel, not by the
   spec) the lean linear forward. Each lean forward runs only when nothing needs megatron's own
   (no sequence parallelism, recompute, offloading, fp8/fp4, CUDA graphs, gradient-accumulation
@@ -374,11 +376,30 @@ class SequenceParallelNorm:
         return norm
 
 
-def local_layer_spec(qk_layernorm: bool = False):
+class QKNorm:
+    """Qwen3's per-head q/k RMSNorm on the local spec: megatron's torch norm, also under
+    sequence parallelism (it normalizes heads, not the sequence; megatron's
+    ``finalize_model_grads`` all-reduces q/k norm gradients over TP by name either way), which
+    megatron's ``WrappedTorchNorm`` refuses."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        if not config.sequence_parallel:
+            return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
+        if config.normalization != "RMSNorm":
+            raise ValueError("q/k norms with model.sequence_parallel on the local spec need "
+                             f"RMSNorm, got {config.normalization}")
+        return torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+
+
+def local_layer_spec(qk_layernorm: bool = False, num_experts: int = 0):
     """megatron's local GPT layer spec (RMSNorm; ``qk_layernorm``: per-head q/k RMSNorm, as
-    Qwen3 has) with this module's lean subclasses."""
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm",
-                                                    qk_layernorm=qk_layernorm)
+    Qwen3 has) with this module's lean subclasses; ``num_experts`` > 0: megatron's MoELayer
+    (SequentialMLP experts of megatron's own linears) as the MLP, run by megatron's forward."""
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts or None, moe_grouped_gemm=False, normalization="RMSNorm",
+        qk_layernorm=qk_layernorm)
     spec.module = LeanTransformerLayer
     spec.submodules.input_layernorm = SequenceParallelNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
@@ -387,6 +408,9 @@ def local_layer_spec(qk_layernorm: bool = False):
     attention.submodules.core_attention = SDPACoreAttention
     attention.submodules.linear_qkv = LeanColumnParallelLinear
     attention.submodules.linear_proj = LeanRowParallelLinear
-    mlp = spec.submodules.mlp.submodules
-    mlp.linear_fc1, mlp.linear_fc2 = LeanColumnParallelLinear, LeanRowParallelLinear
+    if qk_layernorm:
+        attention.submodules.q_layernorm = attention.submodules.k_layernorm = QKNorm
+    if not num_experts:
+        mlp = spec.submodules.mlp.submodules
+        mlp.linear_fc1, mlp.linear_fc2 = LeanColumnParallelLinear, LeanRowParallelLinear
     return spec

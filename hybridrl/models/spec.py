@@ -6,13 +6,21 @@ Contract:
   q/k RMSNorm as in Qwen3, ``head_dim`` independent of hidden/heads, RoPE scaling ``llama3`` or
   ``yarn``: ``hybridrl.models.rope``).
 - ``LlamaSpec.from_hf_config(dict)`` / ``read_hf_spec(folder)`` read an HF config.json
-  (``LlamaForCausalLM`` incl. Llama 3.x, ``Qwen2ForCausalLM`` incl. Qwen2.5, ``Qwen3ForCausalLM``)
-  and reject anything else with one ``ValueError`` naming the key (other architectures incl. MoE,
+  (``LlamaForCausalLM`` incl. Llama 3.x, ``Qwen2ForCausalLM`` incl. Qwen2.5, ``Qwen3ForCausalLM``,
+  ``Qwen3MoeForCausalLM``) and reject anything else with one ``ValueError`` naming the key
+  (other architectures, other MoE variants: ``hybridrl.config.hf_model``,
   sliding-window attention in use, other RoPE types, attention biases on Llama/Qwen3, MLP biases,
   activations other than SiLU); ``to_hf_config()`` writes it back. ``from_model_config`` takes
   hybridrl's builtin ``ModelConfig`` sizes.
+- MoE (``num_experts`` > 0, Qwen3-MoE): every layer's MLP is ``num_experts`` routed SwiGLU
+  experts of width ``moe_ffn_hidden_size``, top-``moe_topk`` softmax routing, the top-k weights
+  renormalized when ``moe_norm_topk_prob`` (Qwen3's ``norm_topk_prob``), no shared expert;
+  ``moe_aux_loss_coef`` > 0 adds megatron's switch load-balancing loss (HF:
+  ``router_aux_loss_coef``, used only when ``output_router_logits``). A dense spec
+  (``num_experts`` 0) is exactly the spec of before.
 - ``check_layout(spec, train)`` raises before any weight is read when heads, query groups, FFN
-  size or layers do not divide as the layout needs.
+  size, layers or experts (``num_experts`` by ep, ``moe_ffn_hidden_size`` by etp) do not divide
+  as the layout needs, or when experts meet ep > 1 on a dense model.
 - ``padded_vocab_size`` is megatron's rule: round up to ``make_vocab_size_divisible_by * tp``.
 - ``to_transformer_config(spec, train, dtype)`` is the megatron-core ``TransformerConfig`` that
   hybridrl builds every model of this spec with.
@@ -29,10 +37,12 @@ import torch
 
 from hybridrl.config.hf_model import (
     MODEL_TYPES,
+    MOE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     RopeScaling,
     check_hf_features,
     hf_architecture,
+    moe_num_experts,
     parse_rope_scaling,
 )
 
@@ -59,6 +69,15 @@ class LlamaSpec:
     architecture: str = "LlamaForCausalLM"
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of every query and key head
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    num_experts: int = 0  # 0 = dense; Qwen3-MoE: num_experts
+    moe_topk: int = 0  # num_experts_per_tok
+    moe_ffn_hidden_size: int | None = None  # moe_intermediate_size
+    moe_norm_topk_prob: bool = True  # norm_topk_prob
+    moe_aux_loss_coef: float = 0.0  # router_aux_loss_coef when output_router_logits, else 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
@@ -79,6 +98,24 @@ class LlamaSpec:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if (self.architecture in MOE_ARCHITECTURES) != self.is_moe:
+            raise ValueError(f"architecture {self.architecture!r} with num_experts="
+                             f"{self.num_experts}: MoE architectures ({', '.join(MOE_ARCHITECTURES)}"
+                             ") need num_experts >= 1, dense ones 0")
+        if self.is_moe:
+            if self.moe_ffn_hidden_size is None:
+                object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+            if not 1 <= self.moe_topk <= self.num_experts:
+                raise ValueError(f"model moe_topk (num_experts_per_tok)={self.moe_topk} must be "
+                                 f"in 1..num_experts={self.num_experts}")
+            if not isinstance(self.moe_ffn_hidden_size, int) or self.moe_ffn_hidden_size < 1:
+                raise ValueError("model moe_ffn_hidden_size (moe_intermediate_size) must be a "
+                                 f"positive integer, got {self.moe_ffn_hidden_size!r}")
+            if self.moe_aux_loss_coef < 0:
+                raise ValueError(f"model moe_aux_loss_coef={self.moe_aux_loss_coef} must be >= 0")
+        elif self.moe_topk or self.moe_ffn_hidden_size is not None or self.moe_aux_loss_coef:
+            raise ValueError("model moe_topk / moe_ffn_hidden_size / moe_aux_loss_coef need "
+                             "num_experts >= 1 (a MoE model)")
 
     @property
     def heads_per_group(self) -> int:
@@ -105,19 +142,26 @@ class LlamaSpec:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             qkv_bias=arch == "Qwen2ForCausalLM",
             architecture=arch,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             rope_scaling=parse_rope_scaling(cfg),
+            **_moe_fields(cfg, arch),
         )
 
     @classmethod
     def from_model_config(cls, mc) -> LlamaSpec:
-        """The builtin llama of hybridrl's ``ModelConfig`` (sizes from its fields)."""
+        """The builtin llama of hybridrl's ``ModelConfig`` (sizes from its fields); with
+        ``num_experts`` > 0 the builtin Qwen3-MoE (q/k norm, routed experts)."""
+        experts = getattr(mc, "num_experts", 0)
+        moe = dict(architecture="Qwen3MoeForCausalLM", qk_norm=True, num_experts=experts,
+                   moe_topk=mc.moe_topk, moe_ffn_hidden_size=mc.moe_ffn_hidden_size or None,
+                   moe_norm_topk_prob=mc.moe_norm_topk_prob,
+                   moe_aux_loss_coef=mc.moe_aux_loss_coef) if experts else {}
         return cls(
             hidden_size=mc.hidden_size, num_layers=mc.num_layers,
             num_attention_heads=mc.num_attention_heads, num_query_groups=mc.num_query_groups,
             ffn_hidden_size=mc.ffn_hidden_size, vocab_size=mc.vocab_size,
             max_position_embeddings=mc.max_position_embeddings, rope_theta=mc.rope_theta,
-            norm_eps=mc.norm_eps, tie_word_embeddings=mc.tie_word_embeddings)
+            norm_eps=mc.norm_eps, tie_word_embeddings=mc.tie_word_embeddings, **moe)
 
     def to_hf_config(self, dtype: str = "fp32") -> dict:
         """An HF config.json dict that transformers loads into the same model."""
@@ -142,9 +186,27 @@ class LlamaSpec:
             cfg.update(use_sliding_window=False)
         else:
             cfg.update(attention_bias=False, mlp_bias=False)
-            if model_type == "qwen3":
+            if model_type in ("qwen3", "qwen3_moe"):
                 cfg.update(use_sliding_window=False)
+        if self.is_moe:
+            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.moe_topk,
+                       moe_intermediate_size=self.moe_ffn_hidden_size,
+                       norm_topk_prob=self.moe_norm_topk_prob,
+                       router_aux_loss_coef=self.moe_aux_loss_coef,
+                       output_router_logits=self.moe_aux_loss_coef > 0,
+                       decoder_sparse_step=1, mlp_only_layers=[])
         return cfg
+
+
+def _moe_fields(cfg: dict, arch: str) -> dict:
+    """LlamaSpec's MoE fields of a validated config.json (empty for dense architectures)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    aux = float(cfg.get("router_aux_loss_coef") or 0.0)
+    return dict(num_experts=moe_num_experts(cfg)[1], moe_topk=cfg["num_experts_per_tok"],
+                moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                moe_aux_loss_coef=aux if cfg.get("output_router_logits") else 0.0)
 
 
 def read_hf_spec(folder: str | Path) -> LlamaSpec:
@@ -170,6 +232,13 @@ def check_layout(spec: LlamaSpec, train) -> None:
         ("ffn_hidden_size (intermediate_size)", spec.ffn_hidden_size, "tp", tp),
         ("num_layers (num_hidden_layers)", spec.num_layers, "pp", pp),
     )
+    if spec.is_moe:
+        checks += (("num_experts", spec.num_experts, "ep", train.ep),
+                   ("moe_ffn_hidden_size (moe_intermediate_size)", spec.moe_ffn_hidden_size,
+                    "etp", train.etp))
+    elif train.ep > 1 or train.etp != train.tp:
+        raise ValueError(f"parallel ep={train.ep} / etp={train.etp} need a MoE model; this one "
+                         "is dense (use ep 1 and etp = tp)")
     for field, value, axis, parts in checks:
         if value % parts:
             raise ValueError(f"model {field}={value} is not divisible by {axis}={parts}")
@@ -204,6 +273,8 @@ def to_transformer_config(spec: LlamaSpec, train, dtype: str = "fp32", **overrid
         persist_layer_norm=False, gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=False, qk_layernorm=spec.qk_norm,
     )
+    if spec.is_moe:
+        kwargs.update(moe_kwargs(spec, train, on_cuda))
     if spec.rope_scaling is not None:  # yarn: transformers scales cos and sin by the factor
         from hybridrl.models.rope import inv_freq
 
@@ -212,4 +283,31 @@ def to_transformer_config(spec: LlamaSpec, train, dtype: str = "fp32", **overrid
         if factor != 1.0:  # q and k both rotated: the logits scale by factor**2
             kwargs["softmax_scale"] = factor * factor / math.sqrt(spec.head_dim)
     kwargs.update(overrides)
+    if spec.is_moe and train.tp > 1 and not kwargs.get("sequence_parallel"):
+        raise ValueError(f"a MoE model at tp={train.tp} needs model.sequence_parallel: true "
+                         "(megatron-core trains MoE layers under TP only with sequence "
+                         "parallelism)")
     return TransformerConfig(**kwargs)
+
+
+def moe_kwargs(spec: LlamaSpec, train, on_cuda: bool = False) -> dict:
+    """megatron-core TransformerConfig fields of a Qwen3-MoE layer: dropless top-k softmax
+    routing (top-k of the logits, then softmax over the k = Qwen3's renormalized weights when
+    ``moe_norm_topk_prob``; softmax over all experts, then top-k, otherwise), the alltoall token
+    dispatcher over ep, SequentialMLP experts (grouped GEMM only with CUDA), no shared expert,
+    megatron's switch aux loss when ``moe_aux_loss_coef`` > 0."""
+    if spec.moe_topk == 1 and spec.moe_norm_topk_prob:
+        raise ValueError("num_experts_per_tok=1 with norm_topk_prob=true is not supported "
+                         "(megatron needs the softmax before a top-1 selection)")
+    aux = spec.moe_aux_loss_coef
+    return dict(
+        num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+        moe_aux_loss_coeff=aux, moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+        moe_expert_capacity_factor=None,
+        expert_model_parallel_size=train.ep, expert_tensor_parallel_size=train.etp,
+    )

@@ -96,7 +96,9 @@ def test_plan_takes_every_architecture_as_folder_or_file(tmp_path, capsys, name)
 
 
 @pytest.mark.parametrize("change,needle", [
-    ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}, "architectures"),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
+      "num_experts_per_tok": 2, "moe_intermediate_size": 64, "mlp_only_layers": [0]},
+     "mlp_only_layers"),
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),
 ])
