@@ -83,3 +83,16 @@ def test_one_engine_per_replica_on_its_first_ranks_gpu(ranks, case):
         else:
             assert res["base_gpu"] is None  # only the replica's first rank starts an engine
         assert len(res["members"]) == gen_tp
+
+
+def test_builtin_split_engine_on_gloo():
+    """The builtin engine of ``build_split_engine`` on 4 gloo ranks (2 training at tp 2, one
+    replica of gen tp 2): the GPU test's function (tests/gpu/test_split_gpu.py) on CPU."""
+    from hybridrl.testing.dist import run_on_ranks
+    from tests.gpu.test_split_gpu import split_builtin_rank
+
+    res = run_on_ranks(split_builtin_rank, 4, 2, 2, timeout=300)
+    for r in (2, 3):
+        assert res[r]["backend"] == "gloo" and res[r]["engine_devices"] == ["cpu"]
+        assert res[r]["bad"] == [], res[r]["bad"]
+        assert res[r]["received"] == [res[r]["shard_bytes"]] * 2
