@@ -30,6 +30,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 _KL_BASE = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 KL_KINDS = _KL_BASE + tuple(k + "+" for k in _KL_BASE)
 ROLLOUT_IS_CHOICES = ("", "token", "sequence")
+ROUTER_REPLAY_CHOICES = ("off", "rollout")  # actor.router_replay (MoE)
 
 
 def check_finite_floats(section: str, obj: object) -> None:
@@ -139,6 +140,12 @@ class ActorConfig(TrainedRoleConfig):
                            "per token (token) or per sequence (sequence, summed log ratio); "
                            "empty = off.")
     rollout_is_cap: float = knob(2.0, "Truncation cap of the rollout IS weights (> 0).")
+    router_replay: str = knob("off", "MoE routing replay (R3): off | rollout: the actor's "
+                              "forwards replay the rollout engine's top-k expert ids of every "
+                              "token and layer (megatron-core's RouterReplay), so old "
+                              "log-probs and the update see the rollout's routing; "
+                              "actor/router_agreement is how often the actor's own routing "
+                              "chose the same experts.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -153,6 +160,7 @@ class ActorConfig(TrainedRoleConfig):
         check_choice("actor.kl_loss_type", self.kl_loss_type, KL_KINDS)
         check_choice("actor.rollout_is", self.rollout_is, ROLLOUT_IS_CHOICES)
         check_positive("actor.rollout_is_cap", self.rollout_is_cap)
+        check_choice("actor.router_replay", self.router_replay, ROUTER_REPLAY_CHOICES)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,10 @@ Contract:
   sequence over the TP ranks. Right padding changes no earlier position (causal attention), and
   padded positions carry loss mask 0; PPO reads responses through ``resp_index``. A pack is
   padded at its tail only, the pad joining its last sequence (``packing.extend_tail``).
+- Routing replay: a micro-batch with ``routed_experts`` [b, W, layers, k] (the rollout
+  engine's top-k expert ids, ``RolloutBatch.routed_experts`` rows) runs its forward with every
+  MoE router replaying them (``hybridrl.models.router_replay``); without the key a MoE model
+  routes by itself.
 - ``broadcast_from_last_stage(obj, groups)`` hands a picklable result to every stage.
 - ``left_align`` / ``undo_left_align`` turn left-padded rows (verl's prompt layout) into rows that
   start at position 0 and map per-token outputs back.
@@ -39,6 +43,7 @@ import torch.distributed as dist
 
 from hybridrl.models.build import VALUE_ROLES, ShardedModel, ensure_megatron_state
 from hybridrl.models.packing import extend_tail, packed_seq_params, positions
+from hybridrl.models.router_replay import replaying
 from hybridrl.models.vocab_parallel import vocab_parallel_logprobs_entropy
 
 LossFn = Callable[[dict, dict], tuple[torch.Tensor, dict]]
@@ -120,14 +125,18 @@ def _forward_step(model, loss_fn, options, data_iterator, module):
     batch = next(data_iterator)
     input_ids_BT = batch["input_ids"].to(model.device)
     b, t = input_ids_BT.shape
+    sp = model.groups.tp_size if getattr(model.config, "sequence_parallel", False) else 1
+    replay = replaying(model.module, batch, t, model.groups.tp_rank if sp > 1 else 0, sp)
     if "cu_seqlens" in batch:  # a pack [1, S]: positions restart at every sequence (THD)
         cu = extend_tail(batch["cu_seqlens"], t).cpu()  # host copy: no device sync per pack
         pos = positions(cu).to(input_ids_BT.device, non_blocking=True).unsqueeze(0)
-        output = module(input_ids_BT, pos, None,
-                        packed_seq_params=packed_seq_params(cu, input_ids_BT.device))
+        with replay:
+            output = module(input_ids_BT, pos, None,
+                            packed_seq_params=packed_seq_params(cu, input_ids_BT.device))
     else:
         position_ids_BT = torch.arange(t, device=input_ids_BT.device).expand(b, t)
-        output = module(input_ids_BT, position_ids_BT, None)
+        with replay:
+            output = module(input_ids_BT, position_ids_BT, None)
     return output, functools.partial(_loss_func, model, batch, loss_fn, options)
 
 

@@ -13,6 +13,9 @@ Contract:
   (``compute_agg_normalizers`` over ``groups.dp``, verl's constant ``loss_scale``) over the
   tokens the losses see: ``rb.loss_mask`` when the batch has one (a multi-turn rollout's own
   model tokens; it then rides in each micro-batch as ``loss_mask``), else ``response_mask``.
+  With ``role_cfg.router_replay == "rollout"`` and ``rb.routed_experts`` (a MoE rollout), those
+  ride in each micro-batch as ``routed_experts`` (the forward replays them:
+  ``hybridrl.models.router_replay``) and the metrics add ``actor/router_agreement``.
   One optimizer step per mini-batch
   (``hybridrl.models.train_step``); the weights are gathered whole afterwards (the next reader
   needs them). Returns the metrics averaged over the optimizer steps, ``<prefix>/<name>`` (keys
@@ -39,6 +42,7 @@ from hybridrl.algos.agg import compute_agg_normalizers
 from hybridrl.algos.losses import actor_loss, value_loss
 from hybridrl.data.batching import plan_dp_micro_batches, split_mini_batches
 from hybridrl.models.build import DDPOptions
+from hybridrl.models.router_replay import ROUTED_KEY, agreement_metric
 from hybridrl.models.train_step import train_step
 from hybridrl.rollout.batch import gather_response
 from hybridrl.trainer.microbatches import TokenTally, sp_multiple
@@ -100,6 +104,9 @@ def ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix: str, *, 
     local = {g: j for j, g in enumerate(rb.rows)}
     if rb.loss_mask is not None:  # a multi-turn batch: the model's own tokens
         tensors = {**tensors, "loss_mask": rb.loss_mask}
+    replay = getattr(role_cfg, "router_replay", "off") == "rollout" and rb.routed_experts is not None
+    if replay:  # MoE routing replay: the forwards route as the rollout engine did
+        tensors = {**tensors, ROUTED_KEY: rb.routed_experts}
     for _ in range(role_cfg.ppo_epochs):
         for rows in split_mini_batches(len(lens), mini):  # consecutive global rows
             lo, hi = rows[0], rows[-1] + 1
@@ -126,6 +133,8 @@ def ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix: str, *, 
     out = {(k if "/" in k else f"{prefix}/{k}"): float(np.mean(v)) for k, v in acc.items()}
     if "actor/ppo_kl" in acc:
         out["actor/ppo_kl_max"] = float(max(abs(v) for v in acc["actor/ppo_kl"]))
+    if replay:
+        out.update(agreement_metric(model.module, groups.dp if dp > 1 else None, model.device))
     return out
 
 
