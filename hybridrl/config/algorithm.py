@@ -49,7 +49,8 @@ class FilterGroupsConfig:
     enable: bool = knob(False, "Keep generating until the batch holds data.train_batch_size "
                         "prompt groups whose sequence scores are not all equal (groups with "
                         "zero score std teach nothing to grpo-like estimators); needs "
-                        "parallel.dp = 1, rollout.n >= 2 and a rule / custom reward "
+                        "rollout.n >= 2 and a rule / custom reward; at dp > 1 the kept rows "
+                        "are re-balanced over the DP replicas "
                         "(hybridrl.trainer.dynamic_sampling).")
     max_num_gen_batches: int = knob(10, "Most generation rounds per step (>= 1); when they "
                                     "end short, the batch is filled with uninformative groups.")

@@ -15,9 +15,18 @@ Contract:
   verl would stop with an error). Reward metrics are those of round 1 (the policy's unfiltered
   samples). Metrics: ``dynamic_sampling/{rounds, informative_groups, dropped_groups,
   dropped_frac, filled_groups}``.
-- Needs one DP replica (``parallel.dp == 1``: every rank holds every row, so no rows move
-  between DP ranks after filtering), a rule / custom reward (not ``reward.reward_model_path``)
-  and ``rollout.n >= 2``; otherwise ``check`` raises one ValueError line naming the key.
+- At dp > 1 each DP replica generates and scores only its rows of a round (the trainer's
+  partition); the scores and response lengths of every row (scalars) are all-gathered over the
+  DP group, so every rank takes the same decisions as one process would. The kept rows are
+  then re-balanced: the merged batch is cut over the DP replicas by
+  ``plan_rollout_partition`` on its sequence lengths (``trainer.partition_shape()``'s chunk
+  and group, as a step without filtering), and each row moves once from a rank of the replica
+  that generated it to every rank of the replica that trains on it
+  (``partition.exchange_rollouts``: int32 ids + fp32 log-probs, point to point). The result
+  equals dp 1's on the same seeds (tests/distributed/test_dapo_dp.py).
+- Needs a rule / custom reward (not ``reward.reward_model_path``) and ``rollout.n >= 2``;
+  otherwise ``check`` raises one ValueError line naming the key. The per-row ``loss_mask`` /
+  ``routed_experts`` of a rollout batch are not carried into the merged batch.
 """
 
 from __future__ import annotations
@@ -25,16 +34,16 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
+from hybridrl.rollout.base import GenerationOutput
 from hybridrl.rollout.batch import RolloutBatch
+from hybridrl.rollout.partition import exchange_rollouts, plan_rollout_partition, plan_transfers
 
 
 def check(trainer) -> None:
     """ValueError (one line) when the run cannot use dynamic sampling."""
     cfg = trainer.cfg
-    if trainer.groups.dp_size != 1:
-        raise ValueError("algorithm.filter_groups.enable=true needs one DP replica "
-                         f"(parallel.dp = 1); this layout has dp = {trainer.groups.dp_size}")
     if cfg.reward.reward_model_path:
         raise ValueError("algorithm.filter_groups.enable=true works with rule / custom rewards, "
                          "not reward.reward_model_path")
@@ -83,13 +92,29 @@ def _merge(picks: list[tuple[RolloutBatch, torch.Tensor, list[tuple[int, int]]]]
     return merged, torch.cat(cols["scores"])
 
 
+def _global_round(trainer, rb: RolloutBatch, scores: torch.Tensor, n_rows: int):
+    """(scores [N], response lengths [N], DP replica of each row) of a round's whole batch, the
+    same on every rank (dp 1: this rank's rows are the batch)."""
+    lens = rb.response_mask.sum(-1).tolist()
+    if trainer.groups.dp_size == 1:
+        return scores, lens, [0] * n_rows
+    seen = [None] * trainer.groups.dp_size
+    dist.all_gather_object(seen, (trainer.groups.dp_rank, rb.rows, scores.tolist(), lens),
+                           group=trainer.groups.gloo_dp)
+    all_scores, all_lens, holder = [0.0] * n_rows, [0] * n_rows, [0] * n_rows
+    for d, rows, vals, row_lens in seen:
+        for row, v, n in zip(rows, vals, row_lens):
+            all_scores[row], all_lens[row], holder[row] = v, int(n), d
+    return torch.tensor(all_scores, dtype=scores.dtype), all_lens, holder
+
+
 def collect(trainer, prompts):
     """(rollout batch, scores, reward metrics, dynamic_sampling/* metrics); see the docstring."""
     check(trainer)
     fg, need, g = trainer.cfg.algorithm.filter_groups, len(prompts), trainer.groups
-    kept, spare, first_metrics, seen, rounds = [], [], None, 0, 0
-    while rounds < fg.max_num_gen_batches and sum(len(r) for _, _, r in kept) < need * \
-            trainer.cfg.rollout.n:
+    n = trainer.cfg.rollout.n
+    kept, spare, first_metrics, seen, rounds, made = [], [], None, 0, 0, []
+    while rounds < fg.max_num_gen_batches and sum(len(r) for _, _, r in kept) < need * n:
         if rounds:
             prompts = trainer.loader.next_batch()
         rb = trainer._rollout(prompts)
@@ -97,15 +122,24 @@ def collect(trainer, prompts):
             rb.rows, rb.response_ids, rb.response_mask, rb.ground_truth, rb.data_source,
             rb.extra_info, g.tp_rank + g.tp_size * g.pp_rank, g.tp_size * g.pp_size)
         first_metrics = first_metrics or metrics
-        good = informative_groups(scores, rb.uid)
-        order = list(dict.fromkeys(rb.uid))  # groups in first-seen order
-        missing = need - sum(len(r) for _, _, r in kept) // trainer.cfg.rollout.n
+        if g.dp_size > 1:  # the whole round's scalars; uids are prompt indices, rows i*n..i*n+n-1
+            all_scores, lens, holder = _global_round(trainer, rb, scores, len(prompts) * n)
+            uids = [i for i in range(len(prompts)) for _ in range(n)]
+            view = RolloutBatch([[]] * len(uids), rb.response_ids[:0], rb.response_mask[:0],
+                                rb.rollout_logprobs[:0], uids, [], [], [], rows=list(range(len(uids))))
+            rb_view, scores_view = view, all_scores
+            made.append((prompts, rb, lens, holder, view))
+        else:
+            rb_view, scores_view = rb, scores
+        good = informative_groups(scores_view, rb_view.uid)
+        order = list(dict.fromkeys(rb_view.uid))  # groups in first-seen order
+        missing = need - sum(len(r) for _, _, r in kept) // n
         take = [u for u in order if u in good][:missing]
         offset = rounds * need  # uids stay distinct across rounds
-        kept.append((rb, scores, _rows_of(rb, take, offset)))
-        spare.append((rb, scores, _rows_of(rb, [u for u in order if u not in good], offset)))
+        kept.append((rb_view, scores_view, _rows_of(rb_view, take, offset)))
+        spare.append((rb_view, scores_view, _rows_of(rb_view, [u for u in order if u not in good],
+                                                     offset)))
         seen, rounds = seen + len(order), rounds + 1
-    n = trainer.cfg.rollout.n
     found = sum(len(r) for _, _, r in kept) // n
     fill = []
     for rb, scores, rows in reversed(spare):  # the latest uninformative groups first
@@ -113,8 +147,12 @@ def collect(trainer, prompts):
         if room <= 0:
             break
         fill.append((rb, scores, rows[:room]))
-    merged, scores = _merge([p for p in kept + fill if p[2]])
-    trainer.partition = ([list(range(len(merged)))], merged.seq_lengths)  # dp = 1: one part
+    picks = [p for p in kept + fill if p[2]]
+    if g.dp_size > 1:
+        merged, scores = _rebalance(trainer, picks, made)
+    else:
+        merged, scores = _merge(picks)
+        trainer.partition = ([list(range(len(merged)))], merged.seq_lengths)  # dp = 1: one part
     found_all = sum(len(informative_groups(s, b.uid)) for b, s, _ in kept)
     return merged, scores, first_metrics, {
         "dynamic_sampling/rounds": float(rounds),
@@ -123,3 +161,53 @@ def collect(trainer, prompts):
         "dynamic_sampling/dropped_frac": float(seen - found_all) / max(seen, 1),
         "dynamic_sampling/filled_groups": float(need - found),
     }
+
+
+def _rebalance(trainer, picks, made):
+    """(this DP rank's rows of the merged batch, their scores) at dp > 1: the merged rows cut
+    over the DP replicas and moved there (see the module docstring)."""
+    g, rank = trainer.groups, trainer.rank
+    round_of = {id(view): r for r, (_, _, _, _, view) in enumerate(made)}
+    entries = []  # merged row m -> (round, row of that round, uid + offset, score)
+    for view, scores, rows in picks:
+        r = round_of[id(view)]
+        entries += [(r, row, u, float(scores[row])) for row, u in rows]
+    n = trainer.cfg.rollout.n
+    resp = [made[r][2][row] for r, row, _, _ in entries]
+    prompt_lens = [len(made[r][0].prompt_ids[row // n]) for r, row, _, _ in entries]
+    seq_lens = [p + q for p, q in zip(prompt_lens, resp)]
+    chunk, group = trainer.partition_shape()
+    parts = plan_rollout_partition(seq_lens, g.dp_size, chunk, group)
+    trainer.partition = (parts, seq_lens)
+    world = dist.get_world_size()
+    replicas = [[q for q in range(world) if g.train.coords(q)["dp"] == d]
+                for d in range(g.dp_size)]
+    owner = [replicas[made[r][3][row]][0] for r, row, _, _ in entries]
+    src_rows = [m for m, o in enumerate(owner) if o == rank]
+    src_out = None
+    if src_rows:  # this rank's rows that others (or it) train on, from its rounds' batches
+        positions = [{row: j for j, row in enumerate(m[1].rows)} for m in made]
+        cols = []
+        for m in src_rows:
+            r, row = entries[m][:2]
+            rb = made[r][1]
+            j = positions[r][row]
+            cols.append((rb.response_ids[j], rb.response_mask[j], rb.rollout_logprobs[j]))
+        width = max(c[0].shape[0] for c in cols)
+
+        def stack(k):
+            return torch.stack([torch.nn.functional.pad(c[k], (0, width - c[k].shape[0]))
+                                for c in cols])
+
+        src_out = GenerationOutput(stack(0), stack(1), stack(2))
+    mine = parts[g.dp_rank]
+    out, _ = exchange_rollouts(rank, plan_transfers(owner, parts, replicas), mine, src_rows,
+                               src_out, resp, int(trainer.tokenizer.pad_token_id),
+                               trainer.actor.device)
+    picked = [entries[m] for m in mine]
+    pb = [(made[r][0], row // n) for r, row, _, _ in picked]
+    merged = RolloutBatch([b.prompt_ids[i] for b, i in pb], out.response_ids, out.response_mask,
+                          out.logprobs, [u for _, _, u, _ in picked],
+                          [b.ground_truth[i] for b, i in pb], [b.data_source[i] for b, i in pb],
+                          [b.extra_info[i] for b, i in pb], rows=mine)
+    return merged, torch.tensor([sc for *_, sc in picked], dtype=picks[0][1].dtype)

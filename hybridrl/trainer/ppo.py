@@ -178,15 +178,21 @@ class PPOTrainer:
         return ModelOptimizer(model, OptimConfig.from_role_config(role_cfg, self.total_steps * per_step))
 
     # ------------------------------------------------------------------ rollout side
+    def partition_shape(self) -> tuple[int, int]:
+        """(chunk, group) of ``plan_rollout_partition``: every mini-batch spans all DP ranks;
+        prompt groups stay together when the estimator needs them."""
+        n = self.cfg.rollout.n
+        chunk = self.cfg.actor.ppo_mini_batch_size * n
+        if self.critic is not None:
+            chunk = math.gcd(chunk, self.cfg.critic.ppo_mini_batch_size * n)
+        return chunk, (n if needs_groups(self.cfg.algorithm.adv_estimator) else 1)
+
     def _rollout(self, prompts) -> RolloutBatch:
         """This DP rank's rows of the step's N = prompts x ``rollout.n`` sequences."""
         n, r = self.cfg.rollout.n, self.cfg.rollout
         uid = [i for i in range(len(prompts)) for _ in range(n)]  # each prompt n times
         prompt_lens = [len(prompts.prompt_ids[i]) for i in uid]
-        chunk = self.cfg.actor.ppo_mini_batch_size * n  # every mini-batch spans all DP ranks
-        if self.critic is not None:
-            chunk = math.gcd(chunk, self.cfg.critic.ppo_mini_batch_size * n)
-        group = n if needs_groups(self.cfg.algorithm.adv_estimator) else 1
+        chunk, group = self.partition_shape()
 
         def plan(resp_lens):
             lens = [p + q for p, q in zip(prompt_lens, resp_lens)]

@@ -79,8 +79,7 @@ def test_rounds_are_bounded_and_the_batch_filled():
     assert informative_groups(s, rb.uid) == {1, 4}  # the filled group has equal scores
 
 
-@pytest.mark.parametrize("kwargs,key", [({"dp": 2}, "parallel.dp = 1"),
-                                        ({"reward_model": "/rm"}, "reward_model_path"),
+@pytest.mark.parametrize("kwargs,key", [({"reward_model": "/rm"}, "reward_model_path"),
                                         ({"n": 1}, "rollout.n >= 2")])
 def test_refusals(kwargs, key):
     with pytest.raises(ValueError, match=re.escape(key)):
