@@ -11,7 +11,9 @@ rank over each link speed; the buckets are pipelined, so the wire, not the copy,
 sync: a lower bound at full link rate) and ``counted``: ``plan`` (the enumerated ``split`` plan, worlds up to
 ``EXACT_UP_TO`` ranks) or ``summary`` (``reshard.summary``: layers counted with a
 multiplicity; a rank's sent bytes then within a few % of the plan's, received exact).
-``split_text(report)``: the human form.
+``split_text(report)``: the human form. A MoE model (``shape.num_experts``): ``ep`` / ``etp``
+(0 = tp) place the training experts as megatron does (``reshard.placement.train_placement``);
+each expert's bytes are sent by the EP ranks holding it, ``train`` reports both sizes.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ EXACT_UP_TO = 32
 
 def split_report(shape, world: int, tp: int, pp: int, gen_world: int, gen_tp: int,
                  itemsize: int, bucket_mb: float, gbps: float, vocab_pad: int | None,
-                 links: tuple[float, ...] = ()) -> dict:
+                 links: tuple[float, ...] = (), ep: int = 1, etp: int = 0) -> dict:
     if not 0 < gen_world < world:
         raise ValueError(f"--gen-world must be in 1 .. world-1 = {world - 1}, got {gen_world}")
-    layout = TrainLayout(world=world - gen_world, tp=tp, pp=pp)
+    layout = TrainLayout(world=world - gen_world, tp=tp, pp=pp, ep=ep, etp=etp or None)
     train, gen = split_placements(layout, shape, gen_world, gen_tp, 1, vocab_pad)
     specs = build_specs(shape)
     t_ranks, g_ranks = range(layout.world), range(layout.world, world)
@@ -47,7 +49,8 @@ def split_report(shape, world: int, tp: int, pp: int, gen_world: int, gen_tp: in
     busiest = max(max(recv), max(sent))
     return {"placement": "split", "world": world, "counted": counted,
             "model_bytes": shape.num_params() * itemsize,
-            "train": {"ranks": [0, layout.world - 1], "tp": tp, "pp": pp, "dp": layout.dp},
+            "train": {"ranks": [0, layout.world - 1], "tp": tp, "pp": pp, "dp": layout.dp,
+                      **({"ep": ep, "etp": layout.etp} if shape.num_experts else {})},
             "gen": {"ranks": [layout.world, world - 1], "tp": gen_tp,
                     "replicas": gen_world // gen_tp},
             "received_per_gen_rank": [recv[r] for r in g_ranks],

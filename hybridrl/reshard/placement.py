@@ -223,12 +223,13 @@ def train_placement(layout: TrainLayout, shape: LlamaShape, ep: int | None = Non
     padded to make_vocab_size_divisible_by * tp). ValueError when megatron cannot split the
     shape that way (KV groups or ffn by tp, layers by pp, experts by ep, their F by etp).
 
-    MoE: ``ep`` (default ``layout.ep``, else 1) and ``etp`` (default tp, as megatron-core)
+    MoE: ``ep`` (default ``layout.ep``) and ``etp`` (default ``layout.etp``, else tp, as
+    megatron-core)
     place the experts as megatron's expert RankGenerator does (``expert_coords``); the dense
     DP index (the replica) is then megatron's: the rank's place in its stage // tp."""
     check_split(shape, layout.tp, layout.pp, "train")
     ep = ep or int(getattr(layout, "ep", 1) or 1)
-    etp = etp or layout.tp
+    etp = etp or int(getattr(layout, "etp", 0) or 0) or layout.tp
     check_expert_split(shape, etp, ep, "train")
     world, stage = layout.world, layout.world // layout.pp
     coords, experts = [], None

@@ -206,3 +206,32 @@ def test_expert_coords_are_megatron_expert_rank_generator(world, pp, etp, ep):
             for i, r in enumerate(group):
                 want.setdefault(r, [0, 0])[k] = i
     assert list(expert_coords(world, pp, etp, ep)) == [tuple(want[r]) for r in range(world)]
+
+
+def test_train_placement_reads_the_layouts_expert_sizes():
+    from hybridrl.parallel.layout import TrainLayout
+    from hybridrl.reshard.placement import expert_coords, train_placement
+
+    layout = TrainLayout(8, tp=2, pp=1, ep=2, etp=1)
+    train = train_placement(layout, MOE)
+    assert (train.ep, train.expert_tp) == (2, 1)
+    assert train.experts == expert_coords(8, 1, 1, 2)
+    assert [train.replica(r) for r in range(8)] == [layout.coords(r)["dp"] for r in range(8)]
+
+
+def test_split_placement_sends_each_expert_from_its_ep_ranks():
+    from hybridrl.parallel.layout import TrainLayout
+    from hybridrl.planning.split import split_report
+    from hybridrl.reshard.placement import split_placements
+    from hybridrl.reshard.planner import SPLIT, plan_reshard
+
+    train, gen = split_placements(TrainLayout(4, tp=1, pp=1, ep=4), MOE, 2, 2, 1, 64)
+    plan = plan_reshard(train, gen, build_specs(MOE), SPLIT, 1.0, 2)
+    for t in (t for b in plan.buckets for t in b):
+        spec = plan.spec(t.key)
+        if spec.expert is not None:  # 8 experts over ep 4: rank r holds 2r, 2r + 1
+            assert t.src == spec.expert // 2 and t.dst >= 4, t
+    rep = split_report(MOE, 6, 1, 1, 2, 2, 2, 1.0, 100, 64, ep=4)
+    assert rep["train"]["ep"] == 4
+    assert rep["received_per_gen_rank"] == [plan.recv_bytes(r) for r in (4, 5)]
+    assert rep["sent_per_train_rank"] == [plan.sent_bytes(r) for r in range(4)]
