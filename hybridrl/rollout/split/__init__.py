@@ -8,6 +8,10 @@ Contract:
   ``hybridrl.rollout.worker.RolloutWorker``; one step ahead with ``rollout.async_steps=1``), and
   ``build_rollout_worker`` (colocated worker or remote, from the config).
 - ``server``: the generation ranks' loop, ``serve`` (the builtin engine on its gen shard).
+- ``engine``: a generation rank's engine on its own device, builtin or one SGLang ``Engine`` per
+  replica (``build_split_engine``), its weights received by the split plan over the bridge
+  (``SplitEngine.receive_weights``), and the plan with the engine's vocabulary padding
+  (``engine_split_plan``).
 The groups and the training world come from ``hybridrl.parallel.split``. Imports only downward:
-the rollout protocol, worker and builtin engine, reshard, parallel.
+the rollout protocol, worker, builtin and SGLang engines, reshard, parallel.
 """
