@@ -1,8 +1,9 @@
-"""kill -9 with a batch in flight (issue 29): a 2-rank torchrun job, split placement (rank 0
-trains, rank 1 generates) with one-step off-policy rollouts (``rollout.async_steps=1``), killed
-with SIGKILL once step 2 is logged and resumed with ``trainer.resume=auto``, logs exactly the
-metrics of the uninterrupted run (its checkpoint holds the batch generated for step 3; the
-resume uses it; ``rollout/gen_syncs``, counted per process, aside). Also runs the entrypoint's split path end to end (hybridrl.train: groups,
+"""kill -9 with batches in flight (issues 29, 39): a 2-rank torchrun job, split placement (rank 0
+trains, rank 1 generates) with rollouts up to two steps ahead (``rollout.async_steps=2``; k = 1
+resumes in process in test_split_placement), killed with SIGKILL once step 2 is logged and
+resumed with ``trainer.resume=auto``, logs exactly the metrics of the uninterrupted run (its
+checkpoint holds the two batches generated for the next steps; the resume uses them;
+``rollout/gen_syncs``, counted per process, and ``rollout/handoff_bytes``, aside). Also runs the entrypoint's split path end to end (hybridrl.train: groups,
 generation loop, stop, the final barrier over both sets)."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tests.distributed.test_kill_resume import (
     in_parallel,
 )
 
-SPLIT = ("parallel.placement=split", "parallel.gen.world=1", "rollout.async_steps=1")
+SPLIT = ("parallel.placement=split", "parallel.gen.world=1", "rollout.async_steps=2")
 
 
 @pytest.mark.slow
@@ -32,7 +33,7 @@ def test_split_async_sigkill_resumes_to_the_uninterrupted_metrics(tmp_path):
     assert "step 2/" in seen
     want, got = _metrics(full), _metrics(killed)
     assert sorted(want) == list(range(1, STEPS + 1))
-    assert [want[s]["rollout/staleness"] for s in sorted(want)] == [0.0] + [1.0] * (STEPS - 1)
+    assert [want[s]["rollout/staleness"] for s in sorted(want)] == [0.0, 1.0] + [2.0] * (STEPS - 2)
     # rollout/gen_syncs counts the syncs of the generation rank's process (a resumed one
     # counts from 0): not a training quantity; every other metric has the same bits
     # and rollout/handoff_bytes: the resumed step takes its batch from the checkpoint, not the wire
