@@ -235,3 +235,10 @@ def test_split_placement_sends_each_expert_from_its_ep_ranks():
     assert rep["train"]["ep"] == 4
     assert rep["received_per_gen_rank"] == [plan.recv_bytes(r) for r in (4, 5)]
     assert rep["sent_per_train_rank"] == [plan.sent_bytes(r) for r in range(4)]
+
+
+def test_sglang_refuses_a_moe_model_in_one_line():
+    from hybridrl.rollout.sglang.layout import engine_param_shapes
+
+    with pytest.raises(ValueError, match="num_experts=8.*use rollout.engine=builtin"):
+        engine_param_shapes(MOE, 2)

@@ -14,6 +14,9 @@ Contract: ``engine_param_shapes(shape, tp, vocab_pad=64) -> {name: shape}`` list
   model has no ``lm_head.weight`` (SGLang reuses ``embed_tokens``).
 - norms [hidden], replicated; Qwen3 (``shape.qk_norm``) adds ``self_attn.q_norm`` /
   ``k_norm`` [head_dim], replicated (SGLang's ``Qwen3Attention``).
+A mixture-of-experts shape (``shape.num_experts``) is refused with one ValueError line
+(SGLang's Qwen3MoE FusedMoE keeps each layer's experts as one [E, 2F/tp, H] ``w13_weight`` and
+one [E, H, F/tp] ``w2_weight`` per rank, F cut over tp at ep 1: docs/reshard.md).
 ``check_named_tensors(named, table, dtype)`` returns the first problem (unknown name, wrong
 shape or dtype) as one line, or None: the push checks every tensor with it before sending.
 
@@ -44,6 +47,12 @@ def _split(total: int, tp: int, what: str) -> int:
 def engine_param_shapes(shape: LlamaShape, tp: int,
                         vocab_pad: int = ENGINE_VOCAB_PAD) -> dict[str, tuple[int, ...]]:
     """{name: per-rank shape} of one SGLang TP rank (see the module docstring)."""
+    if shape.num_experts:
+        raise ValueError(
+            f"rollout.engine=sglang: a mixture-of-experts model (num_experts="
+            f"{shape.num_experts}) cannot be pushed into SGLang yet: its FusedMoE holds a layer's "
+            "experts as one w13_weight / w2_weight tensor per rank, which the bucketed "
+            "per-expert push does not fill; use rollout.engine=builtin")
     H, hd = shape.hidden, shape.head_dim
     heads = _split(shape.heads, tp, "num_attention_heads")
     kv = _split(shape.num_query_groups, tp, "num_key_value_heads")
