@@ -10,12 +10,13 @@ Contract:
   the same ranks: it becomes the default group inside ``training_world``, and destroying a group
   that is the default group tears down every group), one gen-TP group per generation replica (ranks ``T + i``, a replica
   being ``gen_tp`` consecutive ranks) and its gloo twin, a gloo group over the generation ranks,
-  the command group ``{0} + generation ranks`` and the
-  bridge (every rank: the weight sync and the batch hand-off). Every group has the collective
+  the command group ``{0} + generation ranks``, the
+  bridge (every rank: the weight sync) and the hand-off group (every rank again, a communicator
+  of its own: the generated batches). Every group has the collective
   timeout ``timeout_s`` except the command group (``COMMAND_TIMEOUT_S``, a day: the generation
   ranks wait on it while the trainer trains). Returns a ``SplitGroups``:
   ``groups`` (the training rank's ``ParallelGroups``; None on a generation rank), ``bridge``,
-  ``command``, ``gen_tp`` (this generation rank's group, None at gen tp 1 or on a training rank),
+  ``handoff``, ``command``, ``gen_tp`` (this generation rank's group, None at gen tp 1 or on a training rank),
   ``gen_tp_gloo`` (its gloo twin: object exchanges of an SGLang replica), ``gen_gloo`` (gloo over
   every generation rank, None on a training rank), ``train_world``, ``backend`` and the rank sets.
 - Backends (``split_backends(backend)``): the default group's backend (gloo on CPU, NCCL on
@@ -23,7 +24,11 @@ Contract:
   training world, the gen-TP groups and the bridge, whose NCCL communicators are created here,
   eagerly, bound to this rank's GPU: every tensor that crosses the bridge on NCCL must be a CUDA
   tensor. The command group and the gloo twins are gloo on either (Python objects; the command
-  group's day-long wait must not be NCCL's). Any other backend is a ValueError.
+  group's day-long wait must not be NCCL's). Any other backend is a ValueError. The weights
+  (training -> generation) and the batches (generation -> training) travel on two groups: NCCL
+  runs a group's point-to-point operations between two ranks in posting order on one stream and
+  ignores tags, so a generated batch posted before a weight sync that the training rank receives
+  only after it would block that sync's receives behind it on one communicator (a deadlock).
 - Nodes (``replica_node_problem``): on NCCL, with ``LOCAL_WORLD_SIZE`` = L ranks per node,
   every generation replica must sit inside one node (its TP collectives and an SGLang Engine,
   which places TP rank k on GPU ``base_gpu_id + k``, span one host): gen tp <= L, and no replica
@@ -85,6 +90,7 @@ class SplitGroups:
     gen_tp_gloo: dist.ProcessGroup | None = None
     gen_gloo: dist.ProcessGroup | None = None
     backend: str = "gloo"
+    handoff: dist.ProcessGroup | None = None
 
     @property
     def is_gen(self) -> bool:
@@ -108,7 +114,7 @@ def split_backends(backend: str) -> dict[str, str]:
         raise ValueError(f"parallel.placement=split runs on gloo (CPU) or nccl (CUDA) ranks; "
                          f"the default group's backend is {backend!r}")
     return {"train": backend, "train_world": backend, "gen_tp": backend, "bridge": backend,
-            "command": "gloo", "gloo_twins": "gloo", "gen_gloo": "gloo"}
+            "handoff": backend, "command": "gloo", "gloo_twins": "gloo", "gen_gloo": "gloo"}
 
 
 def replica_node_problem(train_world: int, gen_world: int, gen_tp: int,
@@ -194,6 +200,9 @@ def build_split_groups(train: TrainLayout, gen_world: int, gen_tp: int,
     command = dist.new_group([0, *gen_ranks], backend=kinds["command"],
                              timeout=datetime.timedelta(seconds=COMMAND_TIMEOUT_S))
     bridge = make(tuple(range(world)), "bridge")
+    handoff = dist.new_group(list(range(world)), timeout=timeout,  # a communicator of its own
+                             backend=kinds["handoff"],
+                             device_id=device if backend == "nccl" else None)
     is_train = rank < train.world
     parallel = (ParallelGroups(train=train, gen=None, rank=rank, backend=backend, groups=groups,
                                members=members, gloo_dp=twins["dp"], gloo_dp_cp=twins["dp_cp"])
@@ -201,7 +210,7 @@ def build_split_groups(train: TrainLayout, gen_world: int, gen_tp: int,
     return SplitGroups(train_ranks, gen_ranks, gen_tp, rank, parallel,
                        train_world if is_train else None, bridge,
                        command if rank == 0 or not is_train else None, gen_tp_mine,
-                       gen_tp_gloo, None if is_train else gen_gloo, backend)
+                       gen_tp_gloo, None if is_train else gen_gloo, backend, handoff)
 
 
 def training_world(split: SplitGroups):

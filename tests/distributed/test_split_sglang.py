@@ -92,6 +92,7 @@ def test_builtin_split_engine_on_gloo():
     from tests.gpu.test_split_gpu import split_builtin_rank
 
     res = run_on_ranks(split_builtin_rank, 4, 2, 2, timeout=300)
+    assert all(r["handoff_apart"] for r in res)
     for r in (2, 3):
         assert res[r]["backend"] == "gloo" and res[r]["engine_devices"] == ["cpu"]
         assert res[r]["bad"] == [], res[r]["bad"]

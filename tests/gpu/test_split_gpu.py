@@ -52,7 +52,10 @@ def split_builtin_rank(rank: int, world: int, train_tp: int, gen_tp: int) -> dic
     cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(engine="builtin"),
                                 reshard=types.SimpleNamespace(bucket_mb=0.004),
                                 model=types.SimpleNamespace(path=""))
-    out: dict = {"device": str(device), "backend": split.backend, "bad": [], "received": []}
+    out: dict = {"device": str(device), "backend": split.backend, "bad": [], "received": [],
+                 # batches travel on a communicator apart from the weights' (parallel/split.py)
+                 "handoff_apart": (split.handoff is not split.bridge
+                                   and split.handoff.size() == world)}
     if split.is_gen:
         se = build_split_engine(cfg, split, spec, train=train, dtype=torch.float32,
                                 uses_te=False)
@@ -128,6 +131,7 @@ def test_builtin_split_engine_over_nccl_on_two_gpus():
     assert all(isinstance(v, dict) for v in got.values()), got
     train, gen = got[0], got[1]
     assert train["backend"] == gen["backend"] == "nccl"
+    assert train["handoff_apart"] and gen["handoff_apart"]
     assert (train["device"], gen["device"]) == ("cuda:0", "cuda:1")
     assert gen["engine_devices"] == ["cuda:1"]
     assert gen["bad"] == []

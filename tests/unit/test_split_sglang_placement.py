@@ -33,7 +33,7 @@ def test_split_sglang_without_cuda_is_one_line():
 
 def test_nccl_split_groups_keep_objects_on_gloo():
     kinds = split_backends("nccl")
-    assert kinds["bridge"] == kinds["gen_tp"] == kinds["train"] == "nccl"
+    assert kinds["bridge"] == kinds["handoff"] == kinds["gen_tp"] == kinds["train"] == "nccl"
     assert kinds["command"] == kinds["gloo_twins"] == kinds["gen_gloo"] == "gloo"
     assert set(split_backends("gloo").values()) == {"gloo"}
     with pytest.raises(ValueError, match="gloo .CPU. or nccl .CUDA."):
