@@ -7,6 +7,10 @@ tests/unit/test_moe_reshard.py out of seeded full HF tensors. Per layout:
   bit-identical to the oracle's engine shards, and the bytes it received are the plan's;
 - ``sync_engine`` in place into a builtin engine (training-TP parts, aliasing on): its stored
   weights are bit-identical to an engine loaded from the oracle's shards;
+- the same with merged messages (``Coalescing``; training tensors in one flat buffer as
+  megatron DDP keeps them): bit-identical, and where gen tp divides the expert tp (whole
+  training tensors move) at most a quarter as many messages as transfers (a column slice of
+  a training tensor is not contiguous: one message each);
 - at gen tp 2, the engines generate (all-reduce over their gen-TP group): greedy tokens and
   top-k expert ids equal a one-process engine holding the whole model, log-probs within 1e-5.
 """
@@ -86,6 +90,20 @@ def _layout(rank, world, layout):
                            else w, engine.weights[n][:rows] if n.endswith(
                                ("embed_tokens.weight", "lm_head.weight")) else engine.weights[n]))
     out["missing"] = engine.missing_weights()
+    # merged messages: training tensors in one flat buffer (as megatron DDP's), agreed once,
+    # then a second (replayed) sync; thousands of expert transfers become a few messages
+    from hybridrl.rollout.engine_sync import Coalescing
+    from tests.distributed.test_coalesce import _flat
+
+    big = moe_setup(world, tp, ep, etp, tg, bucket_mb=64)[2]  # one bucket
+    merged = _engine(MOE, gen, rank, mine, engine_blocks(train, gen))
+    flat, coalescing = _flat(named), Coalescing()
+    for _ in range(2):
+        stats = sync_engine(big, rank, MOE, flat, merged, torch.float32, coalescing=coalescing)
+    out["bad_merged"] = sorted(n for n, w in engine.weights.items()
+                               if not torch.equal(w, merged.weights[n]))
+    out["messages"] = stats.messages
+    out["transfers"] = sum(1 for b in big.buckets for t in b if rank in (t.src, t.dst))
     if tg > 1:
         params = SamplingParams(max_new_tokens=5, temperature=0.0)
         res = engine.generate(PROMPTS, params)
@@ -110,6 +128,9 @@ def test_moe_reshard_on_gloo_is_bit_identical_and_engines_generate_alike():
             assert out["bad_format"] == [] and out["extra"] == [], (where, out)
             assert out["received"][0] == out["received"][1], (where, out["received"])
             assert out["bad_inplace"] == [] and out["missing"] == [], (where, out)
+            assert out["bad_merged"] == [], (where, out["bad_merged"][:3])
+            if layout[2] % layout[3] == 0:  # gen tp | etp: whole training tensors move
+                assert out["messages"] * 4 <= out["transfers"], (where, out)  # merged
             if layout[3] > 1:
                 assert out["same_tokens"] and out["same_routing"], (where, out)
                 assert out["logp_diff"] < 1e-5, (where, out)
