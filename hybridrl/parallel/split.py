@@ -1,7 +1,8 @@
 """Process groups of a split placement: training ranks and generation ranks apart.
 
 Contract:
-- ``build_split_groups(train, gen_world, gen_tp, timeout_s)`` (collective: every rank of the
+- ``build_split_groups(train, gen_world, gen_tp, timeout_s, gen_timeout_s=None)`` (collective:
+  every rank of the
   default group, ``train.world + gen_world`` of them, same arguments): checks with one
   all_gather that every rank holds the same layout (and, on NCCL, the same ``NCCL_*``
   variables), then creates, in the same order on every rank, megatron's training groups over
@@ -14,7 +15,9 @@ Contract:
   bridge (every rank: the weight sync) and the hand-off group (every rank again, a communicator
   of its own: the generated batches). Every group has the collective
   timeout ``timeout_s`` except the command group (``COMMAND_TIMEOUT_S``, a day: the generation
-  ranks wait on it while the trainer trains). Returns a ``SplitGroups``:
+  ranks wait on it while the trainer trains) and the generation ranks' gloo groups
+  (``gen_timeout_s``, default ``timeout_s``; give it ``rollout.timeout_s`` with SGLang: a
+  replica's other ranks wait on its twin while its first rank generates). Returns a ``SplitGroups``:
   ``groups`` (the training rank's ``ParallelGroups``; None on a generation rank), ``bridge``,
   ``handoff``, ``command``, ``gen_tp`` (this generation rank's group, None at gen tp 1 or on a training rank),
   ``gen_tp_gloo`` (its gloo twin: object exchanges of an SGLang replica), ``gen_gloo`` (gloo over
@@ -136,7 +139,8 @@ def replica_node_problem(train_world: int, gen_world: int, gen_tp: int,
 
 
 def build_split_groups(train: TrainLayout, gen_world: int, gen_tp: int,
-                       timeout_s: float = DEFAULT_TIMEOUT_S) -> SplitGroups:
+                       timeout_s: float = DEFAULT_TIMEOUT_S,
+                       gen_timeout_s: float | None = None) -> SplitGroups:
     """Every group of a split placement, created on every rank in one order (module doc)."""
     if not dist.is_initialized():
         raise RuntimeError("build_split_groups needs torch.distributed.init_process_group first")
@@ -159,13 +163,14 @@ def build_split_groups(train: TrainLayout, gen_world: int, gen_tp: int,
         device = torch.device("cuda", torch.cuda.current_device())
     _check_same_everywhere(train, None, env)
     timeout = datetime.timedelta(seconds=timeout_s)
+    gen_timeout = datetime.timedelta(seconds=gen_timeout_s or timeout_s)
     cache: dict[tuple, dist.ProcessGroup] = {}
 
-    def make(ranks, kind: str) -> dist.ProcessGroup:
+    def make(ranks, kind: str, wait=timeout) -> dist.ProcessGroup:
         pg_backend = kinds[kind]
-        key = (pg_backend, *ranks)
+        key = (pg_backend, wait, *ranks)
         if key not in cache:  # every rank reaches this line for the same keys in one order
-            cache[key] = dist.new_group(list(ranks), timeout=timeout, backend=pg_backend,
+            cache[key] = dist.new_group(list(ranks), timeout=wait, backend=pg_backend,
                                         device_id=device if pg_backend == "nccl" else None)
         return cache[key]
 
@@ -190,10 +195,10 @@ def build_split_groups(train: TrainLayout, gen_world: int, gen_tp: int,
     for i in range(0, gen_world, gen_tp):
         ranks = gen_ranks[i:i + gen_tp]
         pg = make(ranks, "gen_tp") if gen_tp > 1 else None
-        twin = make(ranks, "gloo_twins") if gen_tp > 1 else None
+        twin = make(ranks, "gloo_twins", gen_timeout) if gen_tp > 1 else None
         if rank in ranks:
             gen_tp_mine, gen_tp_gloo = pg, twin
-    gen_gloo = make(gen_ranks, "gen_gloo")
+    gen_gloo = make(gen_ranks, "gen_gloo", gen_timeout)
     # the generation ranks wait on it between commands, i.e. for as long as a training step (or
     # the demo's SFT) takes: a day, not the collective timeout; a failed training rank ends the
     # job through torchrun, which stops them

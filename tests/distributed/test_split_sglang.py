@@ -97,3 +97,33 @@ def test_builtin_split_engine_on_gloo():
         assert res[r]["backend"] == "gloo" and res[r]["engine_devices"] == ["cpu"]
         assert res[r]["bad"] == [], res[r]["bad"]
         assert res[r]["received"] == [res[r]["shard_bytes"]] * 2
+
+
+def group_timeouts(rank: int, world: int) -> dict:
+    """Each split group's timeout on this rank (seconds), gen_timeout_s 90, timeout_s 30."""
+    from hybridrl.parallel.layout import TrainLayout
+    from hybridrl.parallel.split import build_split_groups
+
+    split = build_split_groups(TrainLayout(2, tp=2), 2, 2, timeout_s=30, gen_timeout_s=90)
+
+    def seconds(group):
+        if group is None:
+            return None
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    return {name: seconds(getattr(split, name)) for name in
+            ("bridge", "handoff", "command", "gen_tp", "gen_tp_gloo", "gen_gloo", "train_world")}
+
+
+def test_generation_side_groups_wait_for_generation():
+    """An SGLang replica's other ranks wait on its gloo twin while its first rank generates:
+    those groups take ``gen_timeout_s`` (rollout.timeout_s), the others the collective one."""
+    from hybridrl.testing.dist import run_on_ranks
+
+    res = run_on_ranks(group_timeouts, 4, timeout=120)
+    for r in (0, 1):
+        assert res[r]["bridge"] == res[r]["handoff"] == res[r]["train_world"] == 30
+        assert res[r]["gen_gloo"] is None and res[r]["gen_tp_gloo"] is None
+    for r in (2, 3):
+        assert res[r]["gen_tp_gloo"] == res[r]["gen_gloo"] == 90
+        assert res[r]["gen_tp"] == res[r]["bridge"] == 30 and res[r]["command"] == 86400
