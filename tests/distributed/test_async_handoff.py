@@ -180,3 +180,64 @@ def test_dapo_at_dp2_equals_dp1(runs):
             assert len(ds) == 5 and all(a[k] == b[k] for k in ds), {k: (a[k], b[k]) for k in ds}
             keep = {k for k in b if not k.startswith(SKIP)}
             _close({k: a[k] for k in keep}, {k: b[k] for k in keep})
+
+
+def _hung_rank(rank, world, root):
+    """Split 1 + 1; the generation rank's second generate hangs until the training rank has
+    reported (then it leaves its loop, so the launch ends without a killed rank)."""
+    import os
+    import time
+
+    from hybridrl.config import load_config
+    from hybridrl.rollout.builtin.engine import BuiltinEngine
+    from hybridrl.train import build_layout
+    from hybridrl.trainer.split_run import fit_split
+
+    if rank == 1:
+        real, calls = BuiltinEngine.generate, []
+
+        def slow(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                end = time.monotonic() + 240
+                while not os.path.exists(f"{root}/reported") and time.monotonic() < end:
+                    time.sleep(0.1)
+                raise InterruptedError("the training rank has reported")
+            return real(self, *args, **kwargs)
+
+        BuiltinEngine.generate = slow
+    cfg = load_config([], [*base_overrides(root), "trainer.total_steps=3",
+                           "trainer.logger=[console]", "parallel.placement=split",
+                           "parallel.gen.world=1", "rollout.timeout_s=3",
+                           *run_in(f"{root}/hung")], world_size=world)
+    train, _ = build_layout(cfg, world)
+    t0 = time.monotonic()
+    try:
+        fit_split(cfg, train, 120, print_fn=lambda *a, **k: None)
+    except InterruptedError:
+        return None  # the generation rank, released
+    except Exception as err:  # noqa: BLE001 (the line is the result)
+        took = time.monotonic() - t0
+        open(f"{root}/reported", "w").close()
+        return type(err).__name__, str(err), took
+    return None
+
+
+@pytest.mark.slow
+def test_hung_generation_replica_is_named_within_the_timeout(tmp_path):
+    """A hung replica: the training rank fails with one line naming the generation rank, its
+    replica and the last command, about rollout.timeout_s after the wait began (not after a
+    collective's timeout: the bridge's is 120 s here, the command group's a day)."""
+    from hybridrl.testing.dist import RankFailure
+
+    try:
+        res = run_on_ranks(_hung_rank, 2, str(tmp_path), timeout=300,
+                           preload=("megatron.core",))
+        kind, line, took = res[0]
+    except RankFailure as err:  # the generation rank is still asleep: it is killed
+        pytest.fail(f"the training rank did not report: {err}")
+    assert kind == "GenerationTimeout" and "\n" not in line, line
+    assert line.startswith("no generated batch from generation rank 1 (replica 0 of 1; last "
+                           "command: gen (request seed "), line
+    assert "rollout.timeout_s=3 s" in line
+    assert took < 60, took  # step 1, step 2's sync and the 3 s wait; far below 120 s
