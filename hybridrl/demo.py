@@ -20,6 +20,20 @@ returns ``(a, b, metrics path, plot path)``; the plot path is ``none`` on ranks 
 ``run_demo(..., sft=(a, folder))`` starts PPO from an SFT export made before (by ``run_sft`` with
 the same ``sft`` and ``data`` sections, on any layout: the export is HF files) instead of
 training one: the tests share one warm start between the demo's two placements.
+
+Tools (``make demo TOOLS=1``, ``configs/demo_tools.yaml``: ``rollout.multi_turn.enable``): the
+data are ``hybridrl.data.tool_arithmetic``'s (written by rank 0 into ``data.synthetic.dir``:
+prompts, and SFT transcripts that call the calculator a ``sft.synthetic_format_fraction`` of
+the time), PPO runs as ``MultiTurnPPOTrainer`` and ``a`` is the SFT model's held-out score
+*with tools* (the RL run's validation before its first step, ``trainer.val_before_train``).
+The closing line then adds the held-out tool-call rate before and after RL:
+
+    demo: val/score/mean SFT <a> -> RL <b> (tool calls SFT <r0> -> RL <r1>; metrics: .., plot: ..)
+
+``MultiTurnPPOTrainer``: ``PPOTrainer`` with the three multi-turn hooks its loop does not call
+itself yet: the worker wrapped (``hybridrl.rollout.multi_turn.build_multi_turn``), each rollout
+batch's ``loss_mask`` set from its ids, the loop's metrics (``multi_turn/*``, validation's
+``val/multi_turn/*``) added to each step's.
 """
 
 from __future__ import annotations
@@ -29,24 +43,81 @@ import sys
 import warnings
 
 from hybridrl.exits import die_with_parent, one_line
+from hybridrl.trainer.ppo import PPOTrainer
+
+
+class MultiTurnPPOTrainer(PPOTrainer):
+    """``PPOTrainer`` plus the multi-turn hooks (see the module docstring)."""
+
+    def _build(self, *args) -> None:
+        super()._build(*args)
+        from hybridrl.rollout.multi_turn import build_multi_turn
+
+        self.worker = build_multi_turn(self.cfg, self.tokenizer, self.worker)
+        self.val_history: list[dict] = []
+
+    def _rollout(self, prompts):
+        rb = super()._rollout(prompts)
+        if hasattr(self.worker, "loss_mask"):
+            rb.loss_mask = self.worker.loss_mask(rb.response_ids, rb.response_mask)
+        return rb
+
+    def train_step(self) -> dict:
+        metrics = super().train_step()
+        return {**metrics, **getattr(self.worker, "pop_metrics", dict)()}
+
+    def validate(self) -> dict:
+        metrics = super().validate()
+        metrics = {**metrics, **getattr(self.worker, "pop_metrics", lambda _: {})("val/multi_turn/")}
+        self.val_history.append(metrics)
+        return metrics
+
+
+def _tool_data(cfg, groups) -> list[str]:
+    """Rank 0 writes the tool task's files; every rank gets the overrides that use them."""
+    import torch.distributed as dist
+
+    from hybridrl.data.tool_arithmetic import write_tool_dataset
+
+    syn = cfg.data.synthetic
+    paths = [None, None, None]
+    if groups.rank == 0:
+        paths = list(write_tool_dataset(syn.dir, syn.train_size, syn.val_size, cfg.data.seed,
+                                        syn.max_digits, cfg.sft.synthetic_format_fraction))
+    if dist.is_initialized():
+        dist.broadcast_object_list(paths, src=0)
+    train, test, sft = paths
+    return [f"data.train_files=[{train}]", f"data.val_files=[{test}]",
+            f"sft.train_files=[{sft}]"]
 
 
 def run_demo(load, groups, print_fn=print, split=None,
-             sft: tuple[float, str] | None = None) -> tuple[float, float, str, str]:
+             sft: tuple[float, str] | None = None,
+             info: dict | None = None) -> tuple[float, float, str, str]:
     """``load(extra_overrides)`` -> config. Returns (SFT score, RL score, metrics, plot).
     ``split``: the training ranks' ``SplitGroups`` (``parallel.placement=split``). ``sft``:
-    (SFT score, HF export folder) of a warm start already made; None trains it here."""
+    (SFT score, HF export folder) of a warm start already made; None trains it here.
+    ``info``: a dict that receives ``tool_rates`` (held-out tool-call rate before, after RL)."""
     from hybridrl.sft import run_sft
-    from hybridrl.trainer.ppo import PPOTrainer
 
     cfg = load([])
+    tools = cfg.rollout.multi_turn.enable
+    extra = _tool_data(cfg, groups) if tools else []
+    if extra:
+        cfg = load(extra)
     if sft is None:
         history, folder = run_sft(cfg, groups, print_fn=print_fn)
         sft = (history[-1].get("val/score/mean", float("nan")), folder)
     sft_score, folder = sft
-    rl_cfg = load([f"model.path={folder}", "model.tokenizer_path=char"])
-    trainer = PPOTrainer(rl_cfg, groups, print_fn=print_fn, split=split)
+    rl_cfg = load([*extra, f"model.path={folder}", "model.tokenizer_path=char"])
+    trainer = (MultiTurnPPOTrainer if tools else PPOTrainer)(rl_cfg, groups, print_fn=print_fn,
+                                                              split=split)
     rl = trainer.fit()
+    if tools:
+        vals = [m for m in trainer.val_history if "val/score/mean" in m]
+        sft_score = vals[0]["val/score/mean"] if vals else float("nan")
+        (info if info is not None else {})["tool_rates"] = (vals[0].get("val/multi_turn/tool_calls/rate", float("nan")),
+                               vals[-1].get("val/multi_turn/tool_calls/rate", float("nan")))
     if split is not None:
         trainer.worker.close()  # the generation ranks' loop ends
     scores = [m["val/score/mean"] for m in rl if "val/score/mean" in m]
@@ -103,18 +174,22 @@ def main(argv=None) -> int:
     from hybridrl.parallel.groups import build_groups, init_distributed
 
     timeout_s = cfg.trainer.collective_timeout_s
+    info: dict = {}  # run_demo's extras (the tool demo's call rates)
     init_distributed("gloo" if cfg.trainer.device == "cpu" else None, timeout_s=timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     try:
         if cfg.parallel.split:  # SFT and PPO on the training ranks; the others generate
             a, b, metrics, plot = _run_split(cfg, load, train, timeout_s)
         else:
-            a, b, metrics, plot = run_demo(load, build_groups(train, gen, timeout_s=timeout_s))
+            a, b, metrics, plot = run_demo(load, build_groups(train, gen, timeout_s=timeout_s),
+                                           info=info)
     except (Exception, KeyboardInterrupt) as err:
         return _fail(rank, 130 if isinstance(err, KeyboardInterrupt) else 1, one_line(err))
     if rank == 0:
-        print(f"demo: val/score/mean SFT {a:.3f} -> RL {b:.3f} (metrics: {metrics}, plot: {plot})",
-              flush=True)
+        rates = info.get("tool_rates")
+        tools = "" if rates is None else f"tool calls SFT {rates[0]:.3f} -> RL {rates[1]:.3f}; "
+        print(f"demo: val/score/mean SFT {a:.3f} -> RL {b:.3f} ({tools}metrics: {metrics}, "
+              f"plot: {plot})", flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0

@@ -35,10 +35,13 @@ def test_calculator_refuses_hostile_text_quickly(text):
 
 class _Slow:
     name, description, in_process = "slow", "sleeps", False
-    parameters = {"type": "object", "properties": {}}
+    parameters = {"type": "object", "properties": {"pid_file": {"type": "string"}}}
     timeout_s = 0.5
 
     def call(self, arguments):
+        if "pid_file" in arguments:
+            with open(arguments["pid_file"], "w") as f:
+                f.write(str(os.getpid()))
         time.sleep(60)
         return "late"
 
@@ -71,13 +74,16 @@ class _Dies(_Slow):
         os._exit(3)
 
 
-def test_hanging_tool_is_killed_at_its_timeout():
+def test_hanging_tool_is_killed_at_its_timeout(tmp_path):
     reg = ToolRegistry([_Slow()])
     t0 = time.perf_counter()
-    res = reg.call("slow", {})
+    res = reg.call("slow", {"pid_file": str(tmp_path / "pid")})
     took = time.perf_counter() - t0
     assert res.error and res.timed_out and "timed out after 0.5 s" in res.text
     assert 0.5 <= took < 5.0, took
+    pid = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped: nothing left running
+        os.kill(pid, 0)
 
 
 def test_failing_huge_and_wrong_tools_become_output_text():

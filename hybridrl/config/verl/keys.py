@@ -57,6 +57,7 @@ def _refuse(verl: str, note: str) -> VerlRule:
 
 
 _OTC = "megatron.override_transformer_config"
+_MT = f"{ARR}.rollout.multi_turn"
 _ACTOR_LAYOUT = "the reference runs on the actor's layout; must equal the actor's {}"
 _GLOBAL_MICRO = ("deprecated global micro-batch size: divided by the DP size (verl's megatron "
                  "workers: world / (tp x pp x cp), world = trainer.n_gpus_per_node x "
@@ -195,6 +196,24 @@ VERL_RULES: tuple[VerlRule, ...] = (
          note="shared with the reference forward"),
     _set(f"{ARR}.rollout.log_prob_max_token_len_per_gpu", "ref.log_prob_max_token_len_per_gpu",
          note="shared with the reference forward"),
+    # ---- multi-turn rollouts with tools (hybridrl.rollout.multi_turn)
+    _set(f"{_MT}.enable", "rollout.multi_turn.enable"),
+    _set(f"{_MT}.max_assistant_turns", "rollout.multi_turn.max_assistant_turns",
+         note="a number >= 1 (verl's null, no limit, is refused: the loop is always bounded)"),
+    _set(f"{_MT}.format", "rollout.multi_turn.format",
+         note="hermes | llama3_json as in verl; also plain and auto"),
+    _set(f"{_MT}.max_tool_response_length", "rollout.multi_turn.max_tool_response_chars",
+         note="characters; longer output is cut at its end"),
+    _ignore(f"{_MT}.tool_response_truncate_side", "tool output is cut at its end", ("right",)),
+    _refuse(f"{_MT}.tool_config_path", "verl's tool classes (async create/execute/release, "
+            "their YAML schema) are not hybridrl tools: list hybridrl tools in "
+            "rollout.multi_turn.tools (calculator, python, package.module:attr)"),
+    _refuse(f"{_MT}.max_user_turns", "no simulated user turns: tool outputs are bounded by "
+            "rollout.multi_turn.max_tool_calls"),
+    _refuse(f"{_MT}.max_parallel_calls", "every call of a turn runs (up to "
+            "rollout.multi_turn.max_tool_calls per sequence); rollout.multi_turn."
+            "max_parallel_calls is threads per round, another meaning"),
+    _refuse(f"{_MT}.interaction_config_path", "no interaction agents (simulated users)"),
     # ---- critic
     _set("critic.optim.lr", "critic.lr"),
     _set("critic.optim.lr_scheduler_type", "critic.lr_schedule"),

@@ -101,7 +101,7 @@ class PlainFormat(TurnFormat):
             return []
         start = text.rfind("<")
         if start < 0:
-            return [ToolCall("", None, "a call is written <NAME ARG>; no '<' found")]
+            return [ToolCall("", None, "a call is <NAME ARG>")]
         name, _, arg = text[start + 1:-1].strip().partition(" ")
         params = self.tools.get(name)
         if params is None:

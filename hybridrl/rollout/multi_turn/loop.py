@@ -9,7 +9,8 @@ Contract:
   elsewhere) plus ``loss_mask`` [B, R] (1 on model tokens) and ``stats`` (sums over the
   batch, ``STAT_KEYS``).
 - Each round calls ``engine.generate`` once with every live sequence's whole context (prompt +
-  tail) as its prompt (engines with a prefix cache, SGLang's radix cache, reuse the shared
+  tail) as its prompt (more calls, longest contexts first, when the engine bounds prompt + new
+  tokens together, the builtin engine's ``spec.max_seq_len``, and one call would pass it) (engines with a prefix cache, SGLang's radix cache, reuse the shared
   prefix; the builtin engine prefills it again), ``params`` with the format's stop ids added,
   ``max_new_tokens`` = the largest per-sequence allowance (each row is then cut to its own:
   ``min(budgets.max_tokens_per_turn, what is left of budgets.max_tokens)``) and per-turn seeds
@@ -84,21 +85,28 @@ class AgentLoop:
             if not live:
                 break
             allow = {i: self._allowance(seqs[i]) for i in live}
-            out = self.engine.generate([seqs[i].context for i in live], dataclasses.replace(
-                params, max_new_tokens=max(allow.values()), stop_token_ids=stops,
-                **_turn_seeds(params, live, turn)))
             pending = []  # (sequence, its calls)
-            for b, i in enumerate(live):
-                calls = self._take_turn(seqs[i], out, b, allow[i], set(params.stop_ids) | set(stops))
-                stats["turns"] += 1
-                if calls is not None:
-                    pending.append((i, calls))
+            for group in _groups(live, seqs, allow, self._max_len()):
+                out = self.engine.generate([seqs[i].context for i in group], dataclasses.replace(
+                    params, max_new_tokens=max(allow[i] for i in group), stop_token_ids=stops,
+                    **_turn_seeds(params, group, turn)))
+                for b, i in enumerate(group):
+                    calls = self._take_turn(seqs[i], out, b, allow[i],
+                                            set(params.stop_ids) | set(stops))
+                    stats["turns"] += 1
+                    if calls is not None:
+                        pending.append((i, calls))
             self._run_calls(seqs, pending, stats)
         for s in seqs:
             s.done = s.done or "turns"
             stats[f"ended_{s.done}"] += 1
             stats["with_calls"] += s.calls > 0
         return self._output(seqs, params.pad_token_id, stats)
+
+    def _max_len(self) -> int | None:
+        """Prompt + new tokens of one call, when the engine bounds them together (builtin)."""
+        spec = getattr(self.engine, "spec", None)
+        return getattr(spec, "max_seq_len", None)
 
     def _allowance(self, s: _Seq) -> int:
         left = self.budgets.max_tokens - len(s.tail)
@@ -176,6 +184,23 @@ class AgentLoop:
             stats["model_tokens"] += sum(s.source)
             stats["tool_tokens"] += n - sum(s.source)
         return LoopOutput(ids, mask, logp, loss_mask=lmask, stats=stats)
+
+
+def _groups(live: list[int], seqs, allow: dict, max_len: int | None) -> list[list[int]]:
+    """``live`` in engine calls whose longest context + largest allowance fit ``max_len`` (one
+    call when it is None or everything fits; longest contexts first, the same on every rank)."""
+    if max_len is None:
+        return [live]
+    order = sorted(live, key=lambda i: (-len(seqs[i].context), i))
+    groups, top, most = [], 0, 0
+    for i in order:
+        if groups and top + max(most, allow[i]) <= max_len:
+            groups[-1].append(i)
+            most = max(most, allow[i])
+        else:
+            groups.append([i])
+            top, most = len(seqs[i].context), allow[i]
+    return [sorted(g) for g in groups]
 
 
 def _turn_seeds(params: SamplingParams, live: list[int], turn: int) -> dict:
