@@ -127,3 +127,22 @@ def test_megatron_order_layouts():
     assert sp[:, 0].tolist() == [20, 1020, 30, 1030]
     pack = megatron_order(ids, 8, 0, cu_seqlens=torch.tensor([0, 3, 7]))
     assert pack[:, 0].tolist() == [0, 10, 20, 1000, 1010, 1020, 1030, -1]
+
+
+def test_router_replay_knob_and_a_batch_without_ids():
+    import types
+
+    import pytest
+
+    from hybridrl.config.roles import ActorConfig
+    from hybridrl.rollout.batch import RolloutBatch
+    from hybridrl.trainer.updates import ppo_updates
+
+    with pytest.raises(ValueError, match="actor.router_replay"):
+        ActorConfig(router_replay="engine")
+    rb = RolloutBatch([[1, 2]], torch.tensor([[3]]), torch.tensor([[1]]), torch.zeros(1, 1),
+                      [0], [None], ["t"], [{}])
+    with pytest.raises(ValueError, match="router_replay=rollout: the rollout batch carries no"):
+        ppo_updates(None, None, ActorConfig(router_replay="rollout"), rb, {}, None, "actor",
+                    partition=([[0]], [3]), groups=types.SimpleNamespace(dp_size=1), n=1,
+                    loss_scale=1, temperature=1.0)
