@@ -2,10 +2,10 @@
 
 Contract:
 - ``link``: the wire both sides share (the split reshard plan, the commands rank 0 sends, the
-  result shares each gen replica posts to every training rank, bounded by
-  ``rollout.timeout_s``).
+  hand-off: each gen replica's response lengths to every training rank, then each training
+  rank's own rows; every wait bounded by ``rollout.timeout_s``).
 - ``remote``: the training ranks' side, ``RemoteRollout`` (the interface the trainer uses of
-  ``hybridrl.rollout.worker.RolloutWorker``; one step ahead with ``rollout.async_steps=1``), and
+  ``hybridrl.rollout.worker.RolloutWorker``; up to ``rollout.async_steps`` requests ahead), and
   ``build_rollout_worker`` (colocated worker or remote, from the config).
 - ``server``: the generation ranks' loop, ``serve`` (the builtin engine on its gen shard).
 - ``engine``: a generation rank's engine on its own device, builtin or one SGLang ``Engine`` per

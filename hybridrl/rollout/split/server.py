@@ -9,9 +9,13 @@ Contract:
   sync. Then, per command (``hybridrl.rollout.split.link.Command``):
   ``sync``: runs the split plan over the bridge, the received rows landing straight in the
   engine's tensors (no conversion, no copy), then ``finish_update``; ``gen``: samples its
-  replica's share, and the replica's first rank posts it to every training rank with the
-  number of syncs it has received (the sends complete while the next command is awaited);
-  ``stop``: returns.
+  replica's share; the replica's first rank keeps the rows (per request seed) and posts every
+  training rank their lengths with the number of syncs it has received (``link.send_lengths``:
+  the sends complete while the next commands are awaited, so several requests may be
+  generated ahead); ``handoff``: the first rank sends each training rank the rows of its DP
+  replica it holds (``link.send_rows``) and forgets the batch unless ``drop`` is false (a
+  checkpoint's fetch); ``stop``: returns once every send has completed. The engine is built in
+  one function, ``build_engine``.
 - It calls no collective on the default group; every wait is on the command group, the bridge
   or its gen TP group. The wait for the next command (command group) lasts up to a day
   (``hybridrl.parallel.split.COMMAND_TIMEOUT_S``: a training step may be long), so a training
