@@ -37,7 +37,10 @@ Contract:
   index and the last command rank 0 sent (``link.GenerationTimeout``).
 - ``close()`` (every training rank; rank 0 says ``stop``): the generation loop ends.
 - No collective on the default group: rank 0 <-> generation ranks on the command group, every
-  training rank <-> generation ranks on the bridge, point to point.
+  training rank <-> generation ranks on the bridge (weights) and the hand-off group (batches:
+  ``split.handoff``, else the bridge), point to point. Every receive follows the generation
+  ranks' posting order (the lengths of every request commanded before a ``handoff`` are
+  collected before its rows), as NCCL needs.
 """
 
 from __future__ import annotations
@@ -103,7 +106,8 @@ class RemoteRollout:
         self.plan, self.gen = self.sp.plan, self.sp.gen
         self.n_replicas = len(split.gen_replicas())
         self.sources = [members[0] for members in split.gen_replicas()]
-        self.device = split.device() if hasattr(split, "device") else torch.device("cpu")
+        self.device = split.device()
+        self.hand = split.handoff or split.bridge  # the batches' own communicator
         self.dp_of = [groups.train.coords(t)["dp"] for t in range(groups.train.world)]
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -162,7 +166,7 @@ class RemoteRollout:
         while self.outstanding and (seed is None or seed in (s for s, _ in self.outstanding)):
             t0 = time.perf_counter()
             s, prompts = self.outstanding.pop(0)
-            lens, gen_s, syncs = recv_lengths(self.split.bridge, self.sources, len(prompts),
+            lens, gen_s, syncs = recv_lengths(self.hand, self.sources, len(prompts),
                                               self.timeout_s, self.who, self.device)
             self.kept[s] = Results(prompts, lens, gen_s, time.perf_counter() - t0, syncs)
             if s == seed:
@@ -189,8 +193,9 @@ class RemoteRollout:
             out = res.local
             return mine, GenerationOutput(out.response_ids[idx], out.response_mask[idx],
                                           out.logprobs[idx]), stats
+        self.collect()  # receive in the generation ranks' posting order (NCCL ignores tags)
         self._command(Command("handoff", seed=seed, parts=parts, dp_of=self.dp_of))
-        local, stats.bytes_in = recv_rows(self.split.bridge, self.sources, res.lens, mine,
+        local, stats.bytes_in = recv_rows(self.hand, self.sources, res.lens, mine,
                                           self.pad_token_id, self.timeout_s, self.who,
                                           self.device)
         return mine, local, stats
@@ -199,7 +204,7 @@ class RemoteRollout:
     def kept_state(self, seed: int) -> dict | None:
         """The results of request ``seed`` (collected first) as plain data, the whole batch on
         rank 0 (the generation ranks keep it for its hand-off); None if none. Collective."""
-        self.collect(seed)
+        self.collect()  # every length first: the generation ranks' posting order
         if seed not in self.kept:
             return None
         res = self.kept[seed]
@@ -210,7 +215,7 @@ class RemoteRollout:
             self._command(Command("handoff", seed=seed, parts=[everything], dp_of=dp_of,
                                   drop=False))
             if self.rank == 0:
-                out, _ = recv_rows(self.split.bridge, self.sources, res.lens, everything,
+                out, _ = recv_rows(self.hand, self.sources, res.lens, everything,
                                    self.pad_token_id, self.timeout_s, self.who, self.device)
         if out is None:
             return None  # not rank 0: only rank 0's state is written

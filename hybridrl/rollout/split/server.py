@@ -17,7 +17,8 @@ Contract:
   checkpoint's fetch); ``stop``: returns once every send has completed. The engine is built in
   one function, ``build_engine``.
 - It calls no collective on the default group; every wait is on the command group, the bridge
-  or its gen TP group. The wait for the next command (command group) lasts up to a day
+  (weights), the hand-off group (batches: ``split.handoff``, else the bridge) or its gen TP
+  group. The wait for the next command (command group) lasts up to a day
   (``hybridrl.parallel.split.COMMAND_TIMEOUT_S``: a training step may be long), so a training
   rank that fails does not end it by a timeout: torchrun stops it when that rank exits (named
   by the entrypoint's phase board). The bridge and gen TP waits have the collective timeout.
@@ -69,6 +70,8 @@ def serve(cfg, split, phases=None, on_started=None) -> int:
     n_replicas, pending, batches, verify, syncs = len(split.gen_replicas()), [], 0, True, 0
     held = {}  # request seed -> (rows, GenerationOutput): generated, not yet handed off
     is_src = rank == members[0]
+    hand = split.handoff or split.bridge  # the batches' own communicator (parallel.split)
+    device = split.device()
     if on_started is not None:
         on_started()
     while True:
@@ -88,7 +91,7 @@ def serve(cfg, split, phases=None, on_started=None) -> int:
         if cmd.op == "handoff":
             rows, out = held[cmd.seed]
             if is_src:
-                pending += send_rows(split.bridge, rows, out, cmd.parts, cmd.dp_of)
+                pending += send_rows(hand, rows, out, cmd.parts, cmd.dp_of, device)
             if cmd.drop:
                 del held[cmd.seed]
             continue
@@ -102,7 +105,7 @@ def serve(cfg, split, phases=None, on_started=None) -> int:
         gen_s = time.perf_counter() - t0
         if is_src:
             held[cmd.seed] = (rows, out)
-            pending += send_lengths(split.bridge, split.train_ranks, out, gen_s, syncs)
+            pending += send_lengths(hand, split.train_ranks, out, gen_s, syncs, device)
         batches += 1
     for w in pending:
         w.wait()
