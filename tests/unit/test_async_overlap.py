@@ -1,0 +1,102 @@
+"""``hybridrl.trainer.overlap.Overlap`` at ``rollout.async_steps=k`` with a stand-in trainer and
+worker (no ranks): up to k batches in flight, requested in step order with the step's seed, none
+past the last step; staleness = the step minus the version that generated its batch; the
+checkpoint form holds every batch in flight and a reload continues with the same batches and
+staleness; the k = 1 form of earlier checkpoints loads (one step stale)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from hybridrl.config import load_config
+from hybridrl.data.dataset import PromptBatch
+from hybridrl.trainer.overlap import Overlap
+
+SPLIT = ["parallel.placement=split", "parallel.gen.world=1"]
+
+
+def _batch(i: int) -> PromptBatch:
+    return PromptBatch(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
+                       [[i, i]], [[]], [str(i)], ["s"], [{}], [""], [i])
+
+
+class Worker:
+    def __init__(self):
+        self.requests, self.collected, self.kept = [], [], None
+        self.last_gen_s = self.last_wait_s = 0.0
+        self.last_syncs = 0
+
+    def sampling_params(self, *a):
+        return None
+
+    def request(self, ids, params, seed):
+        self.requests.append(seed)
+
+    def collect(self, seed=None):
+        self.collected.append(seed)
+
+    def kept_state(self, seed):
+        return {"seed": seed}
+
+    def keep(self, states):
+        self.kept = states
+
+
+def _trainer(k: int, steps: int):
+    cfg = load_config([], [*SPLIT, f"rollout.async_steps={k}"])
+    made = iter(range(100))
+    return types.SimpleNamespace(cfg=cfg, step=0, total_steps=steps, worker=Worker(),
+                                 loader=types.SimpleNamespace(next_batch=lambda: _batch(next(made))),
+                                 log=types.SimpleNamespace(line=lambda *a: None))
+
+
+def _run(ov, tr, steps):
+    """The trainer's calls per step; (batch index, staleness) of each step."""
+    seen = []
+    for _ in range(steps):
+        batch = ov.prompts({})
+        ov.prefetch()
+        seen.append((batch.index[0], ov.metrics()["rollout/staleness_max"]))
+        tr.step += 1
+    return seen
+
+
+@pytest.mark.parametrize("k, stale", [(1, [0, 1, 1, 1, 1]), (2, [0, 1, 2, 2, 2]),
+                                      (3, [0, 1, 2, 3, 3])])
+def test_k_batches_in_flight(k, stale):
+    tr = _trainer(k, 5)
+    ov = Overlap(tr)
+    seen = _run(ov, tr, 5)
+    assert [s for _, s in seen] == stale and [b for b, _ in seen] == list(range(5))
+    seed0 = tr.cfg.trainer.seed * 100_003
+    assert tr.worker.requests == [seed0 + s for s in range(1, 5)]  # each later step's, once
+    assert not ov.queue  # nothing requested past the last step
+
+
+def test_checkpoint_holds_every_batch_in_flight():
+    tr = _trainer(2, 6)
+    ov = Overlap(tr)
+    first = _run(ov, tr, 2)
+    state = ov.state_dict()
+    assert [b["version"] for b in state["batches"]] == [0, 1]
+    assert [b["prompts"]["index"] for b in state["batches"]] == [[2], [3]]
+    rest = _run(ov, tr, 4)
+    tr2 = _trainer(2, 6)
+    tr2.step, tr2.loader.next_batch = 2, iter([_batch(4), _batch(5)]).__next__
+    ov2 = Overlap(tr2)
+    ov2.load_state_dict(state)
+    assert tr2.worker.kept == [{"seed": b["results"]["seed"]} for b in state["batches"]]
+    assert _run(ov2, tr2, 4) == rest and first == [(0, 0.0), (1, 1.0)]
+
+
+def test_the_k1_form_loads_one_step_stale():
+    tr = _trainer(1, 4)
+    tr.step = 2
+    ov = Overlap(tr)
+    fields = {f.name: getattr(_batch(7), f.name) for f in dataclasses.fields(PromptBatch)}
+    ov.load_state_dict({"prompts": fields, "results": {"seed": 5}})
+    assert ov.prompts({}).index == [7] and ov.stale == 1 and tr.worker.collected == [5]
