@@ -3,8 +3,11 @@
 Contract: ``ModelConfig`` names either a local HF folder (``path``; sizes then come from its
 config.json and the size fields here are ignored) or, with ``path`` empty, the builtin llama-family
 model whose sizes are the fields below (defaults: a tiny model that trains on a CPU in seconds).
-``__post_init__`` checks the builtin sizes (head divisibility, GQA grouping) and the dtype; checks
-that involve the parallel layout live in ``HybridRLConfig``.
+``num_experts`` > 0 makes the builtin model a Qwen3-MoE (q/k norm; every layer ``num_experts``
+routed SwiGLU experts of width ``moe_ffn_hidden_size``, top-``moe_topk`` routing); 0 keeps the
+dense builtin llama exactly as before. ``__post_init__`` checks the builtin sizes (head
+divisibility, GQA grouping, top-k within the experts) and the dtype; checks that involve the
+parallel layout live in ``HybridRLConfig`` (and ``hybridrl.models.spec.check_layout``).
 """
 
 from dataclasses import dataclass
@@ -38,6 +41,17 @@ class ModelConfig:
     norm_eps: float = knob(1e-5, "Builtin model: RMSNorm epsilon.")
     tie_word_embeddings: bool = knob(False, "Builtin model: share the input embedding with "
                                      "the output layer.")
+    num_experts: int = knob(0, "Builtin model: routed experts per layer (a tiny Qwen3-MoE, "
+                            "with q/k norm); 0 = the dense builtin llama.")
+    moe_topk: int = knob(0, "Builtin MoE model: experts per token (num_experts_per_tok); "
+                         "needs num_experts > 0.")
+    moe_ffn_hidden_size: int | None = knob(None, "Builtin MoE model: each expert's SwiGLU "
+                                           "width (moe_intermediate_size); null = "
+                                           "ffn_hidden_size.")
+    moe_norm_topk_prob: bool = knob(True, "Builtin MoE model: renormalize the top-k routing "
+                                    "weights to sum to 1 (Qwen3's norm_topk_prob).")
+    moe_aux_loss_coef: float = knob(0.0, "Builtin MoE model: load-balancing (aux) loss "
+                                    "coefficient (megatron's switch aux loss); 0 = none.")
     dtype: str = knob("fp32", "Parameter/compute dtype: fp32 | bf16 | fp16 (optimizer state "
                       "stays fp32).")
     recompute_granularity: str = knob("none", "Activation recompute of the trained models: none "
@@ -69,6 +83,18 @@ class ModelConfig:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by "
                 f"model.num_attention_heads ({self.num_attention_heads})")
+        if self.num_experts < 0 or self.moe_aux_loss_coef < 0:
+            raise ValueError(f"model.num_experts ({self.num_experts}) and model."
+                             f"moe_aux_loss_coef ({self.moe_aux_loss_coef}) must be >= 0")
+        if self.num_experts and not 1 <= self.moe_topk <= self.num_experts:
+            raise ValueError(f"model.moe_topk ({self.moe_topk}) must be in 1..model.num_experts "
+                             f"({self.num_experts})")
+        if not self.num_experts and (self.moe_topk or self.moe_ffn_hidden_size is not None
+                                     or self.moe_aux_loss_coef):
+            raise ValueError("model.moe_topk / moe_ffn_hidden_size / moe_aux_loss_coef need "
+                             "model.num_experts > 0")
+        if self.moe_ffn_hidden_size is not None:
+            check_positive("model.moe_ffn_hidden_size", self.moe_ffn_hidden_size)
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "

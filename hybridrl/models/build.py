@@ -203,6 +203,10 @@ def build_model(
     if groups.pp_size > 1:
         config.variable_seq_lengths = True  # micro-batches may differ in [B, T]
     use_te = transformer_engine_available()
+    if spec.is_moe:  # megatron's per-process aux-loss log is sized by the first model's layers
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
     vocab = padded_vocab_size(spec.vocab_size, groups.tp_size)
     _seed(seed, groups)
     with cpu_compat.cpu_model_construction():

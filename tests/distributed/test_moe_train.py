@@ -8,7 +8,9 @@ config (8 experts, top-2, q/k norm, per-head RMSNorm, no shared expert):
   loss (the single-process oracle) within 1e-5, and the grad norm agrees: expert gradients are
   averaged over the expert-dp group, dense ones over dp;
 - with ``output_router_logits`` and ``router_aux_loss_coef`` the aux (load-balancing) loss
-  changes the router's step, identically at (1,1,1) and (2,1,2).
+  changes the router's step, identically at (1,1,1) and (2,1,2);
+- the builtin tiny MoE of configs/demo_moe.yaml (no HF folder) at ep 2 is a Qwen3-MoE that
+  transformers loads (from its export) with the same log-probs, and it trains a step.
 """
 
 from __future__ import annotations
@@ -125,11 +127,17 @@ def suite(tmp_path_factory):
             index[("aux", tp, pp, ep)] = len(cases)
             cases.append(dict(kind="train", folder=aux, out=str(root / f"aux{tp}{pp}{ep}"),
                               **common))
+    demo = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "demo_moe.yaml")
+    index["builtin"] = len(cases)
+    cases.append(dict(kind="builtin", tp=1, pp=1, ep=2, config=[demo], out=str(root / "demo"),
+                      batch=batch, n_micro=1))
     res = run_on_ranks(moe_cases.run_cases, 4, cases, timeout=600, preload=("megatron.core",))
     return dict(root=root, plain=plain, aux=aux, batch=batch, res=res, index=index)
 
 
 def _results(suite, *key):
+    if key == ("builtin",):
+        return [r[suite["index"]["builtin"]] for r in suite["res"]]
     i = suite["index"][key]
     return [r[i] for r in suite["res"]]
 
@@ -177,3 +185,21 @@ def test_moe_aux_loss_trains_the_router_alike_at_two_layouts(suite):
         torch.testing.assert_close(two[name], one[name], atol=TOL, rtol=0, msg=name)
     router = "model.layers.0.mlp.gate.weight"
     assert float((one[router] - plain[router]).abs().max()) > 100 * TOL  # aux loss acted
+
+
+@pytest.mark.slow
+def test_builtin_moe_preset_is_a_qwen3_moe_transformers_loads(suite):
+    from hybridrl.models.forward import next_token_labels
+
+    folder = suite["root"] / "demo"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (config["num_experts"], config["num_experts_per_tok"]) == (8, 2)
+    ids = torch.as_tensor(suite["batch"]["input_ids"])
+    with torch.no_grad():
+        ref, _ = reference_logprobs_entropy(_hf_model(folder)(ids).logits, next_token_labels(ids))
+    results = [r for r in _results(suite, "builtin") if r]
+    got = np.concatenate([r["logprobs"] for r in sorted(results, key=lambda r: r["dp_rank"])])
+    np.testing.assert_allclose(got, ref.numpy(), atol=TOL, rtol=0)
+    assert all(math.isfinite(r["metrics"]["grad_norm"]) and r["metrics"]["grad_norm"] > 0
+               for r in results)

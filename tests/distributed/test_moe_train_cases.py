@@ -3,7 +3,9 @@
 A case is a dict: tp, pp, ep (expert tp = tp), folder (an HF Qwen3-MoE checkpoint), kind:
 - ``logprobs``: the actor's per-token log-probs (last stage, tp_rank 0, with its dp_rank);
 - ``train``: one optimizer step (the PPO-shaped loss of test_models_cases), exported to
-  ``case["out"]`` with ``export_hf``; returns the step's metrics.
+  ``case["out"]`` with ``export_hf``; returns the step's metrics;
+- ``builtin``: the builtin MoE of ``case["model"]`` (ModelConfig overrides, e.g. the model
+  section of configs/demo_moe.yaml), no HF folder: its log-probs, then one step, exported.
 MoE layers at tp > 1 run with sequence parallelism (megatron's requirement for training).
 """
 
@@ -55,7 +57,26 @@ def _train_case(groups, case: dict) -> dict:
     return {"metrics": metrics}
 
 
-CASE_KINDS = {"logprobs": _logprob_case, "train": _train_case}
+def _builtin_case(groups, case: dict) -> dict:
+    from hybridrl.config.loader import load_config
+    from hybridrl.models.forward import run_microbatches
+    from hybridrl.models.hf_io import build_from_config, export_hf
+    from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
+
+    cfg = load_config(case["config"])
+    model = build_from_config(cfg.model, groups, "actor", seed=5)
+    mbs = base.split_microbatches(case["batch"], groups.dp_size, groups.dp_rank, case["n_micro"])
+    out = run_microbatches(model, mbs)
+    export_hf(model, case["out"])  # the initial weights, for transformers
+    metrics = train_step(model, ModelOptimizer(model, OptimConfig(lr=base.LR)), mbs,
+                         base.actor_loss)
+    if not groups.is_last_stage or groups.tp_rank != 0:
+        return {}
+    return {"dp_rank": groups.dp_rank, "metrics": metrics,
+            "logprobs": np.concatenate([o["logprobs"].numpy() for o in out])}
+
+
+CASE_KINDS = {"logprobs": _logprob_case, "train": _train_case, "builtin": _builtin_case}
 
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
