@@ -1,17 +1,21 @@
 """End to end vs TRL: hybridrl GRPO and TRL's GRPOTrainer on the same model, data and batch.
 
     .venv/bin/python -m pip install trl==1.16.0      # once (not a hybridrl dependency)
-    .venv/bin/python benchmarks/trl_compare.py [--worlds 1 2] [--prompts short long] [--steps 4]
-        [--rounds 2] [--set KEY=VALUE ...]
+    .venv/bin/python benchmarks/trl_compare.py [--worlds 1 2] [--prompts short long realistic]
+        [--steps 4] [--rounds 2] [--set KEY=VALUE ...]
 
-Both sides load ONE folder: a llama of the CPU demo's size (4 layers, hidden 64, GQA 4/2, vocab
-100, random weights from a fixed seed) with an HF tokenizer whose ids and chat template are those
-of hybridrl's character tokenizer, so both see the same token ids. Same data: the 100 one-digit
-``a+b=`` problems (22 tokens; ``long``: prefixed by an instruction, 68 tokens), 12 prompts x 8
-samples per step, 3 new tokens at temperature 1, one optimizer step per batch in micro-batches of
+Both sides load ONE folder per cell (``benchmarks/trl_model.py``): an HF llama with random
+weights from a fixed seed and an HF tokenizer whose ids and chat template are those of hybridrl's
+character tokenizer, so both see the same token ids. Cells (``--prompts``): ``short`` and
+``long`` use the CPU demo's llama (4 layers, hidden 64, GQA 4/2, vocab 100) and 3 new tokens on
+the 100 one-digit ``a+b=`` problems (22 tokens; ``long``: prefixed by an instruction, 68
+tokens); ``realistic`` uses a 12.6M llama (8 layers, hidden 384) whose weights make every sampled
+token eos with probability 1/30, so response lengths are EOS-driven (geometric, mean ~27 of the
+64-token cap) with the same law on both sides. Same settings: 12 prompts x 8 samples per step at
+temperature 1, one optimizer step per batch in micro-batches of
 4 sequences (the actor update AND the reference forward: TRL runs both at its
 per_device_train_batch_size), KL 0.001 (low_var_kl / TRL's k3) against the initial model, lr
-3e-3, the GSM8K flexible reward; hybridrl's KL guard off and no per-call reward timeout
+3e-3 (``realistic``: 1e-8, so the length law holds over the steps), the GSM8K flexible reward; hybridrl's KL guard off and no per-call reward timeout
 (``reward.timeout_s=0``: TRL bounds no reward call either). ``--set`` adds hybridrl config
 overrides (to measure one knob). TRL at 2 processes runs under ``torchrun --nproc-per-node 2``
 (gloo); hybridrl on 2 gloo ranks (data parallel); one torch thread per process on both sides.
@@ -49,38 +53,15 @@ sys.path.insert(0, str(ROOT))
 DEMO = str(ROOT / "configs" / "demo_cpu.yaml")
 PROMPTS, N, NEW, MICRO, STEPS, ROUNDS = 12, 8, 3, 4, 4, 2
 LONG_PREFIX = "Add the two numbers; reply with just the sum. "  # prompts of 68 tokens
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant: {% endif %}")
-
-
-def make_folder(path: Path) -> None:
-    """The shared model + tokenizer folder (same ids as hybridrl's CharTokenizer)."""
-    import torch
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # "Writing model shards" would land in the tables
-
-    from hybridrl.data.tokenizer import CharTokenizer
-
-    char = CharTokenizer()
-    vocab = {char.decode([i], skip_special_tokens=False) if i >= 4 else tok: i
-             for i, tok in enumerate(["<pad>", "<bos>", "<eos>", "<unk>"] + [None] * 96)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                 eos_token="<eos>", unk_token="<unk>")
-    hf.chat_template = TEMPLATE
-    text = "user: 3+4=\nassistant: "
-    assert hf.encode(text, add_special_tokens=False) == char.encode(text), "tokenizer ids differ"
-    hf.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                      num_key_value_heads=2, num_hidden_layers=4, vocab_size=100,
-                      max_position_embeddings=128, tie_word_embeddings=False,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+CELLS = {  # prompt kind: (instruction prefix, model shape, max new tokens, eos probability, lr)
+    "short": (False, "demo", NEW, None, 3e-3),
+    "long": (True, "demo", NEW, None, 3e-3),
+    # a 12.6M llama whose sampled lengths are EOS-driven (geometric, mean ~27 of 64 after the
+    # cap): the lengths spread as a policy's do, so padding, packing and finished rows count;
+    # a tiny lr keeps that law over the steps (Adam moves each weight ~lr a step, and the
+    # shaped attention / MLP outputs are ~2e-5: 1e-5 already moved the mean length 27 -> 31-37)
+    "realistic": (False, "12m", 64, 1 / 30, 1e-8),
+}
 
 
 def rows(long: bool) -> list[dict]:
@@ -95,6 +76,7 @@ def rows(long: bool) -> list[dict]:
     return out
 
 
+from benchmarks.trl_model import make_folder  # noqa: E402
 from benchmarks.trl_settings import hybridrl_settings, settings_mismatch, trl_settings  # noqa: E402
 
 
@@ -105,7 +87,7 @@ def _score(completion: str, truth: str) -> float:
 
 
 # ----------------------------------------------------------------------------------- hybridrl
-def _hybridrl_rank(rank, world, folder, data, steps, tmp, extra=()):
+def _hybridrl_rank(rank, world, folder, data, steps, tmp, new, lr, extra=()):
     import warnings
 
     import torch
@@ -118,7 +100,7 @@ def _hybridrl_rank(rank, world, folder, data, steps, tmp, extra=()):
     warnings.filterwarnings("ignore")
     cfg = load_config([DEMO], [
         f"model.path={folder}", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
-        f"data.train_batch_size={PROMPTS}", f"rollout.n={N}", f"rollout.response_length={NEW}",
+        f"data.train_batch_size={PROMPTS}", f"rollout.n={N}", f"rollout.response_length={new}", f"actor.lr={lr}",
         f"actor.ppo_mini_batch_size={PROMPTS}", f"actor.ppo_micro_batch_size_per_gpu={MICRO}",
         f"ref.log_prob_micro_batch_size_per_gpu={MICRO}", "trainer.kl_guard.max_kl=0",
         "reward.timeout_s=0", "data.max_prompt_length=96",
@@ -141,16 +123,17 @@ def _hybridrl_rank(rank, world, folder, data, steps, tmp, extra=()):
     return hist, hybridrl_settings(cfg, world, "actor/entropy" in hist[-1], torch.get_num_threads())
 
 
-def run_hybridrl(world, folder, data, steps, tmp, extra=()) -> dict:
+def run_hybridrl(world, folder, data, steps, tmp, new, lr, extra=()) -> dict:
     from hybridrl.testing.dist import run_on_ranks
 
     hist, settings = run_on_ranks(_hybridrl_rank, world, str(folder), str(data), steps, tmp,
-                                  list(extra), timeout=1800, preload=("megatron.core",))[0]
+                                  new, lr, list(extra), timeout=1800, preload=("megatron.core",))[0]
     kept = hist[1:] or hist
     phases = sorted({k for m in kept for k in m if k.startswith("timing_s/")})
     mean = {k: statistics.mean(m[k] for m in kept) for k in phases}
     gen_tokens = statistics.mean(m["response_length/mean"] for m in kept) * PROMPTS * N
     return {"step_s": mean["timing_s/step"], "tokens_per_s": gen_tokens / mean["timing_s/step"],
+            "length": gen_tokens / (PROMPTS * N),
             "cpu_s": statistics.mean(m["cpu_s/step"] for m in kept),
             "steps": {"step_s": [m["timing_s/step"] for m in kept],
                       "cpu_s": [m["cpu_s/step"] for m in kept]},
@@ -188,7 +171,8 @@ def _time_phases(trainer, phases: dict) -> None:
                                                     trainer._generate_and_score_completions)
 
 
-def trl_worker(folder: str, long: bool, steps: int, world: int, out: str) -> None:
+def trl_worker(folder: str, long: bool, steps: int, world: int, out: str, new: int,
+               lr: float) -> None:
     """One TRL process (under torchrun when world > 1): writes per-step seconds to ``out``."""
     import warnings
 
@@ -226,10 +210,10 @@ def trl_worker(folder: str, long: bool, steps: int, world: int, out: str) -> Non
         output_dir=os.path.join(os.path.dirname(out), "trl"), use_cpu=True, seed=0,
         bf16=False, fp16=False, gradient_checkpointing=False,
         per_device_train_batch_size=MICRO, gradient_accumulation_steps=seqs // MICRO,
-        generation_batch_size=PROMPTS * N, num_generations=N, max_completion_length=NEW,
+        generation_batch_size=PROMPTS * N, num_generations=N, max_completion_length=new,
         temperature=1.0, top_k=0, top_p=1.0, beta=0.001, epsilon=0.2, epsilon_high=0.2,
         importance_sampling_level="token", loss_type="dapo", scale_rewards="group",
-        learning_rate=3e-3, lr_scheduler_type="constant", weight_decay=0.01,
+        learning_rate=lr, lr_scheduler_type="constant", weight_decay=0.01,
         adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
         max_steps=steps, num_iterations=1, logging_steps=1,
         save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0)
@@ -249,10 +233,10 @@ def trl_worker(folder: str, long: bool, steps: int, world: int, out: str) -> Non
                        "mean_length": tokens, "settings": settings}, f)
 
 
-def run_trl(world, folder, long, steps, tmp) -> dict:
-    out = os.path.join(tmp, f"trl_{world}_{int(long)}.json")
+def run_trl(world, folder, long, steps, tmp, new, lr) -> dict:
+    out = os.path.join(tmp, f"trl_{world}_{int(long)}_{new}.json")
     me = [str(Path(__file__).resolve()), "--trl-worker", str(folder), str(int(long)), str(steps),
-          str(world), out]
+          str(world), out, str(new), repr(lr)]
     if world == 1:
         cmd = [sys.executable, *me]
     else:
@@ -267,14 +251,14 @@ def run_trl(world, folder, long, steps, tmp) -> dict:
         res = json.load(f)
     kept = slice(1, None) if len(res["times"]) > 1 else slice(None)
     step = statistics.mean(res["times"][kept])
-    length = statistics.mean(res["mean_length"]) if res["mean_length"] else NEW
+    length = statistics.mean(res["mean_length"]) if res["mean_length"] else new
     parts = res["phases"][kept]
     mean = {k: statistics.mean(p.get(k, 0.0) for p in parts)
             for k in ("gen", "ref", "reward", "prepare")}
     phases = {"gen": mean["gen"], "ref": mean["ref"], "reward": mean["reward"],
               "score_other": mean["prepare"] - mean["gen"] - mean["ref"] - mean["reward"],
               "update": step - mean["prepare"]}
-    return {"step_s": step, "tokens_per_s": length * PROMPTS * N / step,
+    return {"step_s": step, "tokens_per_s": length * PROMPTS * N / step, "length": length,
             "cpu_s": statistics.mean(res["cpu"][kept]), "phases": phases,
             "steps": {"step_s": res["times"][kept], "cpu_s": res["cpu"][kept]},
             "settings": res["settings"]}
@@ -305,27 +289,30 @@ def _compare(ours: list[dict], theirs: list[dict], key: str) -> str:
 
 def _cell(world, kind, folder, data, args, tmp) -> tuple[list[dict], list[dict]]:
     """``args.rounds`` runs of each side, alternating which one goes first."""
+    long, _, new, _, lr = CELLS[kind]
     ours, theirs = [], []
     for r in range(args.rounds):
         sides = [("h", ours), ("t", theirs)]
         for side, out in (sides if r % 2 == 0 else sides[::-1]):
             if side == "h":
                 out.append(run_hybridrl(world, folder, data, args.steps,
-                                        f"{tmp}/h{world}{kind}{r}", args.set))
+                                        f"{tmp}/h{world}{kind}{r}", new, lr, args.set))
             else:
-                out.append(run_trl(world, folder, kind == "long", args.steps, tmp))
+                out.append(run_trl(world, folder, long, args.steps, tmp, new, lr))
     return ours, theirs
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--trl-worker"]:
-        folder, long, steps, world, out = argv[1:6]
-        trl_worker(folder, long == "1", int(steps), int(world), out)
+        folder, long, steps, world, out, new, lr = argv[1:8]
+        trl_worker(folder, long == "1", int(steps), int(world), out, int(new), float(lr))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--prompts", nargs="+", choices=("short", "long"), default=["short", "long"])
+    ap.add_argument("--prompts", nargs="+", choices=tuple(CELLS), default=["short", "long"],
+                    help="cells: short / long (demo model, 3 new tokens), realistic (12.6M "
+                    "llama, EOS-driven lengths, up to 64 new tokens)")
     ap.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (first is warm-up)")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="runs of each side per cell")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -338,7 +325,8 @@ def main(argv=None) -> int:
         return 0
     import pandas as pd
 
-    print(f"hybridrl vs TRL {trl.__version__} GRPO: {PROMPTS} prompts x {N}, {NEW} new tokens, "
+    print(f"hybridrl vs TRL {trl.__version__} GRPO: {PROMPTS} prompts x {N}, "
+          f"{'/'.join(str(CELLS[k][2]) for k in args.prompts)} new tokens ({'/'.join(args.prompts)}), "
           f"micro-batch {MICRO}, one optimizer step per batch, {args.steps} steps (first left "
           f"out), {args.rounds} rounds per side{' ' + ' '.join(args.set) if args.set else ''}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
@@ -348,11 +336,15 @@ def main(argv=None) -> int:
           f"{'mean (range)':>20} {'min':>6} {'mean (range)':>17} {'min':>6} "
           f"{'hybridrl tok/s':>14} {'TRL tok/s':>10}")
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "model"
-        make_folder(folder)
         for kind in args.prompts:
+            long, shape, new, eos_p, _ = CELLS[kind]
+            folder = Path(tmp) / f"model_{kind}"
+            p = make_folder(folder, shape, eos_p)
+            if p is not None:
+                print(f"      {kind}: model {shape}, eos probability per sampled token {p:.4f} "
+                      f"(lengths geometric, capped at {new})", flush=True)
             data = Path(tmp) / f"{kind}.parquet"
-            pd.DataFrame(rows(kind == "long")).to_parquet(data)
+            pd.DataFrame(rows(long)).to_parquet(data)
             for world in args.worlds:
                 load = os.getloadavg()[0]
                 ours, theirs = _cell(world, kind, folder, data, args, tmp)
@@ -374,6 +366,9 @@ def main(argv=None) -> int:
                     print(f"{world if what == 'wall' else '':>5} {kind if what == 'wall' else '':>6}"
                           f" {what:>4} {_compare(ours, theirs, key)}"
                           f"{tail}", flush=True)
+                lengths = [statistics.mean(r["length"] for r in side) for side in (ours, theirs)]
+                print(f"      mean response length: hybridrl {lengths[0]:.1f}, TRL "
+                      f"{lengths[1]:.1f} (the same law on both sides: the draws differ)")
                 print("      hybridrl step: " + _breakdown(ours))
                 print("      TRL step:      " + _breakdown(theirs), flush=True)
     return 0
