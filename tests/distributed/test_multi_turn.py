@@ -7,7 +7,9 @@ Checked:
   (loss_mask), and the batch holds tool segments (tokens with loss_mask 0 inside the tail);
 - the loss mask each DP rank derives equals the one the generating rank's loop recorded;
 - resume: 1 step, a checkpoint, a resumed step 2 == 2 uninterrupted steps (metrics and
-  weights), multi-turn metrics included.
+  weights), multi-turn metrics included;
+- the ranks of one gen-TP group get the source's tool outputs (a tool that answers its own
+  rank; engines with the builtin's ``tp_src`` and with SGLang's ``members``).
 """
 
 from __future__ import annotations
@@ -87,12 +89,55 @@ def _rank(rank, world, tmp):
         rec.loss_mask, tr.worker.loss_mask(rec.response_ids, rec.response_mask)))
     out["record_tool_tokens"] = int((rec.response_mask - rec.loss_mask).sum())
     out["rec_stats"] = rec.stats
+    out["shared"] = _shared_tool_outputs(rank)
     save = ["trainer.save_freq=1", "trainer.resume=auto"]
     build("resumed", 1, save).fit()
     tr = build("resumed", 2, save)
     out["resumed"] = tr.fit()
     out["resumed_w"] = weights(tr)
     return out
+
+
+def _shared_tool_outputs(rank):
+    import torch
+    import torch.distributed as dist
+
+    from hybridrl.data.tokenizer import CharTokenizer
+    from hybridrl.rollout.base import GenerationOutput, SamplingParams
+    from hybridrl.rollout.multi_turn.format import build_format
+    from hybridrl.rollout.multi_turn.wrap import Budgets, LoopEngine
+    from hybridrl.tools import ToolRegistry
+
+    tok = CharTokenizer()
+
+    class RankTool:
+        name, description, in_process, timeout_s = "rank", "this rank", True, 1.0
+        parameters = {"type": "object", "required": ["x"], "properties": {"x": {"type": "string"}}}
+
+        def call(self, arguments):
+            return f"r{rank}"
+
+    class TPEngine:  # one gen-TP group of both ranks, replaying a call then an answer
+        def __init__(self, sglang_style):
+            self.tp_group = dist.new_group([0, 1])
+            if sglang_style:
+                self.members = [0, 1]
+            else:
+                self.tp_src = 0
+
+        def generate(self, prompts, params):
+            text = "<rank a>" if len(prompts[0]) < 5 else "ok"
+            ids = torch.tensor([tok.encode(text) + ([] if text.endswith(">") else [2])])
+            return GenerationOutput(ids, torch.ones_like(ids), torch.zeros(ids.shape))
+
+    tools = ToolRegistry([RankTool()])
+    fmt = build_format("plain", tok, tools.schemas())
+    got = []
+    for style in (False, True):
+        out = LoopEngine(TPEngine(style), fmt, tools, Budgets(64)).generate(
+            [[5]], SamplingParams(64, eos_token_id=2))
+        got.append(tok.decode(out.response_ids[0][out.response_mask[0].bool()]))
+    return got
 
 
 @pytest.mark.slow
@@ -102,6 +147,7 @@ def test_multi_turn_logprobs_masks_and_resume(tmp_path):
     res = run_on_ranks(_rank, 2, str(tmp_path), timeout=600, preload=("megatron.core",))
     for r in res:
         assert r["inner"] == "BuiltinEngine"  # the weight sync saw the real engine
+        assert r["shared"] == ["<rank a>\ntool: r0\nassistant: ok"] * 2, r["shared"]
         assert r["tool_tokens"] > 0 and r["model_tokens"] > 0, r  # tails with tool segments
         assert r["lp_gap"] < 1e-4, r["lp_gap"]
         assert r["record_equal"] and r["record_tool_tokens"] > 0, r["rec_stats"]

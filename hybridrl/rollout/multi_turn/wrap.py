@@ -41,10 +41,11 @@ class LoopEngine:
         self.stats = dict.fromkeys(STAT_KEYS, 0)
 
     def _share(self):
-        group, size = getattr(self.engine, "tp_group", None), getattr(self.engine, "tp_size", 1)
-        if group is None or size <= 1:
+        group = getattr(self.engine, "tp_group", None)  # builtin and SGLang engines have one
+        if group is None or dist.get_world_size(group) <= 1:
             return None
-        src = int(self.engine.tp_src)
+        src = getattr(self.engine, "tp_src", None)  # builtin; SGLang: its members[0]
+        src = int(self.engine.members[0] if src is None else src)
 
         def share(objects):
             box = [objects]
