@@ -39,12 +39,15 @@ test-quick: .venv lint
 	$(PY) -m pytest -q tests/distributed/test_on_policy.py --file-durations=0
 
 # SFT warm start, then PPO with a critic (ALGO=grpo: GRPO) on 4 gloo ranks, tp 2 x pp 2, gen tp 1
-# ASYNC=1: a 5th rank generates apart (parallel.placement=split) one step ahead (rollout.async_steps=1)
+# ASYNC=k (1, 2): a 5th rank generates apart (parallel.placement=split) up to k steps ahead
+# (rollout.async_steps=k)
 ALGO ?= gae
 ASYNC ?= 0
 DEMO_ASYNC_0 := --nproc-per-node 4
 DEMO_ASYNC_1 := --nproc-per-node 5 parallel.placement=split parallel.gen.world=1 rollout.async_steps=1 \
 	trainer.experiment_name=demo_async
+DEMO_ASYNC_2 := --nproc-per-node 5 parallel.placement=split parallel.gen.world=1 rollout.async_steps=2 \
+	trainer.experiment_name=demo_async2
 demo: .venv
 	$(VENV)/bin/torchrun --standalone $(word 1,$(DEMO_ASYNC_$(ASYNC))) $(word 2,$(DEMO_ASYNC_$(ASYNC))) \
 		-m hybridrl.demo --config configs/demo.yaml algorithm.adv_estimator=$(ALGO) \
