@@ -82,13 +82,23 @@ def _merge(picks: list[tuple[RolloutBatch, torch.Tensor, list[tuple[int, int]]]]
         cols["uid"] += [u for _, u in rows]
         for name in ("ground_truth", "data_source", "extra_info"):
             cols[name] += [getattr(rb, name)[j] for j in idx]
-        for name in ("response_ids", "response_mask", "rollout_logprobs"):
-            cols[name].append(pad(getattr(rb, name)[idx]))
+        for name in ("response_ids", "response_mask", "rollout_logprobs", "loss_mask"):
+            if getattr(rb, name) is not None:
+                cols[name].append(pad(getattr(rb, name)[idx]))
+        if rb.routed_experts is not None:  # [rows, P + R, layers, k]
+            cols["routed_experts"].append(rb.routed_experts[idx])
         cols["scores"].append(scores[idx])
+    routed = None
+    if cols.get("routed_experts"):  # pad the token axis to the longest round's
+        width = max(t.shape[1] for t in cols["routed_experts"])
+        routed = torch.cat([torch.nn.functional.pad(t, (0, 0, 0, 0, 0, width - t.shape[1]))
+                            for t in cols["routed_experts"]])
     merged = RolloutBatch(cols["prompt_ids"], torch.cat(cols["response_ids"]),
                           torch.cat(cols["response_mask"]), torch.cat(cols["rollout_logprobs"]),
                           cols["uid"], cols["ground_truth"], cols["data_source"],
-                          cols["extra_info"])
+                          cols["extra_info"],
+                          loss_mask=torch.cat(cols["loss_mask"]) if cols.get("loss_mask") else None,
+                          routed_experts=routed)
     return merged, torch.cat(cols["scores"])
 
 

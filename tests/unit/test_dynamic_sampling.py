@@ -21,8 +21,8 @@ class Prompts(list):
 class StandIn:
     """Round k's prompt p gets scores SCORES[k][p] (one per sample); width R grows per round."""
 
-    def __init__(self, scores, max_rounds=10, dp=1, n=N_PER, reward_model=""):
-        self.scores, self.round = scores, 0
+    def __init__(self, scores, max_rounds=10, dp=1, n=N_PER, reward_model="", extras=False):
+        self.scores, self.round, self.extras = scores, 0, extras
         self.cfg = SimpleNamespace(
             algorithm=SimpleNamespace(filter_groups=SimpleNamespace(
                 enable=True, max_num_gen_batches=max_rounds)),
@@ -40,6 +40,10 @@ class StandIn:
         rb = RolloutBatch([[7, self.round, u] for u in uid], ids, torch.ones(N, R, dtype=torch.long),
                           torch.full((N, R), -float(self.round)), uid, [str(u) for u in uid],
                           ["src"] * N, [{"round": self.round}] * N)
+        if self.extras:  # a multi-turn loss mask and a MoE engine's routing, per round
+            rb.loss_mask = (ids % 2) * (self.round + 1)
+            rb.routed_experts = (ids[:, :, None, None] + torch.zeros(1, 1, 2, 2,
+                                                                     dtype=torch.long))
         return rb
 
     def _score(self, rows, response_ids, mask, gt, ds, extra, mp_index, mp_size):
@@ -69,6 +73,20 @@ def test_rounds_until_enough_then_truncated():
     assert t.partition == ([list(range(6))], rb.seq_lengths) and rb.rows == list(range(6))
     for g in set(rb.uid):
         assert len(set(s[[j for j, u in enumerate(rb.uid) if u == g]].tolist())) == 2
+
+
+def test_merged_rounds_keep_the_loss_mask_and_the_routing():
+    """Rows kept from different rounds keep their loss_mask (issue 41) and routed_experts
+    (issue 38), padded to the widest round (was: both dropped by the merge)."""
+    scores = [[(1, 1), (0, 1), (0, 0)], [(0, 1), (1, 1), (1, 0)]]
+    rb, *_ = collect(StandIn(scores, extras=True), Prompts(range(3)))
+    assert rb.loss_mask is not None and rb.routed_experts is not None
+    assert rb.loss_mask.shape == (6, 4) and rb.routed_experts.shape == (6, 4, 2, 2)
+    assert rb.loss_mask[:2, 3].tolist() == [0, 0]  # round 0's width 3, padded
+    assert torch.equal(rb.loss_mask[:2, :3], (rb.response_ids[:2, :3] % 2) * 1)
+    assert torch.equal(rb.loss_mask[2:], (rb.response_ids[2:] % 2) * 2)  # round 1's rows
+    assert torch.equal(rb.routed_experts[2:, :, 0, 1], rb.response_ids[2:])
+    assert rb.routed_experts[:2, 3].eq(0).all()
 
 
 def test_rounds_are_bounded_and_the_batch_filled():
