@@ -215,20 +215,34 @@ def build_format(name: str, tokenizer, tool_schemas: list[dict]) -> TurnFormat:
 
 
 def loss_mask(fmt: TurnFormat, ids_NR: torch.Tensor, mask_NR: torch.Tensor) -> torch.Tensor:
-    """The model's tokens of each tail, from the ids (module docstring). [N, R] int64."""
-    stops, resume = set(fmt.stop_ids), list(fmt.resume_ids)
-    k = len(resume)
-    out = torch.zeros_like(mask_NR, dtype=torch.long)
-    for i, (ids, n) in enumerate(zip(ids_NR.tolist(), mask_NR.sum(-1).tolist())):
-        model, since = True, []
-        for j in range(int(n)):
-            t = ids[j]
-            if model:
-                out[i, j] = 1
-                if t in stops:
-                    model, since = False, []
-            else:
-                since.append(t)
-                if len(since) >= k and since[-k:] == resume:
-                    model = True
+    """The model's tokens of each tail, from the ids (module docstring). [N, R] int64.
+
+    Vectorized: the stop positions and the positions where ``resume_ids`` end are found for
+    all rows at once; each row then alternates between them (a few events per row)."""
+    N, R = ids_NR.shape
+    out = torch.zeros(N, R, dtype=torch.long)
+    if R == 0:
+        return out
+    lens = mask_NR.sum(-1).tolist()
+    is_stop = torch.isin(ids_NR, torch.tensor(fmt.stop_ids, dtype=ids_NR.dtype))  # [N, R]
+    k = len(fmt.resume_ids)
+    ends = torch.zeros(N, R, dtype=torch.bool)  # a complete resume sequence ends here
+    if R >= k:
+        windows = ids_NR.unfold(1, k, 1)  # [N, R - k + 1, k]
+        ends[:, k - 1:] = (windows == torch.tensor(fmt.resume_ids, dtype=ids_NR.dtype)).all(-1)
+    for i in range(N):
+        n = int(lens[i])
+        stops = torch.nonzero(is_stop[i, :n]).flatten().tolist()
+        resumes = torch.nonzero(ends[i, :n]).flatten().tolist()
+        pos, si, ri = 0, 0, 0
+        while pos < n:
+            while si < len(stops) and stops[si] < pos:
+                si += 1
+            stop = stops[si] if si < len(stops) else n - 1
+            out[i, pos:stop + 1] = 1  # a model turn, its stop included
+            while ri < len(resumes) and resumes[ri] < stop + k:  # the resume must follow it
+                ri += 1
+            if ri >= len(resumes):
+                break
+            pos = resumes[ri] + 1
     return out
