@@ -92,7 +92,8 @@ def moe_engine_shards(shape, hf, n, b, chunk) -> dict:
     return out
 
 
-def moe_setup(world: int, tp: int, ep: int, etp: int, tg: int, shape=MOE, bucket_mb=0.004):
+def moe_setup(world: int, tp: int, ep: int, etp: int, tg: int, shape=MOE, bucket_mb=0.004,
+              grouping: str = "auto"):
     """(train placement, gen placement, plan) of one layout (pure)."""
     from hybridrl.parallel.layout import TrainLayout
     from hybridrl.reshard.placement import gen_placement, train_placement
@@ -100,7 +101,7 @@ def moe_setup(world: int, tp: int, ep: int, etp: int, tg: int, shape=MOE, bucket
 
     tl = TrainLayout(world, tp=tp, pp=1)
     train = train_placement(tl, shape, ep=ep, etp=etp)
-    gen = gen_placement(tl, shape, tg, 1, vocab_pad=64)
+    gen = gen_placement(tl, shape, tg, 1, grouping, vocab_pad=64)
     return train, gen, plan_reshard(train, gen, build_specs(shape), bucket_mb=bucket_mb,
                                     itemsize=4)
 
@@ -240,5 +241,5 @@ def test_split_placement_sends_each_expert_from_its_ep_ranks():
 def test_sglang_refuses_a_moe_model_in_one_line():
     from hybridrl.rollout.sglang.layout import engine_param_shapes
 
-    with pytest.raises(ValueError, match="num_experts=8.*use rollout.engine=builtin"):
+    with pytest.raises(ValueError, match="num_experts=8.*sglang.loader.*use rollout.engine=builtin"):
         engine_param_shapes(MOE, 2)

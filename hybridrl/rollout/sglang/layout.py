@@ -14,9 +14,13 @@ Contract: ``engine_param_shapes(shape, tp, vocab_pad=64) -> {name: shape}`` list
   model has no ``lm_head.weight`` (SGLang reuses ``embed_tokens``).
 - norms [hidden], replicated; Qwen3 (``shape.qk_norm``) adds ``self_attn.q_norm`` /
   ``k_norm`` [head_dim], replicated (SGLang's ``Qwen3Attention``).
-A mixture-of-experts shape (``shape.num_experts``) is refused with one ValueError line
-(SGLang's Qwen3MoE FusedMoE keeps each layer's experts as one [E, 2F/tp, H] ``w13_weight`` and
-one [E, H, F/tp] ``w2_weight`` per rank, F cut over tp at ep 1: docs/reshard.md).
+Mixture of experts (``shape.num_experts``; SGLang's Qwen3-MoE at ep 1): SGLang's FusedMoE keeps
+a layer's experts as one [E, 2Fm/tp, H] ``w13_weight`` and one [E, H, Fm/tp] ``w2_weight`` per
+rank (every expert's F cut over tp), which ``load_format="direct"`` cannot fill expert by
+expert; with ``moe_loader=True`` (the push loads through ``hybridrl.rollout.sglang.loader``) the
+table lists the engine format's router ``mlp.gate.weight`` [E, H] and per-expert
+``mlp.experts.e.gate_up_proj.weight`` [2Fm/tp, H] / ``down_proj`` [H, Fm/tp]; without it a MoE
+shape is one ValueError line.
 ``check_named_tensors(named, table, dtype)`` returns the first problem (unknown name, wrong
 shape or dtype) as one line, or None: the push checks every tensor with it before sending.
 
@@ -36,6 +40,7 @@ import torch
 
 from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, Placement
 from hybridrl.reshard.specs import LlamaShape
+from hybridrl.rollout.sglang.loader import LOADER
 
 
 def _split(total: int, tp: int, what: str) -> int:
@@ -44,15 +49,16 @@ def _split(total: int, tp: int, what: str) -> int:
     return total // tp
 
 
-def engine_param_shapes(shape: LlamaShape, tp: int,
-                        vocab_pad: int = ENGINE_VOCAB_PAD) -> dict[str, tuple[int, ...]]:
+def engine_param_shapes(shape: LlamaShape, tp: int, vocab_pad: int = ENGINE_VOCAB_PAD,
+                        moe_loader: bool = False) -> dict[str, tuple[int, ...]]:
     """{name: per-rank shape} of one SGLang TP rank (see the module docstring)."""
-    if shape.num_experts:
+    if shape.num_experts and not moe_loader:
         raise ValueError(
             f"rollout.engine=sglang: a mixture-of-experts model (num_experts="
-            f"{shape.num_experts}) cannot be pushed into SGLang yet: its FusedMoE holds a layer's "
-            "experts as one w13_weight / w2_weight tensor per rank, which the bucketed "
-            "per-expert push does not fill; use rollout.engine=builtin")
+            f"{shape.num_experts}) needs the push to load through {LOADER} (SGLang's FusedMoE "
+            "holds a layer's experts as one w13_weight / w2_weight per rank, which the direct "
+            "loader cannot fill per expert), which the adapter does not use yet; use "
+            "rollout.engine=builtin")
     H, hd = shape.hidden, shape.head_dim
     heads = _split(shape.heads, tp, "num_attention_heads")
     kv = _split(shape.num_query_groups, tp, "num_key_value_heads")
@@ -74,6 +80,13 @@ def engine_param_shapes(shape: LlamaShape, tp: int,
             table[p + "self_attn.q_norm.weight"] = (hd,)
             table[p + "self_attn.k_norm.weight"] = (hd,)
         table[p + "self_attn.o_proj.weight"] = (H, heads * hd)
+        if shape.num_experts:  # the engine format's per-expert shards (sglang.loader)
+            fm = _split(shape.moe_ffn_hidden_size, tp, "moe_intermediate_size")
+            table[p + "mlp.gate.weight"] = (shape.num_experts, H)
+            for e in range(shape.num_experts):
+                table[f"{p}mlp.experts.{e}.gate_up_proj.weight"] = (2 * fm, H)
+                table[f"{p}mlp.experts.{e}.down_proj.weight"] = (H, fm)
+            continue
         table[p + "mlp.gate_up_proj.weight"] = (2 * ffn, H)
         table[p + "mlp.down_proj.weight"] = (H, ffn)
     return table
