@@ -178,7 +178,8 @@ class LlamaShape:
         ``vocab`` / ``tied`` override what ``m`` says; ``make_vocab_size_divisible_by`` is
         megatron's padding divisor (the trainer's default, 128) for a megatron ``m``. A
         megatron config that is not a llama-family decoder (LayerNorm, no gated linear unit,
-        linear biases, experts, MLA) is one ValueError naming the field."""
+        linear biases, MLA; experts other than Qwen3-MoE's: shared experts, dense layers in
+        between, sigmoid routing) is one ValueError naming the field."""
         if hasattr(m, "kv_channels") or hasattr(getattr(m, "config", None), "kv_channels"):
             return _from_megatron(m, vocab, tied, make_vocab_size_divisible_by)
         try:
@@ -217,7 +218,11 @@ def _from_megatron(m, vocab: int | None, tied: bool | None, divisor: int) -> Lla
     if tied is None:
         tied = bool(getattr(m, "share_embeddings_and_output_weights", False))
     llama = {"normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
-             "num_moe_experts": None, "multi_latent_attention": False}
+             "multi_latent_attention": False, "moe_shared_expert_intermediate_size": None,
+             "moe_layer_freq": 1}
+    experts = int(getattr(cfg, "num_moe_experts", None) or 0)
+    if experts:  # Qwen3-MoE: softmax routing, every layer sparse, no shared expert
+        llama["moe_router_score_function"] = "softmax"
     for field, want in llama.items():
         got = getattr(cfg, field, want)
         if got != want:
@@ -230,6 +235,10 @@ def _from_megatron(m, vocab: int | None, tied: bool | None, divisor: int) -> Lla
         head_dim=cfg.kv_channels, tied=tied, make_vocab_size_divisible_by=divisor,
         qkv_bias=bool(getattr(cfg, "add_qkv_bias", False)),
         qk_norm=bool(getattr(cfg, "qk_layernorm", False)),
+        **({"num_experts": experts, "moe_topk": cfg.moe_router_topk,
+            "moe_ffn_hidden_size": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+            # softmax after the top-k renormalizes it (Qwen3's norm_topk_prob)
+            "moe_norm_topk_prob": not cfg.moe_router_pre_softmax} if experts else {}),
     )
 
 

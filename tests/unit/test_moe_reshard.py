@@ -243,3 +243,21 @@ def test_sglang_refuses_a_moe_model_in_one_line():
 
     with pytest.raises(ValueError, match="num_experts=8.*sglang.loader.*use rollout.engine=builtin"):
         engine_param_shapes(MOE, 2)
+
+
+def test_shape_from_a_megatron_moe_config():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    def config(**kw):
+        return TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=8,
+                                 num_query_groups=4, kv_channels=4, ffn_hidden_size=24,
+                                 normalization="RMSNorm", gated_linear_unit=True,
+                                 add_bias_linear=False, qk_layernorm=True, num_moe_experts=8,
+                                 moe_router_topk=2, moe_ffn_hidden_size=12, **kw)
+
+    shape = LlamaShape.from_model(config(), vocab=60, make_vocab_size_divisible_by=8)
+    assert shape == MOE
+    shape = LlamaShape.from_model(config(moe_router_pre_softmax=True), vocab=60)
+    assert not shape.moe_norm_topk_prob
+    with pytest.raises(ValueError, match="moe_shared_expert_intermediate_size"):
+        LlamaShape.from_model(config(moe_shared_expert_intermediate_size=8), vocab=60)
