@@ -65,7 +65,8 @@ def hf_name(spec: ParamSpec) -> str:
                 OUTPUT: "lm_head.weight"}[spec.name]
     suffix = spec.name.split(f"layers.{spec.layer}.", 1)[1]
     if spec.expert is not None:  # mlp.experts.local_experts.e.linear_fc1.weight (e global)
-        last = suffix.split(f"local_experts.{spec.expert}.", 1)[1]
+        last = (suffix.split(f"local_experts.{spec.expert}.", 1)[1] if "local_experts." in suffix
+                else suffix.split("experts.", 1)[1].removesuffix(str(spec.expert)))  # TE
         return f"model.layers.{spec.layer}.mlp.experts.{spec.expert}.{_EXPERT_NAMES[last]}"
     return f"model.layers.{spec.layer}.{_LAYER_NAMES[suffix]}"
 

@@ -35,7 +35,8 @@ Contract:
 - Qwen3-MoE (``num_experts`` E > 0, every layer sparse): a layer's MLP is
   ``mlp.router.weight`` [E, H] (kind norm: replicated over tp and ep) and, per global expert e,
   ``mlp.experts.local_experts.e.linear_fc1.weight`` (kind fc1, [2, Fm, H]) and ``linear_fc2``
-  (kind row, [H, Fm]) with ``expert`` = e: megatron-core's SequentialMLP names at ep = 1. At
+  (kind row, [H, Fm]) with ``expert`` = e: megatron-core's SequentialMLP names at ep = 1
+  (``naming="te"``: TEGroupedMLP's ``mlp.experts.linear_fc1.weight<e>`` / ``linear_fc2``). At
   EP size ep, EP rank e // (E/ep) holds expert e as local expert e mod E/ep
   (``local_name(pp, layers, ep)``), cut over expert TP (``etp``) as a dense fc1 / fc2 over tp.
   The layer norm before the MoE is ``pre_mlp_layernorm.weight`` in both namings.
@@ -363,7 +364,10 @@ class ParamSpec:
         name = self.name.replace(f"layers.{self.layer}.", f"layers.{self.layer - offset}.", 1)
         if self.expert is not None and ep > 1:
             local = self.expert % (self.num_experts // ep)
-            name = name.replace(f"local_experts.{self.expert}.", f"local_experts.{local}.", 1)
+            if "local_experts." in name:  # SequentialMLP
+                name = name.replace(f"local_experts.{self.expert}.", f"local_experts.{local}.", 1)
+            else:  # TEGroupedMLP: ...linear_fc1.weight<e>
+                name = name.removesuffix(str(self.expert)) + str(local)
         return name
 
     def ep_rank(self, ep: int) -> int | None:
@@ -432,23 +436,25 @@ def _layer_specs(s: LlamaShape, layer: int, naming: str) -> list[ParamSpec]:
         *qkv_extras,
         spec("self_attention.linear_proj.weight", "row", (H, s.heads * s.head_dim), 1),
         spec(ln2, "norm", (H,), 0),
-        *(_moe_specs(s, layer) if s.num_experts else [
+        *(_moe_specs(s, layer, naming) if s.num_experts else [
             spec("mlp.linear_fc1.weight", "fc1", (2, s.ffn, H), 1),
             spec("mlp.linear_fc2.weight", "row", (H, s.ffn), 1)]),
     ]
 
 
-def _moe_specs(s: LlamaShape, layer: int) -> list[ParamSpec]:
+def _moe_specs(s: LlamaShape, layer: int, naming: str) -> list[ParamSpec]:
     """A MoE layer's router (replicated over tp and ep: kind norm, [E, H]) and every expert's
-    fc1 / fc2, named with the global expert index (their ep = 1 names)."""
+    fc1 / fc2, named with the global expert index (their ep = 1 names): SequentialMLP's
+    ``experts.local_experts.e.linear_fc1.weight`` (local), TEGroupedMLP's
+    ``experts.linear_fc1.weight<e>`` (te)."""
     p, H, E, F = f"decoder.layers.{layer}.mlp.", s.hidden, s.num_experts, s.moe_ffn_hidden_size
     out = [ParamSpec(p + "router.weight", p + "router.weight", "norm", (E, H), 0, layer=layer)]
     for e in range(E):
-        q = f"{p}experts.local_experts.{e}."
-        out += [ParamSpec(q + "linear_fc1.weight", q + "linear_fc1.weight", "fc1", (2, F, H), 1,
-                          layer=layer, expert=e, num_experts=E),
-                ParamSpec(q + "linear_fc2.weight", q + "linear_fc2.weight", "row", (H, F), 1,
-                          layer=layer, expert=e, num_experts=E)]
+        fc1, fc2 = ((f"{p}experts.linear_fc1.weight{e}", f"{p}experts.linear_fc2.weight{e}")
+                    if naming == "te" else (f"{p}experts.local_experts.{e}.linear_fc1.weight",
+                                            f"{p}experts.local_experts.{e}.linear_fc2.weight"))
+        out += [ParamSpec(fc1, fc1, "fc1", (2, F, H), 1, layer=layer, expert=e, num_experts=E),
+                ParamSpec(fc2, fc2, "row", (H, F), 1, layer=layer, expert=e, num_experts=E)]
     return out
 
 

@@ -261,3 +261,18 @@ def test_shape_from_a_megatron_moe_config():
     assert not shape.moe_norm_topk_prob
     with pytest.raises(ValueError, match="moe_shared_expert_intermediate_size"):
         LlamaShape.from_model(config(moe_shared_expert_intermediate_size=8), vocab=60)
+
+
+def test_te_grouped_expert_names():
+    from hybridrl.reshard.formats import hf_name
+
+    te = [s for s in build_specs(MOE, "te") if s.expert == 5 and s.layer == 1]
+    assert [s.name for s in te] == ["decoder.layers.1.mlp.experts.linear_fc1.weight5",
+                                    "decoder.layers.1.mlp.experts.linear_fc2.weight5"]
+    assert te[1].local_name(1, MOE.layers, 2) == "decoder.layers.1.mlp.experts.linear_fc2.weight1"
+    assert [hf_name(s) for s in te] == ["model.layers.1.mlp.experts.5.gate_up_proj.weight",
+                                        "model.layers.1.mlp.experts.5.down_proj.weight"]
+    # an expert index that ends like another (15 vs 5) keeps its own local index
+    big = LlamaShape(**{**MOE.__dict__, "num_experts": 16})
+    s15 = next(s for s in build_specs(big, "te") if s.expert == 15 and s.kind == "row")
+    assert s15.local_name(1, big.layers, 2).endswith("linear_fc2.weight7")
