@@ -141,3 +141,26 @@ def test_moe_spec_and_weight_checks():
     with pytest.raises(ValueError, match="unknown weight"):
         engine.update_weights([("model.layers.0.mlp.gate_up_proj.weight", torch.zeros(12, 32))])
     assert "model.layers.0.mlp.gate.weight" in engine.missing_weights()
+
+
+def test_routed_ids_of_a_row_do_not_depend_on_its_batch():
+    """Rows that stop early (eos) leave the batch (compaction); each row's ids and tokens equal
+    those of the row generated alone (per-row seeds)."""
+    model = tiny_moe(seed=5)
+    engine = engine_of(model)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, row_seeds=(1, 2, 3),
+                            eos_token_id=None)
+    probe = engine.generate(PROMPTS, params)
+    eos = int(probe.response_ids[0, 1])  # a token some row samples early
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, row_seeds=(1, 2, 3),
+                            eos_token_id=eos)
+    batch = engine.generate(PROMPTS, params)
+    assert int(batch.response_mask.sum(-1).min()) < 8  # some row stopped early
+    for b, prompt in enumerate(PROMPTS):
+        one = engine.generate([prompt], SamplingParams(
+            max_new_tokens=8, temperature=1.0, row_seeds=(b + 1,), eos_token_id=eos))
+        n = int(one.response_mask.sum())
+        assert batch.response_ids[b, :n].tolist() == one.response_ids[0, :n].tolist()
+        T = len(prompt) + n - 1
+        assert torch.equal(batch.routed_experts[b, :T], one.routed_experts[0, :T]), b
+        assert (batch.routed_experts[b, T:] == -1).all()
