@@ -6,6 +6,8 @@ Contract:
   import BuiltinEngine`` is the stable path.
 - ``weights``: ``EngineWeights``, its weight store in megatron's gen-layout layout, so the
   reshard writes into it in place (or aliases training tensors).
+- ``moe``: the mixture-of-experts feed-forward (Qwen3-MoE routing, experts cut over gen TP)
+  and the record of the top-k expert ids ``generate`` returns.
 Imports only downward: ``hybridrl.rollout``'s protocol and sampling, models' RoPE, config's RoPE
 scaling. Other names of the former module ``hybridrl.rollout.builtin`` resolve from ``engine``
 with a DeprecationWarning (removed in 0.3).
