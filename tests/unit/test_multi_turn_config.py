@@ -50,3 +50,15 @@ def test_split_placement_is_refused_with_one_line():
     off = load_config([DEMO], ["rollout.multi_turn.enable=false"], world_size=2)
     worker = _Remote()
     assert build_multi_turn(off, None, worker) is worker
+
+
+def test_a_worker_is_wrapped_once():
+    from hybridrl.data.tokenizer import CharTokenizer
+    from hybridrl.rollout.multi_turn import MultiTurnWorker, build_multi_turn
+
+    class _Local:
+        engine = object()
+
+    cfg = load_config([DEMO], [], world_size=2)
+    once = build_multi_turn(cfg, CharTokenizer(), _Local())
+    assert isinstance(once, MultiTurnWorker) and build_multi_turn(cfg, CharTokenizer(), once) is once

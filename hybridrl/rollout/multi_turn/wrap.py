@@ -2,7 +2,7 @@
 
 Contract:
 - ``build_multi_turn(cfg, tokenizer, worker)`` returns ``worker`` itself when
-  ``rollout.multi_turn.enable`` is false, else a ``MultiTurnWorker`` around it (tools built and
+  ``rollout.multi_turn.enable`` is false or it is a ``MultiTurnWorker`` already, else a ``MultiTurnWorker`` around it (tools built and
   checked first: ``hybridrl.tools.registry.build_tools``; the format from the tokenizer:
   ``hybridrl.rollout.multi_turn.format``). A split placement's worker (no engine on the
   training ranks) is refused with one line: its generation ranks build their engine
@@ -134,7 +134,7 @@ def budgets_of(cfg) -> Budgets:
 def build_multi_turn(cfg, tokenizer, worker):
     """``worker``, or a ``MultiTurnWorker`` around it (module docstring)."""
     mt = cfg.rollout.multi_turn
-    if not mt.enable:
+    if not mt.enable or isinstance(worker, MultiTurnWorker):  # off, or wrapped already
         return worker
     if getattr(worker, "engine", None) is None:
         raise ValueError("rollout.multi_turn.enable with parallel.placement=split is not "
