@@ -2,7 +2,8 @@
 
 Contract:
 - ``MemoryJob`` holds the inputs: ``shape`` (a ``LlamaShape``: Llama 2/3.x, Qwen2/2.5, Qwen3
-  with its q/k norms and its own head_dim), ``world``, training ``tp``/``pp``,
+  with its q/k norms and its own head_dim, Qwen3-MoE), ``world``, training ``tp``/``pp`` (and
+  for MoE ``ep`` / ``etp``, 0 = tp: ``hybridrl.planning.moe_memory`` has the expert terms),
   generation ``gen_tp``/``gen_pp``, parameter ``dtype``, the micro-batch (``max_tokens_per_gpu``
   padded tokens of sequences ``seq_len`` long), ``recompute`` (none | selective | full),
   ``sequence_parallel``, the trained roles (``critic``), the reference (``ref``), the distributed
@@ -21,11 +22,13 @@ Contract:
   params at the model dtype (the local spec keeps RMSNorm weights in fp32), fp32 ``main_grad``
   buffers, optimizer = Adam moments (8 B/param) plus
   fp32 masters for 16-bit models (4 B/param), divided by dp with the distributed optimizer
-  (megatron shards the bucket-padded buffer: up to dp*128 elements more per bucket, ignored here).
+  (megatron shards the bucket-padded buffer: up to dp*128 elements more per bucket, ignored here);
+  expert parameters (E/ep experts, 1/etp of each) are divided by the expert-dp size instead.
 - ``activation_bytes(job, stage)``: what one rank of ``stage`` keeps for the backward of the
   micro-batches in flight (1F1B: ``pp - stage`` of them), counted tensor by tensor as megatron's
   layers save them (see ``docs/memory.md``); with full recompute, the layer inputs plus one
-  layer's activations while it is recomputed.
+  layer's activations while it is recomputed. A MoE layer's MLP terms are the router logits,
+  the dispatcher's routed-token buffers and the experts' tensors (``moe_activation_parts``).
   The last stage adds the vocab-parallel log-prob/entropy's peak (``logits_bytes``: the
   logits, the fp32 softmax it saves and the fp32 temporaries of its forward or backward).
 - ``job_from_config`` and ``format_report`` (a run config -> ``MemoryJob``; the text table)
@@ -59,6 +62,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from hybridrl.planning.bubble import BUBBLE_WARN, bubble_fraction, bubble_report  # noqa: F401
+from hybridrl.planning.moe_memory import (
+    check_expert_layout,
+    expert_numel,
+    moe_activation_parts,
+)
 from hybridrl.reshard.specs import LlamaShape, build_specs, storage_shape
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -67,7 +76,6 @@ SPECS = ("te", "local")
 OFFLOADABLE = ("params", "grads", "optim")
 GB = 1e9
 RESERVE_BYTES = 3 * GB  # CUDA context, NCCL buffers, allocator fragmentation
-BUBBLE_WARN = 0.25
 # bytes per element of the [tokens, vocab/tp] logits slice at the vocab-parallel log-prob's peak
 # beyond the logits' own itemsize (hybridrl.models.vocab_parallel, measured on CPU ranks in
 # tests/distributed/test_logits_memory.py): the backward holds the saved fp32 softmax, the fp32
@@ -111,6 +119,8 @@ class MemoryJob:
     micro_batches: int = 0  # per pipeline per mini-batch (actor); 0 = unknown
     critic_micro_batches: int = 0
     cuda_graph_max_bs: int = 512  # SGLang's largest decode graph batch (0: graphs disabled)
+    ep: int = 1  # MoE: expert parallel
+    etp: int = 0  # MoE: expert tensor parallel (0 = tp)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -129,6 +139,7 @@ class MemoryJob:
         if (self.tp * self.pp) % (self.gen_tp * self.gen_pp):
             raise ValueError(f"gen tp*pp = {self.gen_tp * self.gen_pp} must divide train tp*pp "
                              f"= {self.tp * self.pp}")
+        check_expert_layout(self.shape, self.world, self.tp, self.pp, self.ep, self.expert_tp)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sp needs --tp > 1 (sequence parallel splits over the TP group)")
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -149,14 +160,27 @@ class MemoryJob:
     def itemsize(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
 
-def stage_counts(shape: LlamaShape, tp: int, pp: int, stage: int,
-                 role: str = "actor") -> tuple[int, int]:
-    """(all parameters, RMSNorm weights among them) one TP rank of ``stage`` holds."""
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size (megatron: world / (etp * ep * pp))."""
+        return self.world // (self.expert_tp * self.ep * self.pp)
+
+
+def stage_counts(shape: LlamaShape, tp: int, pp: int, stage: int, role: str = "actor",
+                 ep: int = 1, etp: int | None = None) -> tuple[int, int]:
+    """(all parameters, RMSNorm weights among them) one TP rank of ``stage`` holds (MoE: its
+    E/ep experts cut over ``etp``, default tp)."""
     vocab_rows = shape.padded_vocab(tp) // tp
-    total = norms = 0
+    total, norms = expert_numel(shape, pp, stage, ep, etp or tp), 0
     for spec in build_specs(shape):
-        if not spec.on_stage(pp, shape.layers, stage):
+        if not spec.on_stage(pp, shape.layers, stage) or getattr(spec, "expert", None) is not None:
+            continue
+        if spec.name.endswith("mlp.router.weight"):  # replicated, at the model dtype
+            total += spec.numel
             continue
         if spec.kind == "vocab" and spec.name == "output_layer.weight" and role == "critic":
             total += shape.hidden  # the value head [1, h], replicated
@@ -171,21 +195,24 @@ def stage_counts(shape: LlamaShape, tp: int, pp: int, stage: int,
     return total, norms
 
 
-def stage_numel(shape: LlamaShape, tp: int, pp: int, stage: int, role: str = "actor") -> int:
+def stage_numel(shape: LlamaShape, tp: int, pp: int, stage: int, role: str = "actor",
+                ep: int = 1, etp: int | None = None) -> int:
     """Parameters one TP rank of pipeline ``stage`` holds (see the module docstring)."""
-    return stage_counts(shape, tp, pp, stage, role)[0]
+    return stage_counts(shape, tp, pp, stage, role, ep, etp)[0]
 
 
 def model_state_bytes(job: MemoryJob, role: str, stage: int) -> dict[str, int]:
     """params / grads / optim bytes of ``role`` on one rank of ``stage``."""
-    n, norms = stage_counts(job.shape, job.tp, job.pp, stage, role)
+    n, norms = stage_counts(job.shape, job.tp, job.pp, stage, role, job.ep, job.expert_tp)
+    experts = expert_numel(job.shape, job.pp, stage, job.ep, job.expert_tp)
     params = n * job.itemsize
     if job.spec == "local":  # megatron's torch RMSNorm keeps its weight in fp32
         params += norms * (4 - job.itemsize)
     if role == "reference":
         return {"params": params, "grads": 0, "optim": 0}
     per_param = 8 + (4 if job.itemsize < 4 else 0)  # Adam moments (+ fp32 masters)
-    optim = n * per_param // job.dp if job.dist_opt else n * per_param
+    optim = ((n - experts) * per_param // job.dp + experts * per_param // job.edp
+             if job.dist_opt else n * per_param)
     return {"params": params, "grads": n * 4, "optim": optim}
 
 
@@ -196,6 +223,8 @@ def _layer_elements_per_token(job: MemoryJob) -> tuple[float, float]:
     rep = h / t if job.sequence_parallel else h  # replicated along TP unless SP splits it
     # Qwen3's per-head q/k RMSNorm keeps its input (local spec: also its fp32 output; TE: rstd)
     qk_norm = (ad + gd) / t if s.qk_norm else 0.0
+    if getattr(s, "num_experts", 0):  # the MLP's terms are moe_activation_parts'
+        f = 0
     if job.spec == "local":  # hybridrl.models.local_spec, as the layers' saved tensors show
         # norms (input, rstd, normalized, output) x 2; roped q+k heads, the qkv output (v is a
         # view of it), attention output; SwiGLU (fc1 output, gate + offset, silu, product)
@@ -220,7 +249,7 @@ def activation_bytes(job: MemoryJob, stage: int, in_flight: int | None = None,
     layers = job.shape.layers // job.pp
     act_item = job.itemsize
     act, fp32 = _layer_elements_per_token(job)
-    per_layer = tokens * (act * act_item + fp32 * 4)
+    per_layer = tokens * (act * act_item + fp32 * 4) + _moe_layer(job, tokens)
     in_flight = in_flight or max(job.pp - stage, 1)
     rep = job.shape.hidden / job.tp if job.sequence_parallel else job.shape.hidden
     logits = logits_bytes(job, tokens) if stage == job.pp - 1 and role != "critic" else 0
@@ -228,6 +257,12 @@ def activation_bytes(job: MemoryJob, stage: int, in_flight: int | None = None,
         inputs = tokens * rep * act_item * layers * in_flight  # alive, later one layer's
         return int(inputs + max(logits, per_layer))  # recomputed activations
     return int(per_layer * layers * in_flight + logits)
+
+
+def _moe_layer(job: MemoryJob, tokens: int) -> int:
+    """One MoE layer's router logits, dispatcher buffers and expert tensors (0 when dense)."""
+    return sum(moe_activation_parts(job.shape, tokens, 1, job.tp, job.expert_tp,
+                                    job.sequence_parallel, job.itemsize, job.spec).values())
 
 
 def logits_bytes(job: MemoryJob, tokens: int, forward_only: bool = False) -> int:
@@ -246,7 +281,8 @@ def forward_only_bytes(job: MemoryJob, stage: int, role: str) -> int:
     if role == "critic":  # values: the critic's own micro-batches
         tokens = job.critic_tokens_per_gpu or job.max_tokens_per_gpu
     act, fp32 = _layer_elements_per_token(job)
-    layer = tokens * (act * job.itemsize + fp32 * 4 + job.shape.hidden * job.itemsize)
+    layer = tokens * (act * job.itemsize + fp32 * 4 + job.shape.hidden * job.itemsize) \
+        + _moe_layer(job, tokens)
     last = stage == job.pp - 1 and role != "critic"
     return int(layer + (logits_bytes(job, tokens, forward_only=True) if last else 0))
 
@@ -264,23 +300,6 @@ def cuda_graph_bytes(job: MemoryJob) -> int:
     if job.engine != "sglang" or job.cuda_graph_max_bs <= 0:
         return 0
     return job.cuda_graph_max_bs * CUDA_GRAPH_BYTES_PER_BS
-
-
-def bubble_fraction(pp: int, micro_batches: int) -> float:
-    """Idle share of a 1F1B pipeline: (p - 1) / (m + p - 1)."""
-    return (pp - 1) / (micro_batches + pp - 1)
-
-
-def bubble_report(pp: int, micro_batches: dict[str, int]) -> dict:
-    """``pipeline_bubble`` {role: fraction} of the roles with micro-batches (> 0) and, when one
-    exceeds ``BUBBLE_WARN``, ``bubble_warning`` (the roles, their idle share and counts)."""
-    bubbles = {role: bubble_fraction(pp, m) for role, m in micro_batches.items() if m}
-    out: dict = {"pipeline_bubble": bubbles} if bubbles else {}
-    over = [f"{r} {f:.0%} idle ({micro_batches[r]} micro-batches per pipeline, pp {pp})"
-            for r, f in bubbles.items() if f > BUBBLE_WARN]
-    if over:
-        out["bubble_warning"] = ", ".join(over)
-    return out
 
 
 def _gen_bytes(job: MemoryJob) -> dict[str, int]:
@@ -310,7 +329,8 @@ def aliased_bytes(job: MemoryJob, stage: int) -> int:
     chunk = job.shape.padded_vocab(job.tp) // job.tp
     total = 0
     for spec in build_specs(job.shape):
-        if not spec.on_stage(job.pp, job.shape.layers, stage) or spec.tied_copy:
+        if (not spec.on_stage(job.pp, job.shape.layers, stage) or spec.tied_copy
+                or getattr(spec, "expert", None) is not None):  # experts: counted twice
             continue
         if spec.kind == "norm":
             total += spec.numel if (job.spec != "local" or job.itemsize == 4) else 0
@@ -389,6 +409,10 @@ def plan_memory(job: MemoryJob) -> dict:
            "gen_concurrent_seqs": concurrent, "gen_seqs_per_replica": gen["seqs_per_replica"],
            "mem_fraction_static": job.mem_fraction_static,
            "kl_guard_snapshot_host_bytes": snapshot, "dp": job.dp}
+    if getattr(job.shape, "num_experts", 0):  # one micro-batch through one MoE layer
+        out["moe"] = {"ep": job.ep, "etp": job.expert_tp, "edp": job.edp, **moe_activation_parts(
+            job.shape, job.max_tokens_per_gpu, 1, job.tp,
+            job.expert_tp, job.sequence_parallel, job.itemsize, job.spec)}
     out.update(bubble_report(job.pp, {"actor": job.micro_batches,
                                       "critic": job.critic_micro_batches}))
     if totals[worst] > cap:

@@ -7,16 +7,17 @@ Contract:
   budget, values the critic's), recompute / sequence parallel, offload flags (the actor's),
   roles, rollout size, SGLang's ``mem_fraction_static`` (``rollout.engine_kwargs`` first, then
   ``rollout.mem_fraction_static``, else 0.5, SGLang's default here), the KL guard
-  (``trainer.kl_guard.max_kl > 0``) and the micro-batches per pipeline of one mini-batch
-  (``micro_batches_per_pipeline``).
+  (``trainer.kl_guard.max_kl > 0``), the micro-batches per pipeline of one mini-batch
+  (``micro_batches_per_pipeline``) and, for MoE models, ``parallel.ep`` / ``parallel.etp``.
 - ``micro_batches_per_pipeline(role_cfg, sequences, dp, seq_len, pp=1)``: a mini-batch of ``role_cfg``
   (``ppo_mini_batch_size`` x ``rollout.n`` sequences, over ``dp`` ranks) in micro-batches of
   ``ppo_micro_batch_size_per_gpu`` sequences, or with ``use_dynamic_bsz`` as many full-length
   sequences as ``ppo_max_token_len_per_gpu`` holds (the worst case: every row at full length).
   With ``mean_len`` (packed sequences, ``model.pack_sequences``) a token-budget micro-batch is
   a pack of real tokens: ceil(sequences x mean_len / budget).
-- ``format_report(rep, title)``: one row per phase (parts in GB, worst pipeline stage), the KV
-  pool, the pipeline bubble (``bubble_lines``: a WARNING line above 25 %), the padding line
+- ``format_report(rep, title)``: one row per phase (parts in GB, worst pipeline stage), for MoE
+  the expert layout and one MoE layer's router logits / dispatcher buffers / expert tensors per
+  micro-batch (``moe_line``), the KV pool, the pipeline bubble (``bubble_lines``: a WARNING line above 25 %), the padding line
   (``rep["padding"]``, from a run config), the snapshot's host bytes, where the reshard's bytes
   travel (``reshard_traffic``, when the report has it), the verdict.
 - ``padding_line(cfg, dp)``: what the training forwards pad; packed, the packs per pipeline
@@ -30,6 +31,7 @@ from __future__ import annotations
 import math
 
 from hybridrl.planning.memory import GB, MemoryJob, bubble_report
+from hybridrl.planning.moe_memory import MOE_NOTE
 from hybridrl.reshard.specs import LlamaShape
 
 
@@ -124,8 +126,17 @@ def job_from_config(cfg, shape: LlamaShape, world: int, gpu_gb: float, **overrid
         kl_guard=cfg.trainer.kl_guard.max_kl > 0, forward_tokens_per_gpu=max(forward, seq),
         micro_batches=micro_batches_per_pipeline(a, n, dp, seq, pp=par.pp),
         critic_micro_batches=(micro_batches_per_pipeline(c, n, dp, seq, pp=par.pp)
-                              if cfg.use_critic else 0))
+                              if cfg.use_critic else 0),
+        ep=getattr(par, "ep", 1), etp=getattr(par, "etp", 0))
     return MemoryJob(**{**fields, **overrides})
+
+
+def moe_line(moe: dict) -> str:
+    """The expert layout and one MoE layer's activation parts of a micro-batch, in GB."""
+    return (f"experts: ep {moe['ep']} x etp {moe['etp']}, optimizer state over edp "
+            f"{moe['edp']}; one MoE layer per micro-batch: router logits "
+            f"{moe['router_logits'] / GB:.2f}, dispatcher buffers {moe['moe_dispatch'] / GB:.2f}, "
+            f"expert tensors {moe['experts'] / GB:.2f} GB ({MOE_NOTE})")
 
 
 def format_report(rep: dict, title: str) -> str:
@@ -135,6 +146,8 @@ def format_report(rep: dict, title: str) -> str:
         detail = ", ".join(f"{k} {v / GB:.2f}" for k, v in parts.items() if k != "stage" and v)
         lines.append(f"{name:<13} {rep['totals'][name] / GB:>9.2f}  stage {parts['stage']}: "
                      f"{detail}")
+    if "moe" in rep:
+        lines.append(moe_line(rep["moe"]))
     lines.append(f"gen KV pool {rep['gen_kv_pool_bytes'] / GB:.2f} GB "
                  f"(mem_fraction_static {rep['mem_fraction_static']:g}): "
                  f"{rep['gen_concurrent_seqs']} of {rep['gen_seqs_per_replica']} sequences of "

@@ -54,7 +54,8 @@ def _train_case(groups, case: dict) -> dict:
     metrics = train_step(model, opt, mbs, base.actor_loss)
     opt.gather_params()
     export_hf(model, case["out"])
-    return {"metrics": metrics}
+    return {"metrics": metrics, "pp_rank": groups.pp_rank, "state_bytes": opt.state_bytes(),
+            "numel": sum(p.numel() for p in model.module.parameters())}
 
 
 def _builtin_case(groups, case: dict) -> dict:
