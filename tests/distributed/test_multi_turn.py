@@ -88,6 +88,8 @@ def _rank(rank, world, tmp):
     out["record_equal"] = bool(torch.equal(
         rec.loss_mask, tr.worker.loss_mask(rec.response_ids, rec.response_mask)))
     out["record_tool_tokens"] = int((rec.response_mask - rec.loss_mask).sum())
+    gathered = tr.worker.generate(prompts, dataclasses.replace(params, row_seeds=None), seed=3)
+    out["gathered"] = (gathered.response_ids, gathered.loss_mask, tr.worker.pop_metrics())
     out["rec_stats"] = rec.stats
     out["shared"] = _shared_tool_outputs(rank)
     save = ["trainer.save_freq=1", "trainer.resume=auto"]
@@ -151,6 +153,9 @@ def test_multi_turn_logprobs_masks_and_resume(tmp_path):
         assert r["tool_tokens"] > 0 and r["model_tokens"] > 0, r  # tails with tool segments
         assert r["lp_gap"] < 1e-4, r["lp_gap"]
         assert r["record_equal"] and r["record_tool_tokens"] > 0, r["rec_stats"]
+        ids, lmask, metrics = r["gathered"]  # generate: every rank gets the whole batch
+        assert torch.equal(ids, res[0]["gathered"][0]) and torch.equal(lmask, res[0]["gathered"][1])
+        assert metrics["multi_turn/turns/mean"] >= 1.0 and metrics == res[0]["gathered"][2]
         last = r["straight"][-1]
         assert last["multi_turn/turns/mean"] > 1.0  # some sequences had a second turn
         resumed = r["resumed"][-1]
