@@ -15,6 +15,9 @@ Contract:
   docs/parallel.md): ``grouping="hybridflow"`` nests every training shard inside its rank's
   generation shard (needs tg | t and pg | p); ``grouping="vanilla"`` is HybridFlow-V, where gen TP
   groups take consecutive training TP ranks.
+- ``expert_summary(train)`` / ``expert_lines(train)``: the expert groups (ep, expert tp, expert
+  dp) as a JSON-able dict and as the text lines ``hybridrl layout`` prints under the train
+  groups.
 - Nothing here touches torch.distributed; every function is deterministic, so every rank derives
   the same answer from the same arguments.
 - Bad input raises ``ValueError`` naming the field and what is allowed.
@@ -332,6 +335,27 @@ class GenLayout:
     def gen_shard(self, rank: int, num_layers: int, num_cols: int) -> Shard:
         gc = self.coords(rank)
         return Shard.of(gc.gen_pp, self.pp, gc.gen_tp, self.tp, num_layers, num_cols)
+
+
+def expert_summary(train: TrainLayout) -> dict:
+    """Sizes and (sorted) rank groups of the expert layout."""
+    def groups(axes: str) -> list[list[int]]:
+        return sorted(sorted(g) for g in train.expert_groups(axes))
+
+    return {"ep_size": train.ep, "etp_size": train.etp, "edp_size": train.edp,
+            "ep": groups("ep"), "expt_tp": groups("tp"), "expt_dp": groups("dp")}
+
+
+def expert_lines(train: TrainLayout, shown: int = 4) -> list[str]:
+    """``hybridrl layout``'s lines for the expert layout (``shown`` groups per family)."""
+    summary = expert_summary(train)
+    lines = [f"expert groups: etp x ep x edp x pp = {train.etp} x {train.ep} x {train.edp} x "
+             f"{train.pp} (global expert e lives on ep rank e // (E/ep))"]
+    for name in ("ep", "expt_tp", "expt_dp"):
+        groups = summary[name]
+        more = f", ... ({len(groups)} groups)" if len(groups) > shown else ""
+        lines.append(f"  {name:<9} {', '.join(str(g) for g in groups[:shown])}{more}")
+    return lines
 
 
 def _divisors(n: int) -> list[int]:

@@ -1,6 +1,7 @@
 """Build every group of a layout on real ranks and print them (``torchrun ... -m hybridrl.parallel.show``).
 
-Contract: run under torchrun (any world size); every rank builds the train and gen groups with
+Contract: run under torchrun (any world size; ``--ep`` / ``--etp`` add megatron's expert layout
+and its ep / expt_tp / expt_dp columns); every rank builds the train and gen groups with
 ``build_groups``, hands the train groups to megatron-core, checks an all_reduce of its rank inside
 each of its groups against the pure layout, and rank 0 prints one line per rank. Exit status 0 only
 when every check passed on every rank; a bad layout exits 2 with one line on every rank.
@@ -31,13 +32,15 @@ def _check_sums(groups) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hybridrl.parallel.show")
-    for flag in ("--tp", "--pp", "--gen-tp", "--gen-pp"):
+    for flag in ("--tp", "--pp", "--gen-tp", "--gen-pp", "--ep"):
         ap.add_argument(flag, type=int, default=1)
+    ap.add_argument("--etp", type=int, default=0, help="expert tp (0 = --tp)")
     ap.add_argument("--grouping", default="hybridflow")
     args = ap.parse_args(argv)
     init_distributed()
     try:
-        train = TrainLayout(world=dist.get_world_size(), tp=args.tp, pp=args.pp)
+        train = TrainLayout(world=dist.get_world_size(), tp=args.tp, pp=args.pp, ep=args.ep,
+                            etp=args.etp or None)
         gen = GenLayout(train, tp=args.gen_tp, pp=args.gen_pp, grouping=args.grouping)
     except ValueError as err:  # the same on every rank: all exit before any collective
         print(f"hybridrl.parallel.show: error: {err}", file=sys.stderr)
@@ -49,14 +52,17 @@ def main(argv: list[str] | None = None) -> int:
 
     apply_megatron_groups(groups)
     megatron_view = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                     ps.get_data_parallel_rank())
+                     ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank(),
+                     ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank())
     clear_megatron_groups()
-    names = ("tp", "pp", "dp", "gen_tp", "gen_pp", "micro_dp")
+    names = ("tp", "pp", "dp", "gen_tp", "gen_pp", "micro_dp") + (
+        ("ep", "expt_tp", "expt_dp") if train.ep > 1 or train.etp != train.tp else ())
     row = {
         "rank": groups.rank,
         "groups": {n: list(groups.members[n]) for n in names},
         "ok": not _check_sums(groups)
-        and megatron_view == (groups.tp_rank, groups.pp_rank, groups.dp_rank),
+        and megatron_view == (groups.tp_rank, groups.pp_rank, groups.dp_rank, groups.ep_rank,
+                              groups.etp_rank, groups.index("expt_dp")),
     }
     rows: list = [None] * train.world
     dist.all_gather_object(rows, row)

@@ -119,6 +119,8 @@ def suite(tmp_path_factory):
     batch = base.make_batch(3, N_SEQS, SEQ, VOCAB)
     cases, index = [], {}
     for tp, pp, ep in LAYOUTS:
+        index[("groups", tp, pp, ep)] = len(cases)
+        cases.append(dict(kind="groups", tp=tp, pp=pp, ep=ep))
         n_micro = 4 // (4 // (tp * pp))  # 4 micro-batches of 2 rows over all DP ranks
         common = dict(tp=tp, pp=pp, ep=ep, batch=batch, n_micro=n_micro)
         index[("logprobs", tp, pp, ep)] = len(cases)
@@ -143,6 +145,21 @@ def _results(suite, *key):
         return [r[suite["index"]["builtin"]] for r in suite["res"]]
     i = suite["index"][key]
     return [r[i] for r in suite["res"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_groups_are_megatrons_on_real_ranks(suite, layout):
+    from hybridrl.parallel.layout import TrainLayout
+
+    tp, pp, ep = layout
+    train = TrainLayout(world=4, tp=tp, pp=pp, ep=ep)
+    for r in _results(suite, "groups", *layout):
+        c = train.expert_coords(r["rank"])
+        assert r["megatron"] == (c["ep"], c["tp"], c["dp"], [ep])
+        assert all(got == want for got, want in r["sums"].values())
+        assert r["members"]["ep"] in train.expert_groups("ep")
+        assert r["members"]["expt_dp"] in train.expert_groups("dp")
 
 
 @pytest.mark.slow

@@ -77,7 +77,29 @@ def _builtin_case(groups, case: dict) -> dict:
             "logprobs": np.concatenate([o["logprobs"].numpy() for o in out])}
 
 
-CASE_KINDS = {"logprobs": _logprob_case, "train": _train_case, "builtin": _builtin_case}
+def _groups_case(groups, case: dict) -> dict:
+    """megatron's own view of the expert groups once hybridrl installed them, and an
+    all_reduce of the rank over each expert group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hybridrl.parallel.megatron import apply_megatron_groups
+
+    apply_megatron_groups(groups)
+    sums = {}
+    for name in ("ep", "expt_tp", "expt_dp", "tp_ep"):
+        t = torch.tensor([float(groups.rank)])
+        dist.all_reduce(t, group=groups.groups[name])
+        sums[name] = (t.item(), float(sum(groups.members[name])))
+    return {"rank": groups.rank, "sums": sums,
+            "megatron": (ps.get_expert_model_parallel_rank(),
+                         ps.get_expert_tensor_parallel_rank(),
+                         ps.get_expert_data_parallel_rank(),
+                         list(ps.get_expert_model_parallel_group().size() for _ in (0,))),
+            "members": {n: list(groups.members[n]) for n in ("ep", "expt_tp", "expt_dp")}}
+
+
+CASE_KINDS = {"groups": _groups_case, "logprobs": _logprob_case, "train": _train_case, "builtin": _builtin_case}
 
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:

@@ -5,7 +5,7 @@ from megatron.core.parallel_state import RankGenerator
 
 from hybridrl.config.parallel import ParallelConfig
 from hybridrl.parallel.groups import EXPERT_AXES, all_rank_sets
-from hybridrl.parallel.layout import TrainLayout
+from hybridrl.parallel.layout import TrainLayout, expert_lines, expert_summary
 
 EXPERT_TOKENS = ["tp", "ep", "dp", "pp", "tp-ep", "tp-ep-pp"]
 
@@ -68,3 +68,14 @@ def test_parallel_config_accepts_ep_and_checks_the_world():
         cfg.resolve_dp(4)
     with pytest.raises(ValueError, match="parallel.ep must be > 0"):
         ParallelConfig(ep=0)
+
+
+def test_expert_lines_show_megatrons_expert_groups():
+    train = TrainLayout(world=8, tp=2, ep=2)
+    summary = expert_summary(train)
+    assert (summary["ep_size"], summary["etp_size"], summary["edp_size"]) == (2, 2, 2)
+    assert summary["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert summary["expt_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    lines = expert_lines(train)
+    assert lines[0].startswith("expert groups: etp x ep x edp x pp = 2 x 2 x 2 x 1")
+    assert lines[1] == "  ep        [0, 2], [1, 3], [4, 6], [5, 7]"
