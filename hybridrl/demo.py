@@ -30,10 +30,8 @@ The closing line then adds the held-out tool-call rate before and after RL:
 
     demo: val/score/mean SFT <a> -> RL <b> (tool calls SFT <r0> -> RL <r1>; metrics: .., plot: ..)
 
-``MultiTurnPPOTrainer``: ``PPOTrainer`` with the three multi-turn hooks its loop does not call
-itself yet: the worker wrapped (``hybridrl.rollout.multi_turn.build_multi_turn``), each rollout
-batch's ``loss_mask`` set from its ids, the loop's metrics (``multi_turn/*``, validation's
-``val/multi_turn/*``) added to each step's.
+``MultiTurnPPOTrainer``: ``PPOTrainer`` (which runs the multi-turn loop itself when
+``rollout.multi_turn.enable``) keeping every validation's metrics, for the rates above.
 """
 
 from __future__ import annotations
@@ -47,28 +45,14 @@ from hybridrl.trainer.ppo import PPOTrainer
 
 
 class MultiTurnPPOTrainer(PPOTrainer):
-    """``PPOTrainer`` plus the multi-turn hooks (see the module docstring)."""
+    """``PPOTrainer`` that keeps every validation's metrics (the demo's tool-call rates)."""
 
-    def _build(self, *args) -> None:
-        super()._build(*args)
-        from hybridrl.rollout.multi_turn import build_multi_turn
-
-        self.worker = build_multi_turn(self.cfg, self.tokenizer, self.worker)
+    def __init__(self, *args, **kwargs) -> None:
         self.val_history: list[dict] = []
-
-    def _rollout(self, prompts):
-        rb = super()._rollout(prompts)
-        if hasattr(self.worker, "loss_mask"):
-            rb.loss_mask = self.worker.loss_mask(rb.response_ids, rb.response_mask)
-        return rb
-
-    def train_step(self) -> dict:
-        metrics = super().train_step()
-        return {**metrics, **getattr(self.worker, "pop_metrics", dict)()}
+        super().__init__(*args, **kwargs)
 
     def validate(self) -> dict:
         metrics = super().validate()
-        metrics = {**metrics, **getattr(self.worker, "pop_metrics", lambda _: {})("val/multi_turn/")}
         self.val_history.append(metrics)
         return metrics
 

@@ -25,7 +25,8 @@ Contract:
   have no padding to remove: ``packed=True`` then returns the padded layout (the same tokens,
   the same budget, no per-sequence bookkeeping: ``pack_pays``).
 - ``batch_metrics(rb, tensors, max_response_length, step_s, world, dp_group, device)``:
-  response/prompt lengths, advantage/return means, |engine - actor| log-prob gap (mean, max),
+  response/prompt lengths, advantage/return means and the |engine - actor| log-prob gap (mean,
+  max) over the tokens the losses see (``loss_mask`` when present),
   tokens and tokens/s per rank; with ``dp_group`` every value is over the whole batch (sums,
   counts, max and min all-reduced over the DP ranks' shards, on ``device``).
 - ``gather_response(out_bT, resp_index_bR)`` picks the response columns [b, R] out of a per-token
@@ -148,7 +149,8 @@ def gather_response(out_bT: torch.Tensor, resp_index_bR: torch.Tensor) -> torch.
 def batch_metrics(rb: RolloutBatch, tensors: dict, max_response_length: int, step_s: float,
                   world: int, dp_group=None, device="cpu") -> dict[str, float]:
     """Batch statistics of one step over every DP rank's rows (see the module docstring)."""
-    m, lens = rb.response_mask.float(), rb.response_lengths.float()
+    m = (rb.response_mask if rb.loss_mask is None else rb.loss_mask).float()  # model tokens
+    lens = rb.response_lengths.float()
     gap = (rb.rollout_logprobs - tensors["old_log_probs"]).abs() * m  # [N, R] engine vs actor
     sums = torch.tensor([
         float(lens.sum()), float((lens >= max_response_length).sum()),

@@ -29,7 +29,10 @@ Contract:
      response token when ``reward.reward_model_path`` is set), placed on each sequence's last
      token; the in-reward KL (``algorithm.use_kl_in_reward``) updates the KL controller with
      the whole batch's KL; advantages (``hybridrl.algos.dist_advantages``) on the rank's rows with
-     global whitening moments: the whole-batch numbers;
+     global whitening moments: the whole-batch numbers. A multi-turn batch
+     (``rollout.multi_turn``, ``hybridrl.rollout.multi_turn``) is scored on its whole tail, but
+     the reward's token, the KL, advantages, losses and guard see its ``loss_mask`` (the model's
+     own tokens; masked steps carry GAE forward);
   5. ``actor.ppo_epochs`` (``critic.ppo_epochs``) passes over mini-batches of
      ``ppo_mini_batch_size * rollout.n`` sequences; each DP rank takes its share as fixed-size or
      token-budget micro-batches; the loss uses global normalizers (``hybridrl.trainer.updates``);
@@ -81,6 +84,7 @@ from hybridrl.planning.report import pipeline_lines
 from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
 from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
+from hybridrl.rollout.multi_turn import build_multi_turn
 from hybridrl.rollout.partition import TransportStats, plan_rollout_partition
 from hybridrl.rollout.split.remote import build_rollout_worker
 from hybridrl.rollout.worker import reshard_metrics
@@ -166,6 +170,7 @@ class PPOTrainer:
             "reward": (self.reward_model, None, ref_offload)})
         self.worker = self.memory.start_engine(  # training state away first (docs/memory.md)
             lambda: build_rollout_worker(cfg, groups, self.actor, self.tokenizer, split))
+        self.worker = build_multi_turn(cfg, self.tokenizer, self.worker)  # rollout.multi_turn
         self.overlap = Overlap(self)  # rollout.async_steps (hybridrl/trainer/overlap.py)
         self.log.startup(f"hybridrl: models built and weights loaded ({t_models - t_start:.1f} s),"
                          f" engine ready ({time.perf_counter() - t_models:.1f} s)")
@@ -210,7 +215,8 @@ class PPOTrainer:
                             out.response_mask, out.logprobs, pick,
                             [prompts.ground_truth[i] for i in pick],
                             [prompts.data_source[i] for i in pick],
-                            [prompts.extra_info[i] for i in pick], rows=rows)
+                            [prompts.extra_info[i] for i in pick], rows=rows,
+                            loss_mask=getattr(out, "loss_mask", None))  # multi-turn: model tokens
 
     def _gloo_dp(self):
         """The DP group for CPU scalars (None at dp = 1)."""
@@ -287,7 +293,8 @@ class PPOTrainer:
                 rb = self._rollout(prompts)
             self.overlap.prefetch()  # async_steps 1: the next batch, on the weights just synced
             self.worker.release()  # SGLang gives its GPU memory back before training
-        mask = rb.response_mask
+        whole = rb.response_mask  # every response token: what rewards read
+        mask = whole if rb.loss_mask is None else rb.loss_mask  # what advantages and KL see
         a = cfg.actor
         with self.memory.timed(timing, "old_log_prob"):
             old = rb.rollout_logprobs if self.on_policy else self._logprobs(self.actor, rb)
@@ -308,11 +315,11 @@ class PPOTrainer:
             if scored:
                 scores, reward_metrics = scored[0], {**scored[1], **scored[2]}
             elif self.reward_model is not None:
-                scores, reward_metrics = self._reward_model_scores(rb, mask)
+                scores, reward_metrics = self._reward_model_scores(rb, whole)
             else:
                 g = self.groups  # the replica's TP x PP ranks share its rows' scoring
                 scores, reward_metrics = self.dist_scorer.score(
-                    rb.rows, rb.response_ids, mask, rb.ground_truth, rb.data_source,
+                    rb.rows, rb.response_ids, whole, rb.ground_truth, rb.data_source,
                     rb.extra_info, g.tp_rank + g.tp_size * g.pp_rank, g.tp_size * g.pp_size)
         metrics.update(reward_metrics)
         with self.memory.timed(timing, "adv"):
@@ -348,7 +355,7 @@ class PPOTrainer:
         batch = {k: v for k, v in batch.items() if not (self.on_policy and k in GAP_METRICS)}
         batch.update(self.tally.pop_metrics(self._gloo_dp()))  # perf/pad_fraction, tokens_per_s
         return {**metrics, **batch, **timing, **reshard_metrics(sync), **self.overlap.metrics(),
-                **self.transport.metrics()}
+                **self.transport.metrics(), **getattr(self.worker, "pop_metrics", dict)()}
 
     # ------------------------------------------------------------------ KL guard
     def _models(self):
@@ -374,7 +381,8 @@ class PPOTrainer:
                                           self.cfg.trainer.seed, self.tokenizer,
                                           enter=self.memory.enter)  # each DP replica: its rows
         self.log.samples(self.step, samples)  # a few printed, all in generations.jsonl
-        return metrics
+        pop = getattr(self.worker, "pop_metrics", None)  # multi-turn: val/multi_turn/*
+        return {**metrics, **(pop("val/multi_turn/") if pop else {})}
 
     # ------------------------------------------------------------------ checkpoints
     @own_rng
