@@ -48,10 +48,16 @@ DEMO_ASYNC_1 := --nproc-per-node 5 parallel.placement=split parallel.gen.world=1
 	trainer.experiment_name=demo_async
 DEMO_ASYNC_2 := --nproc-per-node 5 parallel.placement=split parallel.gen.world=1 rollout.async_steps=2 \
 	trainer.experiment_name=demo_async2
+# TOOLS=1: multi-turn rollouts with the calculator tool (configs/demo_tools.yaml, GRPO, 2 ranks)
+TOOLS ?= 0
 demo: .venv
+ifeq ($(TOOLS),1)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m hybridrl.demo --config configs/demo_tools.yaml
+else
 	$(VENV)/bin/torchrun --standalone $(word 1,$(DEMO_ASYNC_$(ASYNC))) $(word 2,$(DEMO_ASYNC_$(ASYNC))) \
 		-m hybridrl.demo --config configs/demo.yaml algorithm.adv_estimator=$(ALGO) \
 		$(wordlist 3,99,$(DEMO_ASYNC_$(ASYNC)))
+endif
 
 # the layouts of a 256-GPU job, then every group built on 8 real gloo ranks
 layout-demo: .venv
