@@ -23,10 +23,13 @@ Contract:
   and group, as a step without filtering), and each row moves once from a rank of the replica
   that generated it to every rank of the replica that trains on it
   (``partition.exchange_rollouts``: int32 ids + fp32 log-probs, point to point). The result
-  equals dp 1's on the same seeds (tests/distributed/test_dapo_dp.py).
+  equals dp 1's on the same seeds (tests/distributed/test_async_handoff.py).
 - Needs a rule / custom reward (not ``reward.reward_model_path``) and ``rollout.n >= 2``;
-  otherwise ``check`` raises one ValueError line naming the key. The per-row ``loss_mask`` /
-  ``routed_experts`` of a rollout batch are not carried into the merged batch.
+  otherwise ``check`` raises one ValueError line naming the key. The per-row ``loss_mask`` and
+  ``routed_experts`` are kept in the merged batch at dp 1 (padded to the widest round); at
+  dp > 1 the exchange moves ids and log-probs only: the loss mask is read back from the moved
+  ids (a multi-turn worker's ``loss_mask``) and the routing is not moved (routing replay with
+  filter_groups at dp > 1 then stops with ``actor.router_replay``'s one-line error).
 """
 
 from __future__ import annotations
@@ -220,4 +223,7 @@ def _rebalance(trainer, picks, made):
                           out.logprobs, [u for _, _, u, _ in picked],
                           [b.ground_truth[i] for b, i in pb], [b.data_source[i] for b, i in pb],
                           [b.extra_info[i] for b, i in pb], rows=mine)
+    derive = getattr(getattr(trainer, "worker", None), "loss_mask", None)  # multi-turn: from ids
+    if derive is not None:
+        merged.loss_mask = derive(merged.response_ids, merged.response_mask)
     return merged, torch.tensor([sc for *_, sc in picked], dtype=picks[0][1].dtype)
