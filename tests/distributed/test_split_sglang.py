@@ -9,6 +9,8 @@ gen tp 2, or two of gen tp 1) and this file checks what each rank saw:
   less the vocabulary padding rows nobody holds), and the training ranks send
   nothing twice and about evenly (train dp 1: a sharded row has one holder; the balance over
   dp replicas is checked by tests/unit/test_split_config.py on the plan);
+- SGLang's own ``update_weights_from_distributed`` receive side gives every TP rank the whole
+  tensor from one sender (why the split sync pushes per-rank shards instead);
 - the replica's engine starts with tp_size = gen tp and base_gpu_id = its first rank's local GPU;
   the updater sees a weight-update session of direct-format tensor updates.
 """
@@ -68,6 +70,20 @@ def test_each_gen_rank_receives_its_shard_once_each_holder_sends_once(ranks, cas
         # (the tied vocabulary, 515 rows over training chunks of 384, makes rank 0 send more)
         assert max(sent) / (sum(sent) / len(sent)) < 1.2
         assert all(res["syncs"][sync][0] == 0 for res in train)
+
+
+def test_sglangs_distributed_update_path_cannot_take_a_shard(ranks):
+    """Why the split sync does not use SGLang's ``update_weights_from_distributed``
+    (docs/scaling.md 5b): with the pinned release's own runner-side code, an engine's TP ranks
+    join a custom group at rank_offset + tp rank and each receives the whole tensor broadcast
+    from the group's rank 0 (one sender, the same tensor for every TP rank: no per-rank shard).
+    A release that changes this fails here, and the split sync may then use that path."""
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    for r in (1, 2):  # the engine's TP ranks 0 and 1
+        probe = ranks[r]["distributed_path"]
+        assert probe["init"][0], probe["init"]
+        ((name, tensor),) = probe["received"]
+        assert name == "w" and torch.equal(tensor, full)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -14,7 +14,8 @@ deserialize_own_rank`` / direct loader / ``MultiprocessingSerializer`` and its r
 channel over the replica's ranks, each scheduler TP rank living in the generation rank that
 would own its GPU) and ``sglang.Engine``'s start (no GPU to launch on). Recorded: parameters
 that differ bitwise from the same model after its own ``load_weights`` on the HF tensors, the
-bytes each rank received / sent, the requests each scheduler rank handled.
+bytes each rank received / sent, the requests each scheduler rank handled. Last, a probe of
+SGLang's ``update_weights_from_distributed`` receive side (``distributed_path_probe``).
 """
 
 from __future__ import annotations
@@ -117,6 +118,40 @@ def case(rank: int, arch: str, gen_tp: int, port_base: int, root: str) -> dict:
     return out
 
 
+def distributed_path_probe(rank: int, port: int) -> dict:
+    """SGLang's ``update_weights_from_distributed`` receive side, real runner-side code: rank 0
+    sends as rank 0 of the custom group (a trainer would), ranks 1 and 2 are an engine's TP
+    ranks 0 and 1 (``WeightUpdater`` on cpu, joined by its own ``init_weights_update_group``:
+    rank = rank_offset + tp rank), rank 3 stays out. What each TP rank received."""
+    import types
+
+    import torch
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.utils import init_custom_process_group
+
+    # the custom group's own store (torchrun's flag would send the rendezvous to the agent's
+    # store, as SGLang's scheduler processes never see it: the adapter's start env drops it)
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)  # what the sender holds
+    if rank == 0:
+        group = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                          world_size=3, rank=0, group_name="split-probe")
+        torch.distributed.broadcast(full, src=0, group=group)
+        return {}
+    if rank == 3:
+        return {}
+    runner = types.SimpleNamespace()
+    updater = WeightUpdater(tp_rank=rank - 1, device="cpu", gpu_id=0, model_config=None,
+                            custom_weight_loaders={}, get_model=lambda: None,
+                            update_model_fields=lambda **kw: None,
+                            recapture_cuda_graph=lambda: None, get_model_runner=lambda: runner)
+    ok, message = updater.init_weights_update_group("127.0.0.1", port, 1, 3, "split-probe",
+                                                    backend="gloo")
+    got = updater.receive_weights_from_distributed(
+        names=["w"], dtypes=["float32"], shapes=[[6, 4]], group_name="split-probe") if ok else []
+    return {"init": (ok, message), "received": [(n, t) for n, t in got]}
+
+
 def main(out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -134,6 +169,8 @@ def main(out: str) -> None:
         _hf_config(arch, out, write=rank == 0)
     dist.barrier()
     result = {c: case(rank, *c, port_base, out) for c in CASES}
+    result["distributed_path"] = distributed_path_probe(rank, port_base + 2000)
+    dist.barrier()
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     os._exit(0)  # the scheduler threads and gloo groups need no teardown
 
