@@ -6,7 +6,8 @@ Contract:
   default group, ``train.world + gen_world`` of them, same arguments): checks with one
   all_gather that every rank holds the same layout (and, on NCCL, the same ``NCCL_*``
   variables), then creates, in the same order on every rank, megatron's training groups over
-  ranks ``0 .. T-1`` (``build_groups``' families, with gloo twins of dp / dp_cp on NCCL), the
+  ranks ``0 .. T-1`` (``build_groups``' families, with gloo twins of dp / dp_cp / expt_dp on
+  NCCL, the groups themselves on gloo), the
   training world ``0 .. T-1`` (a group of its own, never one of the families even when one spans
   the same ranks: it becomes the default group inside ``training_world``, and destroying a group
   that is the default group tears down every group), one gen-TP group per generation replica (ranks ``T + i``, a replica
@@ -65,6 +66,7 @@ import torch.distributed as dist
 
 from hybridrl.parallel.groups import (
     DEFAULT_TIMEOUT_S,
+    EXPERT_AXES,
     TRAIN_AXES,
     ParallelGroups,
     _check_same_everywhere,
@@ -180,10 +182,11 @@ def build_split_groups(train: TrainLayout, gen_world: int, gen_tp: int,
             pg = make(tuple(ranks), "train")
             if rank in ranks:
                 groups[name], members[name] = pg, tuple(ranks)
-    twins = {name: groups.get(name) for name in ("dp", "dp_cp")}
+    twins = {name: groups.get(name) for name in ("dp", "dp_cp", "expt_dp")}
     if backend != "gloo":  # megatron's gloo twins of the DP groups (as build_groups makes)
         for name in twins:
-            for ranks in train.groups(TRAIN_AXES[name]):
+            for ranks in (train.expert_groups(EXPERT_AXES[name]) if name in EXPERT_AXES
+                          else train.groups(TRAIN_AXES[name])):
                 pg = make(tuple(ranks), "gloo_twins")
                 twins[name] = pg if rank in ranks else twins[name]
     train_ranks = tuple(range(train.world))
@@ -210,7 +213,8 @@ def build_split_groups(train: TrainLayout, gen_world: int, gen_tp: int,
                              device_id=device if backend == "nccl" else None)
     is_train = rank < train.world
     parallel = (ParallelGroups(train=train, gen=None, rank=rank, backend=backend, groups=groups,
-                               members=members, gloo_dp=twins["dp"], gloo_dp_cp=twins["dp_cp"])
+                               members=members, gloo_dp=twins["dp"], gloo_dp_cp=twins["dp_cp"],
+                               gloo_expt_dp=twins["expt_dp"])
                 if is_train else None)
     return SplitGroups(train_ranks, gen_ranks, gen_tp, rank, parallel,
                        train_world if is_train else None, bridge,

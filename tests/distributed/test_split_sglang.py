@@ -127,19 +127,26 @@ def group_timeouts(rank: int, world: int) -> dict:
             return None
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
-    return {name: seconds(getattr(split, name)) for name in
-            ("bridge", "handoff", "command", "gen_tp", "gen_tp_gloo", "gen_gloo", "train_world")}
+    out = {name: seconds(getattr(split, name)) for name in
+           ("bridge", "handoff", "command", "gen_tp", "gen_tp_gloo", "gen_gloo", "train_world")}
+    if split.groups is not None:  # megatron's gloo twins: on gloo the DP groups themselves
+        g = split.groups
+        out["twins"] = [g.gloo_dp is g.dp, g.gloo_dp_cp is g.dp_cp, g.gloo_expt_dp is g.expt_dp]
+    return out
 
 
 def test_generation_side_groups_wait_for_generation():
     """An SGLang replica's other ranks wait on its gloo twin while its first rank generates:
-    those groups take ``gen_timeout_s`` (rollout.timeout_s), the others the collective one."""
+    those groups take ``gen_timeout_s`` (rollout.timeout_s), the others the collective one.
+    The training ranks' megatron gloo twins (dp, dp_cp, expt_dp) are set as build_groups sets
+    them."""
     from hybridrl.testing.dist import run_on_ranks
 
     res = run_on_ranks(group_timeouts, 4, timeout=120)
     for r in (0, 1):
         assert res[r]["bridge"] == res[r]["handoff"] == res[r]["train_world"] == 30
         assert res[r]["gen_gloo"] is None and res[r]["gen_tp_gloo"] is None
+        assert res[r]["twins"] == [True, True, True]
     for r in (2, 3):
         assert res[r]["gen_tp_gloo"] == res[r]["gen_gloo"] == 90
         assert res[r]["gen_tp"] == res[r]["bridge"] == 30 and res[r]["command"] == 86400
