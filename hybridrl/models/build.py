@@ -209,9 +209,10 @@ def build_model(
         get_moe_layer_wise_logging_tracker().clear()
     vocab = padded_vocab_size(spec.vocab_size, groups.tp_size)
     _seed(seed, groups)
+    moe = {"num_experts": spec.num_experts} if spec.is_moe else {}  # dense: the call of before
     with cpu_compat.cpu_model_construction():
         module = GPTModel(
-            config, layer_spec(use_te, spec.qk_norm, spec.num_experts), vocab_size=vocab,
+            config, layer_spec(use_te, spec.qk_norm, **moe), vocab_size=vocab,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
             share_embeddings_and_output_weights=(spec.tie_word_embeddings
