@@ -146,3 +146,8 @@ class HybridRLConfig:
         if split and self.reshard.strategy != "auto":
             raise ValueError("parallel.placement=split moves weights with the split strategy; "
                              f"reshard.strategy must be 'auto', got {self.reshard.strategy!r}")
+        if self.actor.router_replay == "rollout" and (split or r.engine != "builtin"):
+            raise ValueError("actor.router_replay=rollout needs the expert ids the builtin "
+                             "engine records, brought to the trainer by the colocated hand-off: "
+                             "use rollout.engine=builtin and parallel.placement=colocated (got "
+                             f"{r.engine}, {self.parallel.placement})")

@@ -17,7 +17,10 @@ Contract:
   destination one flat int32 buffer per pair = (token ids of the rows' valid tokens, then their
   fp32 log-probs bit-cast to int32); no padding and no zero rows travel. Returns this rank's rows
   as a ``GenerationOutput`` [n_local, R] (R = the longest response of the whole batch, as the
-  whole-batch path) and ``TransportStats`` (bytes received / sent over the network).
+  whole-batch path) and ``TransportStats`` (bytes received / sent over the network). With
+  ``routing=(layers, k)`` and ``prompt_lens`` it also moves each row's MoE expert ids (routing
+  replay: int16 sent as bytes, prompt + response tokens, one more message per pair) into the
+  result's ``routed_experts`` (-1 past each row's tokens).
 - ``pack_rows(rows, position, out, lens)`` / ``unpack_rows(buf, rows, lens, local, ids, mask,
   logp)``: that int32 buffer and back (also the split placement's hand-off,
   ``hybridrl.rollout.split.link``).
@@ -124,10 +127,37 @@ def check_prefix_mask(out: GenerationOutput) -> list[int]:
     return [int(v) for v in lens]
 
 
+def pack_routing(rows: list[int], position: dict[int, int], routed: torch.Tensor,
+                 spans: list[int]) -> torch.Tensor:
+    """uint8 bytes of the int16 expert ids [span, layers, k] of ``rows`` (token t at column t)."""
+    parts = [routed[position[row], :spans[row]].to(torch.int16).reshape(-1) for row in rows]
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat(parts).contiguous().view(torch.uint8)
+
+
+def unpack_routing(buf: torch.Tensor, rows: list[int], spans: list[int], local: dict[int, int],
+                   routed_NTLK: torch.Tensor) -> None:
+    ids = buf.cpu().contiguous().view(torch.int16)
+    per_token = routed_NTLK.shape[2] * routed_NTLK.shape[3]
+    at = 0
+    for row in rows:
+        n = spans[row] * per_token
+        routed_NTLK[local[row], :spans[row]] = ids[at:at + n].view(spans[row], *routed_NTLK.shape[2:])
+        at += n
+
+
 def exchange_rollouts(rank: int, transfers: dict, mine: list[int], src_rows: list[int],
                       src_out: GenerationOutput | None, lens: list[int], pad_token_id: int,
-                      device) -> tuple[GenerationOutput, TransportStats]:
-    """This rank's rows ``mine`` (ascending global rows) from their generating ranks."""
+                      device, routing: tuple[int, int] | None = None,
+                      prompt_lens: list[int] | None = None
+                      ) -> tuple[GenerationOutput, TransportStats]:
+    """This rank's rows ``mine`` (ascending global rows) from their generating ranks.
+
+    ``routing`` = (layers, k) also moves each row's ``routed_experts`` (a MoE engine's top-k ids
+    of its prompt_lens[row] + lens[row] tokens, int16 as bytes: NCCL has no int16), one more
+    message per (source, destination) pair posted right after that pair's rows; the result's
+    ``routed_experts`` is [rows, longest span, layers, k], -1 past each row's span."""
     stats = TransportStats()
     position = {row: j for j, row in enumerate(src_rows)}
     local = {row: j for j, row in enumerate(mine)}
@@ -135,26 +165,46 @@ def exchange_rollouts(rank: int, transfers: dict, mine: list[int], src_rows: lis
     ids = torch.full((len(mine), R), pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(mine), R, dtype=torch.long)
     logp = torch.zeros(len(mine), R, dtype=torch.float32)
+    routed = spans = None
+    if routing is not None:
+        spans = [p + n for p, n in zip(prompt_lens, lens)]
+        width = max([spans[r] for r in mine], default=1)
+        routed = torch.full((len(mine), width, *routing), -1, dtype=torch.int16)
+        per_token = 2 * routing[0] * routing[1]
     ops, recvs = [], []
     for (src, dst), rows in sorted(transfers.items()):
         if src == rank and dst == rank:
             unpack_rows(pack_rows(rows, position, src_out, lens), rows, lens, local, ids, mask, logp)
+            if routed is not None:
+                unpack_routing(pack_routing(rows, position, src_out.routed_experts, spans), rows,
+                               spans, local, routed)
         elif src == rank:
-            buf = pack_rows(rows, position, src_out, lens).to(device)
-            stats.bytes_out += buf.numel() * 4
-            ops.append(dist.P2POp(dist.isend, buf, dst))
+            bufs = [pack_rows(rows, position, src_out, lens).to(device)]
+            if routed is not None:
+                bufs.append(pack_routing(rows, position, src_out.routed_experts, spans).to(device))
+            for buf in bufs:
+                stats.bytes_out += buf.numel() * buf.element_size()
+                ops.append(dist.P2POp(dist.isend, buf, dst))
         elif dst == rank:
             buf = torch.empty(2 * sum(lens[r] for r in rows), dtype=torch.int32, device=device)
             stats.bytes_in += buf.numel() * 4
             ops.append(dist.P2POp(dist.irecv, buf, src))
-            recvs.append((buf, rows))
+            route = None
+            if routed is not None:
+                route = torch.empty(per_token * sum(spans[r] for r in rows), dtype=torch.uint8,
+                                    device=device)
+                stats.bytes_in += route.numel()
+                ops.append(dist.P2POp(dist.irecv, route, src))
+            recvs.append((buf, route, rows))
     ops = [op for op in ops if op.tensor.numel() > 0]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    for buf, rows in recvs:
+    for buf, route, rows in recvs:
         unpack_rows(buf, rows, lens, local, ids, mask, logp)
-    return GenerationOutput(ids, mask, logp), stats
+        if route is not None:
+            unpack_routing(route, rows, spans, local, routed)
+    return GenerationOutput(ids, mask, logp, routed_experts=routed), stats
 
 
 def rollout_bytes_model(n_seqs: int, mean_len: float, max_len: int, world: int, dp: int,

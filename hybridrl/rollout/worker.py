@@ -175,6 +175,9 @@ class RolloutWorker:
         self.engine = self._build_engine(cfg, actor, tp_group, tp_rank, members[0])
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        spec = actor.spec  # routing replay: the engine's expert ids travel with the rows
+        self.routing = ((spec.num_layers, spec.moe_topk)
+                        if cfg.actor.router_replay == "rollout" and spec.num_experts else None)
 
     def _build_engine(self, cfg, actor, tp_group, tp_rank, tp_src):
         if cfg.rollout.engine == "sglang":
@@ -250,10 +253,12 @@ class RolloutWorker:
         world = dist.get_world_size()
         replicas = [[r for r in range(world) if self.layout.coords(r)["dp"] == d]
                     for d in range(self.layout.dp)]
-        return self._handoff(len(prompts), gen_rows, out, plan_parts, replicas)
+        return self._handoff(len(prompts), gen_rows, out, plan_parts, replicas,
+                             [len(p) for p in prompts] if self.routing else None)
 
     def _handoff(self, n_prompts: int, gen_rows: list[int], out, plan_parts,
-                 replicas: list[list[int]]) -> tuple[list[int], GenerationOutput, TransportStats]:
+                 replicas: list[list[int]], prompt_lens: list[int] | None = None
+                 ) -> tuple[list[int], GenerationOutput, TransportStats]:
         """Lengths to everyone (one int32 all_reduce), ``plan_parts(lengths)`` -> rows of each
         part, then each part's rows to the ranks of ``replicas[part]``, point to point (int32
         ids + fp32 log-probs, no padding: ``partition.exchange_rollouts``)."""
@@ -274,7 +279,8 @@ class RolloutWorker:
         mine = parts[part]
         transfers = plan_transfers(owner, parts, replicas)
         local, stats = exchange_rollouts(self.rank, transfers, mine, src_rows, out, lens,
-                                         self.pad_token_id, self.device)
+                                         self.pad_token_id, self.device,
+                                         self.routing if prompt_lens else None, prompt_lens)
         stats.scalar_bytes = 4 * n_prompts
         return mine, local, stats
 

@@ -92,7 +92,7 @@ from hybridrl.trainer import dynamic_sampling
 from hybridrl.trainer.guards import StepGuard
 from hybridrl.trainer.inputs import build_data, reward_scorer, with_estimator
 from hybridrl.trainer.metrics_log import build_metrics_log
-from hybridrl.trainer.microbatches import TokenTally, forward_parts, sp_multiple
+from hybridrl.trainer.microbatches import TokenTally, forward_parts, replay_tensors, sp_multiple
 from hybridrl.trainer.on_policy import GAP_METRICS, skip_old_forward
 from hybridrl.trainer.overlap import Overlap
 from hybridrl.trainer.phase_memory import PhaseMemory
@@ -216,7 +216,8 @@ class PPOTrainer:
                             [prompts.ground_truth[i] for i in pick],
                             [prompts.data_source[i] for i in pick],
                             [prompts.extra_info[i] for i in pick], rows=rows,
-                            loss_mask=getattr(out, "loss_mask", None))  # multi-turn: model tokens
+                            loss_mask=getattr(out, "loss_mask", None),  # multi-turn: model tokens
+                            routed_experts=out.routed_experts)  # MoE: actor.router_replay
 
     def _gloo_dp(self):
         """The DP group for CPU scalars (None at dp = 1)."""
@@ -232,7 +233,8 @@ class PPOTrainer:
         mine, packed = list(range(len(rb))), self.cfg.model.pack_sequences
         parts = forward_parts(rb.seq_lengths, micro, dynamic, max_tokens, packed,
                               min_count=self.groups.pp_size)
-        mbs = [rb.microbatch(p, packed=packed) for p in parts]
+        replay = replay_tensors(self.cfg.actor, rb) if model is self.actor else None
+        mbs = [rb.microbatch(p, replay, packed=packed) for p in parts]
         with self.tally.count(mbs, sp_multiple(model)):
             outs = run_microbatches(model, mbs, with_entropy=False, temperature=self.temperature)
         local = None
