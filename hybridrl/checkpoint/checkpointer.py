@@ -8,7 +8,7 @@ Contract (``Checkpointer(trainer)``; every method is collective: every rank call
   optimizer's 1/dp shard, nothing written twice) and its RNG states (torch, numpy, python, CUDA,
   megatron's RNG tracker). Rank 0 adds ``trainer_state.pt`` (step, KL controller, data
   position, step guard, layout-free optimizer scalars incl. ``lr_scale``; with
-  ``rollout.async_steps=1`` the batch in flight, ``hybridrl.trainer.overlap``), ``index.json`` (what
+  ``rollout.async_steps=k`` the batches in flight, ``hybridrl.trainer.overlap``), ``index.json`` (what
   every file holds, sizes, CRC-32) and ``meta.json`` (run id, layout, each model's HF config,
   tokenizer path). First every rank agrees the state is finite (else ``RuntimeError``, nothing
   written). With ``trainer.async_save`` (``auto``: on when the models are on CUDA) the state is
@@ -147,7 +147,7 @@ class Checkpointer:
         trainer_state = {"step": tr.step, "guard": tr.guard.state_dict(),
                          "kl_ctrl": tr.kl_ctrl.state_dict(), "loader": tr.loader.state_dict(),
                          "optim_extra": extras}
-        overlap = getattr(tr, "overlap", None)  # the batch in flight (rollout.async_steps=1)
+        overlap = getattr(tr, "overlap", None)  # the batches in flight (rollout.async_steps)
         if overlap is not None and overlap.on:
             trainer_state["overlap"] = overlap.state_dict()
         meta = {"format": FORMAT, "run_id": tr.run_id, "step": tr.step, **self.layout(),

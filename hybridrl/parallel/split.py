@@ -16,7 +16,10 @@ Contract:
   bridge (every rank: the weight sync) and the hand-off group (every rank again, a communicator
   of its own: the generated batches). Every group has the collective
   timeout ``timeout_s`` except the command group (``COMMAND_TIMEOUT_S``, a day: the generation
-  ranks wait on it while the trainer trains) and the generation ranks' gloo groups
+  ranks wait on it while the trainer trains), the hand-off group (the same day: every wait on
+  it carries its own bound, and on NCCL the group's timeout is a watchdog that would cut a long
+  generation, or a generation rank's sends pending over a long step, short) and the generation
+  ranks' gloo groups
   (``gen_timeout_s``, default ``timeout_s``; give it ``rollout.timeout_s`` with SGLang: a
   replica's other ranks wait on its twin while its first rank generates). Returns a ``SplitGroups``:
   ``groups`` (the training rank's ``ParallelGroups``; None on a generation rank), ``bridge``,
@@ -208,7 +211,11 @@ def build_split_groups(train: TrainLayout, gen_world: int, gen_tp: int,
     command = dist.new_group([0, *gen_ranks], backend=kinds["command"],
                              timeout=datetime.timedelta(seconds=COMMAND_TIMEOUT_S))
     bridge = make(tuple(range(world)), "bridge")
-    handoff = dist.new_group(list(range(world)), timeout=timeout,  # a communicator of its own
+    # every wait on the hand-off carries its own bound (rollout.timeout_s on the training side);
+    # the group's timeout is NCCL's watchdog, which would cut a long generation (or a
+    # generation rank's pending sends over a long training step) short: a day, as the command's
+    handoff = dist.new_group(list(range(world)),  # a communicator of its own
+                             timeout=datetime.timedelta(seconds=COMMAND_TIMEOUT_S),
                              backend=kinds["handoff"],
                              device_id=device if backend == "nccl" else None)
     is_train = rank < train.world

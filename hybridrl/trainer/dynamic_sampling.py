@@ -214,9 +214,11 @@ def _rebalance(trainer, picks, made):
 
         src_out = GenerationOutput(stack(0), stack(1), stack(2))
     mine = parts[g.dp_rank]
-    out, _ = exchange_rollouts(rank, plan_transfers(owner, parts, replicas), mine, src_rows,
-                               src_out, resp, int(trainer.tokenizer.pad_token_id),
-                               trainer.actor.device)
+    out, moved = exchange_rollouts(rank, plan_transfers(owner, parts, replicas), mine, src_rows,
+                                   src_out, resp, int(trainer.tokenizer.pad_token_id),
+                                   trainer.actor.device)
+    if hasattr(trainer, "transport"):  # the re-balance's bytes count in rollout/handoff_bytes
+        trainer.transport += moved
     picked = [entries[m] for m in mine]
     pb = [(made[r][0], row // n) for r, row, _, _ in picked]
     merged = RolloutBatch([b.prompt_ids[i] for b, i in pb], out.response_ids, out.response_mask,

@@ -14,7 +14,7 @@ Contract:
   1. ``timing_s/reshard``: actor train shards -> engine shards (``RolloutWorker.sync_weights``;
      this rank's bytes and messages as ``reshard/*``; ``parallel.placement=split``: the engine
      lives on generation ranks of its own, ``hybridrl.rollout.split.remote``, and with
-     ``rollout.async_steps=1`` the step's batch was generated while the last step trained:
+     ``rollout.async_steps=k`` the step's batch was generated while earlier steps trained:
      ``hybridrl.trainer.overlap``);
   2. ``timing_s/gen``: each gen replica samples its share of the prompts (``rollout.n`` per
      prompt); each DP replica then receives only the rows it trains on

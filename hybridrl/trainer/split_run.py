@@ -24,7 +24,8 @@ def fit_split(cfg, train, timeout_s: float, phases=None, print_fn=print, on_trai
     from hybridrl.parallel.split import build_split_groups, training_world
     from hybridrl.rollout.split.server import serve
 
-    split = build_split_groups(train, cfg.parallel.gen.world, cfg.parallel.gen.tp, timeout_s)
+    split = build_split_groups(train, cfg.parallel.gen.world, cfg.parallel.gen.tp, timeout_s,
+                               gen_timeout_s=cfg.rollout.timeout_s)
     if split.is_gen:
         return serve(cfg, split, phases, on_started=on_started)
     from hybridrl.trainer.ppo import PPOTrainer

@@ -100,3 +100,27 @@ def test_the_k1_form_loads_one_step_stale():
     fields = {f.name: getattr(_batch(7), f.name) for f in dataclasses.fields(PromptBatch)}
     ov.load_state_dict({"prompts": fields, "results": {"seed": 5}})
     assert ov.prompts({}).index == [7] and ov.stale == 1 and tr.worker.collected == [5]
+
+
+def test_a_weight_sync_first_collects_the_batches_requested_before_it(monkeypatch):
+    """Review of issue 39 (F2): the generation ranks take a sync after the batches requested
+    before it, so at async_steps >= 2 (or after a validation) the sync's bridge sends waited,
+    unbounded and unnamed, behind a generation. sync_weights now receives their lengths first
+    (bounded by rollout.timeout_s, naming the replica): a hung replica fails there, before any
+    sync command is sent."""
+    from hybridrl.rollout.split import remote
+    from hybridrl.rollout.split.link import GenerationTimeout
+
+    rr = remote.RemoteRollout.__new__(remote.RemoteRollout)
+    rr.outstanding, rr.kept, sent = [(7, [[1, 2]]), (8, [[3]])], {}, []
+    rr.hand, rr.sources, rr.timeout_s, rr.device = None, [1], 3.0, "cpu"
+    rr.who = lambda src: f"generation rank {src}"
+
+    def hung(*args, **kwargs):
+        raise GenerationTimeout("no generated batch from generation rank 1 (replica 0 of 1)")
+
+    monkeypatch.setattr(remote, "recv_lengths", hung)
+    monkeypatch.setattr(rr, "_command", sent.append, raising=False)
+    with pytest.raises(GenerationTimeout, match="generation rank 1"):
+        rr.sync_weights(actor=None)
+    assert sent == []  # no sync command went out behind the hung batch

@@ -2,10 +2,10 @@
 
 Contract (shared by ``rollout.split.remote`` on the training ranks and ``rollout.split.server``
 on the generation ranks; every function here is called on both sides with the same arguments):
-- ``build_split_plan(train, spec, gen_world, gen_tp, bucket_mb, dtype, uses_te)`` -> ``SplitPlan``:
-  the placements (``split_placements``: training layout on ranks 0..T-1, gen replicas of gen_tp
-  consecutive ranks after them, builtin engine vocab padding = training's) and the ``split``
-  reshard plan (pure, the same on every rank).
+- ``build_split_plan(train, spec, gen_world, gen_tp, bucket_mb, dtype, uses_te, engine)`` ->
+  ``SplitPlan``: the placements (``split_placements``: training layout on ranks 0..T-1, gen
+  replicas of gen_tp consecutive ranks after them; vocabulary padding: the builtin engine's =
+  training's, SGLang's 64) and the ``split`` reshard plan (pure, the same on every rank).
 - ``Command``: what rank 0 tells the generation ranks (``broadcast_object_list`` over the command
   group ``{0} + generation ranks``): ``sync`` (every rank then runs the plan over the bridge),
   ``gen`` (prompts, sampling params, seed: each gen replica samples its ``replica_rows`` share,
@@ -49,9 +49,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridrl.reshard.placement import split_placements
-from hybridrl.reshard.planner import SPLIT, Plan, plan_reshard
-from hybridrl.reshard.specs import LlamaShape, build_specs
+from hybridrl.reshard.planner import Plan
+from hybridrl.reshard.specs import LlamaShape
 from hybridrl.rollout.base import GenerationOutput
 from hybridrl.rollout.partition import pack_rows, unpack_rows
 
@@ -99,14 +98,14 @@ def replica_rows(n_rows: int, n_replicas: int) -> list[list[int]]:
 
 
 def build_split_plan(train, spec, gen_world: int, gen_tp: int, bucket_mb: int, dtype,
-                     uses_te: bool) -> SplitPlan:
-    """The split reshard plan of a training layout and its generation ranks (pure)."""
+                     uses_te: bool, engine: str = "builtin") -> SplitPlan:
+    """The split reshard plan of a training layout and its generation ranks for ``engine``
+    (its vocabulary padding: ``rollout.split.engine.engine_split_plan``; pure)."""
+    from hybridrl.rollout.split.engine import engine_split_plan
+
     shape = LlamaShape.from_model(spec)
-    train_pl, gen_pl = split_placements(train, shape, gen_world, gen_tp, 1, vocab_pad=None)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    plan = plan_reshard(train_pl, gen_pl, build_specs(shape, "te" if uses_te else "local"), SPLIT,
-                        bucket_mb, itemsize)
-    return SplitPlan(shape, plan)
+    return SplitPlan(shape, engine_split_plan(engine, train, shape, gen_world, gen_tp, bucket_mb,
+                                              dtype, uses_te))
 
 
 def handoff_bytes(lens: list[int], mine: list[int], n_replicas: int) -> int:

@@ -102,7 +102,7 @@ class RemoteRollout:
             dist.broadcast_object_list(box, src=0, group=split.command)
         self.sp = build_split_plan(groups.train, actor.spec, len(split.gen_ranks),
                                    split.gen_tp_size, cfg.reshard.bucket_mb, self.dtype,
-                                   actor.uses_te)
+                                   actor.uses_te, cfg.rollout.engine)
         self.plan, self.gen = self.sp.plan, self.sp.gen
         self.n_replicas = len(split.gen_replicas())
         self.sources = [members[0] for members in split.gen_replicas()]
@@ -132,7 +132,11 @@ class RemoteRollout:
     @torch.no_grad()
     def sync_weights(self, actor):
         """The actor's training shards -> every generation rank's engine (collective). The
-        generation ranks take it after the batches requested before it (in command order)."""
+        generation ranks take it after the batches requested before it (in command order), so
+        their lengths are received first: every wait for a generation is then one bounded by
+        rollout.timeout_s that names the replica (``collect``), never a bridge send that
+        waits unbounded behind a batch being generated (async_steps >= 2, validation)."""
+        self.collect()
         self._command(Command("sync"))
         named = {n: p.detach() for n, p in actor.module.named_parameters()}
         sources = train_sources(self.plan, self.rank, named)

@@ -4,18 +4,19 @@ Contract:
 - ``serve(cfg, split)`` runs on every generation rank (``split``: the rank's
   ``hybridrl.parallel.split.SplitGroups``) until rank 0 says ``stop``; returns the number of
   batches generated. First it receives the model description from rank 0 (command group:
-  ``RemoteRollout``'s constructor sends it) and builds the builtin engine on its gen shard
-  (gen TP group ``split.gen_tp``; replica = its gen_tp consecutive ranks), empty until the first
-  sync. Then, per command (``hybridrl.rollout.split.link.Command``):
-  ``sync``: runs the split plan over the bridge, the received rows landing straight in the
-  engine's tensors (no conversion, no copy), then ``finish_update``; ``gen``: samples its
+  ``RemoteRollout``'s constructor sends it) and builds its replica's engine
+  (``rollout.split.engine.build_split_engine``: ``rollout.engine`` builtin on its gen shard and
+  gen TP group ``split.gen_tp``, or one SGLang Engine per replica; on ``split.device()``;
+  replica = its gen_tp consecutive ranks), empty until the first sync. Then, per command
+  (``hybridrl.rollout.split.link.Command``): ``sync``: the split plan over the bridge into the
+  engine (``SplitEngine.receive_weights``: builtin in place, SGLang pushed bucket by bucket),
+  then ``finish_update``; ``gen``: samples its
   replica's share; the replica's first rank keeps the rows (per request seed) and posts every
   training rank their lengths with the number of syncs it has received (``link.send_lengths``:
   the sends complete while the next commands are awaited, so several requests may be
   generated ahead); ``handoff``: the first rank sends each training rank the rows of its DP
   replica it holds (``link.send_rows``) and forgets the batch unless ``drop`` is false (a
-  checkpoint's fetch); ``stop``: returns once every send has completed. The engine is built in
-  one function, ``build_engine``.
+  checkpoint's fetch); ``stop``: returns once every send has completed.
 - It calls no collective on the default group; every wait is on the command group, the bridge
   (weights), the hand-off group (batches: ``split.handoff``, else the bridge) or its gen TP
   group. The wait for the next command (command group) lasts up to a day
@@ -29,14 +30,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import torch
 import torch.distributed as dist
 
-from hybridrl.reshard.assemble import Assembler
-from hybridrl.reshard.executor import run_plan
-from hybridrl.rollout.engine_sync import inplace_targets
 from hybridrl.rollout.sampling import request_seed
-from hybridrl.rollout.split.link import build_split_plan, replica_rows, send_lengths, send_rows
+from hybridrl.rollout.split.engine import build_split_engine
+from hybridrl.rollout.split.link import replica_rows, send_lengths, send_rows
 
 
 def receive_command(split):
@@ -45,28 +43,15 @@ def receive_command(split):
     return box[0]
 
 
-def build_engine(spec, sp, split, dtype, tp_rank: int, tp_src: int):
-    """This generation rank's engine on its gen shard (empty until the first sync): the one
-    place an engine is constructed, so another engine can be swapped in here."""
-    from hybridrl.rollout.builtin.engine import BuiltinEngine, EngineSpec
-
-    return BuiltinEngine(EngineSpec.from_llama(spec, sp.gen.vocab_chunk), tp_group=split.gen_tp,
-                         tp_rank=tp_rank, tp_size=sp.gen.tp, tp_src=tp_src,
-                         device=torch.device("cpu"), dtype=dtype, pp_size=1, blocks=1)
-
-
 def serve(cfg, split, phases=None, on_started=None) -> int:
     """The generation rank's loop (module docstring). ``phases``: the entrypoint's
     ``PhaseBoard``, told what the rank does (``generation: sync`` / ``generation: gen`` of the
     batch count), so a failure line names where a generation rank was. ``on_started()``: called
     once the engine is built (``split_run.fit_split``)."""
     spec, uses_te, dtype, train = receive_command(split)
-    sp = build_split_plan(train, spec, len(split.gen_ranks), split.gen_tp_size,
-                          cfg.reshard.bucket_mb, dtype, uses_te)
-    rank = split.rank
-    tp_rank, _, replica = sp.gen.coords[rank]
-    members = split.gen_replicas()[replica]
-    engine = build_engine(spec, sp, split, dtype, tp_rank, members[0])
+    se = build_split_engine(cfg, split, spec, train=train, dtype=dtype, uses_te=uses_te)
+    rank, engine, members = split.rank, se.engine, se.members
+    replica = se.plan.gen.coords[rank][2]
     n_replicas, pending, batches, verify, syncs = len(split.gen_replicas()), [], 0, True, 0
     held = {}  # request seed -> (rows, GenerationOutput): generated, not yet handed off
     is_src = rank == members[0]
@@ -80,20 +65,16 @@ def serve(cfg, split, phases=None, on_started=None) -> int:
             phases.record(batches + 1, f"generation: {cmd.op}")
         if cmd.op == "stop":
             break
-        if cmd.op == "sync":
-            asm = Assembler(sp.plan, rank, None, dtype=dtype, device="cpu", zero_padding=False,
-                            into=inplace_targets(sp.plan, rank, {}, engine, False),
-                            spare=getattr(engine, "spare", None))
-            run_plan(sp.plan, rank, {}, asm, group=split.bridge, verify=verify)
-            engine.finish_update()
+        if cmd.op == "sync":  # the rows land in the engine (builtin: in place; SGLang: pushed)
+            se.receive_weights(verify)
             verify, syncs = False, syncs + 1
             continue
-        if cmd.op == "handoff":
-            rows, out = held[cmd.seed]
+        if cmd.op == "handoff":  # only a replica's first rank holds (and sends) its rows
             if is_src:
+                rows, out = held[cmd.seed]
                 pending += send_rows(hand, rows, out, cmd.parts, cmd.dp_of, device)
             if cmd.drop:
-                del held[cmd.seed]
+                held.pop(cmd.seed, None)
             continue
         pending = [w for w in pending if not w.is_completed()]  # sent: no longer held
         rows = replica_rows(len(cmd.prompts), n_replicas)[replica]
