@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from hybridrl.parallel.layout import GenLayout, TrainLayout
+from hybridrl.parallel.layout import GenLayout, TrainLayout, expert_lines, expert_summary
 
 SHOW_RANKS_UP_TO = 16  # the human form lists every rank only for small worlds
 SHOW_GROUPS = 4  # example groups printed per family
@@ -50,6 +50,7 @@ def layout_json(train: TrainLayout, gen: GenLayout) -> dict:
             "pp": _sorted_groups(train.groups("pp")),
             "dp": _sorted_groups(train.groups("dp")),
         },
+        "experts": expert_summary(train),
         "gen": {
             "tp_size": gen.tp,
             "pp_size": gen.pp,
@@ -79,6 +80,7 @@ def layout_text(train: TrainLayout, gen: GenLayout) -> str:
         _fmt_groups("tp", _sorted_groups(train.groups("tp"))),
         _fmt_groups("pp", _sorted_groups(train.groups("pp"))),
         _fmt_groups("dp", _sorted_groups(train.groups("dp"))),
+        *(expert_lines(train) if train.ep > 1 or train.etp != train.tp else []),
         "gen groups:",
         _fmt_groups("tp", gen.tp_groups()),
         _fmt_groups("pp", gen.pp_groups()),
@@ -136,14 +138,16 @@ def _cmd_layout(args: argparse.Namespace) -> int:
             if args.gen_world >= args.world or args.gen_world % args.gen_tp or args.gen_pp != 1:
                 raise ValueError(f"--gen-world {args.gen_world} must be below --world {args.world}"
                                  f" and a multiple of --gen-tp {args.gen_tp} (gen pp 1)")
-            train = TrainLayout(world=args.world - args.gen_world, tp=args.tp, pp=args.pp)
+            train = TrainLayout(world=args.world - args.gen_world, tp=args.tp, pp=args.pp,
+                                ep=args.ep, etp=args.etp or None)
         except ValueError as err:
             raise UsageError(str(err)) from None
         print(json.dumps(split_layout_json(train, args.gen_world, args.gen_tp)) if args.json
               else split_layout_text(train, args.gen_world, args.gen_tp))
         return 0
     try:
-        train = TrainLayout(world=args.world, tp=args.tp, pp=args.pp)
+        train = TrainLayout(world=args.world, tp=args.tp, pp=args.pp, ep=args.ep,
+                            etp=args.etp or None)
         gen = GenLayout(train, tp=args.gen_tp, pp=args.gen_pp, grouping=args.grouping)
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -161,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
     lay.add_argument("--tp", type=int, default=1, help="training tensor-parallel size t")
     lay.add_argument("--pp", type=int, default=1, help="training pipeline-parallel size p")
+    lay.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    lay.add_argument("--etp", type=int, default=0, help="expert tensor-parallel size (0 = --tp)")
     lay.add_argument("--gen-tp", type=int, default=1, help="generation tensor-parallel size tg")
     lay.add_argument("--gen-pp", type=int, default=1, help="generation pipeline-parallel size pg")
     lay.add_argument("--grouping", choices=["hybridflow", "vanilla"], default="hybridflow")

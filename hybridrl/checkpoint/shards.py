@@ -6,7 +6,7 @@ Contract:
   owns (with megatron's DistributedOptimizer: the DP rank's contiguous range ``[start, end)`` of
   the flattened local TP shard; with the plain optimizer every DP rank owns the whole shard, so
   parameter i is recorded only by DP rank ``i % dp``; a parameter replicated over TP only by
-  TP rank 0), ``tensors[f"{name}/{kind}"]`` is a host
+  TP rank 0; a MoE expert's TP and DP are expert TP and expert DP), ``tensors[f"{name}/{kind}"]`` is a host
   copy of that range for ``kind`` in ``param`` (the fp32 main parameter: it determines the
   model's weights) and each per-parameter optimizer tensor (Adam's ``exp_avg``,
   ``exp_avg_sq``). ``entries[name]`` = ``{tp_rank, tp_size, tp_dim, shape, start, end, kinds}``
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from hybridrl.models.hf_io import hf_tensors_from_full, local_slice_from_hf
-from hybridrl.models.naming import named_local_parameters, tp_partition_dim
+from hybridrl.models.naming import expert_index, named_local_parameters, tp_partition_dim
 
 PARAM = "param"
 
@@ -64,23 +64,34 @@ def _state_tensors(part, main) -> dict[str, torch.Tensor]:
             if k != "step" and torch.is_tensor(v) and v.numel() == main.numel()}
 
 
+def _shard_axes(groups, name: str) -> tuple[int, int, int, int]:
+    """(tp rank, tp size, dp rank, dp size) that shard and replicate parameter ``name``: an
+    expert's are expert TP and expert DP (megatron's expert generator), every other's the dense
+    ones (with ep > 1 the dense DP ranks hold different experts: none of them may be skipped)."""
+    if expert_index(name) is None or not hasattr(groups, "etp_rank"):
+        return groups.tp_rank, groups.tp_size, groups.dp_rank, groups.dp_size
+    return groups.etp_rank, groups.etp_size, groups.index("expt_dp"), groups.size("expt_dp")
+
+
 def collect_pieces(model, opt) -> tuple[dict, dict, dict]:
     """This rank's part of one model's optimizer (see the module docstring)."""
     names = {id(p): n for n, p in named_local_parameters(model)}
     groups, distributed = model.groups, opt.distributed
     tensors, entries, adam_step = {}, {}, None
     for j, (i, main, model_p, start, end) in enumerate(_owned(opt)):
-        if end <= start or (not distributed and j % groups.dp_size != groups.dp_rank):
+        name = names[id(model_p)]
+        tp_rank, tp_size, dp_rank, dp_size = _shard_axes(groups, name)
+        if end <= start or (not distributed and j % dp_size != dp_rank):
             continue
         dim = tp_partition_dim(model_p)
-        if dim is None and groups.tp_rank != 0:  # replicated over TP: TP rank 0's copy only
+        if dim is None and tp_rank != 0:  # replicated over TP: TP rank 0's copy only
             continue
-        part, name = opt._parts[i], names[id(model_p)]
+        part = opt._parts[i]
         kinds = {PARAM: main, **_state_tensors(part, main)}
         for kind, t in kinds.items():
             tensors[f"{name}/{kind}"] = t.detach().reshape(-1).to("cpu", copy=True)
-        entries[name] = {"tp_rank": groups.tp_rank if dim is not None else 0,
-                         "tp_size": groups.tp_size, "tp_dim": dim,
+        entries[name] = {"tp_rank": tp_rank if dim is not None else 0,
+                         "tp_size": tp_size, "tp_dim": dim,
                          "shape": list(model_p.shape), "start": start, "end": end,
                          "kinds": sorted(kinds)}
         step = part.optimizer.state.get(main, {}).get("step")
@@ -172,7 +183,9 @@ def load_pieces(model, opt, index: dict, open_file, extra: dict) -> None:
             if tuple(local.shape) != tuple(model_p.shape):
                 raise ValueError(f"checkpoint: {name} {kind} has shape {tuple(local.shape)}, "
                                  f"this rank's parameter {tuple(model_p.shape)}")
-            value = local.reshape(-1)[start:end].to(main.device, main.dtype)
+            value = local.reshape(-1)[start:end].to(main.device, main.dtype).view(main.shape)
+            # (the DistributedOptimizer's main is a flat range; the plain optimizer's is the
+            # parameter itself, and its Adam state has the parameter's shape)
             if kind == PARAM:
                 main.copy_(value)
             else:

@@ -48,7 +48,8 @@ from hybridrl.trainer.startup import (
 def build_layout(cfg: HybridRLConfig, world: int) -> tuple[TrainLayout, GenLayout | None]:
     """(training layout, generation layout or None) of ``cfg`` for ``world`` ranks (pure)."""
     p = cfg.parallel
-    train = TrainLayout(world=p.train_world(world), tp=p.tp, pp=p.pp, order=p.order)
+    train = TrainLayout(world=p.train_world(world), tp=p.tp, pp=p.pp, order=p.order, ep=p.ep,
+                        etp=p.expert_tp)
     gen = GenLayout(train, tp=p.gen.tp, pp=p.gen.pp, grouping=p.gen.grouping) if p.nested else None
     return train, gen
 

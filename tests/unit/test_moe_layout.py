@@ -79,3 +79,24 @@ def test_expert_lines_show_megatrons_expert_groups():
     lines = expert_lines(train)
     assert lines[0].startswith("expert groups: etp x ep x edp x pp = 2 x 2 x 2 x 1")
     assert lines[1] == "  ep        [0, 2], [1, 3], [4, 6], [5, 7]"
+
+
+def test_hybridrl_layout_shows_the_expert_groups_and_the_entry_builds_them(capsys):
+    """`hybridrl layout --ep/--etp` prints and returns the expert layout, and the trainer's
+    layout reads parallel.ep / parallel.etp (both ignored it before the lead's wiring)."""
+    import json
+
+    from hybridrl.cli import main
+    from hybridrl.config import load_config
+    from hybridrl.trainer.entry import build_layout
+
+    assert main(["layout", "--world", "16", "--tp", "2", "--ep", "4", "--etp", "1",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["experts"]
+    want = expert_summary(TrainLayout(world=16, tp=2, ep=4, etp=1))
+    assert got == json.loads(json.dumps(want)) and got["ep_size"] == 4 and got["etp_size"] == 1
+    assert main(["layout", "--world", "16", "--tp", "2", "--ep", "4"]) == 0
+    assert "expert groups: etp x ep x edp x pp = 2 x 4 x 2 x 1" in capsys.readouterr().out
+    cfg = load_config([], ["parallel.ep=2", "parallel.tp=2", "parallel.etp=1"], world_size=8)
+    train, _ = build_layout(cfg, 8)
+    assert (train.ep, train.etp, train.edp) == (2, 1, 4)
