@@ -49,10 +49,14 @@ DEMO_ASYNC_1 := --nproc-per-node 5 parallel.placement=split parallel.gen.world=1
 DEMO_ASYNC_2 := --nproc-per-node 5 parallel.placement=split parallel.gen.world=1 rollout.async_steps=2 \
 	trainer.experiment_name=demo_async2
 # TOOLS=1: multi-turn rollouts with the calculator tool (configs/demo_tools.yaml, GRPO, 2 ranks)
+# MOE=1: a tiny Qwen3-MoE (8 experts, top-2) trained with GRPO at expert parallelism 2 on 2 ranks
 TOOLS ?= 0
+MOE ?= 0
 demo: .venv
 ifeq ($(TOOLS),1)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m hybridrl.demo --config configs/demo_tools.yaml
+else ifeq ($(MOE),1)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m hybridrl.train --config configs/demo_moe.yaml
 else
 	$(VENV)/bin/torchrun --standalone $(word 1,$(DEMO_ASYNC_$(ASYNC))) $(word 2,$(DEMO_ASYNC_$(ASYNC))) \
 		-m hybridrl.demo --config configs/demo.yaml algorithm.adv_estimator=$(ALGO) \

@@ -82,7 +82,8 @@ def load_shape(model: str) -> LlamaShape:
 def plan_report(args: argparse.Namespace) -> dict:
     """The JSON report of ``hybridrl plan`` (pure: no process group)."""
     shape = load_shape(args.model)
-    layout = TrainLayout(world=args.world, tp=args.tp, pp=args.pp)
+    layout = TrainLayout(world=args.world, tp=args.tp, pp=args.pp, ep=args.ep,
+                         etp=args.etp or None)
     train = train_placement(layout, shape)
     itemsize = DTYPE_BYTES[args.dtype]
     specs = build_specs(shape)
@@ -202,6 +203,7 @@ def memory_report(args: argparse.Namespace, cache: dict | None = None) -> dict:
             {"mem_fraction_static": args.mem_fraction_static}
         job = job_from_config(cfg, shape, args.world, args.gpu_gb, spec=args.spec, **extra)
         args.tp, args.pp, args.gen_tp, args.gen_pp = job.tp, job.pp, job.gen_tp, job.gen_pp
+        args.ep, args.etp = job.ep, job.etp
         args.dtype, args.engine = job.dtype, job.engine
     else:
         if args.gen_tp is None:
@@ -214,9 +216,10 @@ def memory_report(args: argparse.Namespace, cache: dict | None = None) -> dict:
             recompute=args.recompute, sequence_parallel=args.sp, critic=not args.no_critic,
             ref=not args.no_ref, dist_opt=not args.no_dist_opt, offload=frozenset(parts),
             rollout_seqs=args.rollout_seqs, gpu_gb=args.gpu_gb, spec=args.spec,
-            engine=args.engine, mem_fraction_static=args.mem_fraction_static or 0.5)
+            engine=args.engine, mem_fraction_static=args.mem_fraction_static or 0.5,
+            ep=args.ep, etp=args.etp)
     key = (args.model, args.world, args.tp, args.pp, args.gen_tp, args.gen_pp, args.dtype,
-           args.engine, args.bucket_mb, args.vocab_pad, args.gpus_per_node)
+           args.engine, args.bucket_mb, args.vocab_pad, args.gpus_per_node, args.ep, args.etp)
     if getattr(args, "placement", "colocated") == "split":  # the training ranks of a split
         transient, traffic = 0, {}  # placement: no engine, no colocated reshard on them
     elif cache is not None and key in cache:
@@ -244,7 +247,8 @@ def _reshard_terms(args: argparse.Namespace, shape: LlamaShape) -> tuple[int, di
         raise ValueError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
     if args.vocab_pad is None:  # the engine's own padding, as plan_report has it
         args.vocab_pad = 0 if args.engine == "builtin" else ENGINE_VOCAB_PAD
-    layout = TrainLayout(world=args.world, tp=args.tp, pp=args.pp)
+    layout = TrainLayout(world=args.world, tp=args.tp, pp=args.pp,
+                         ep=getattr(args, "ep", 1), etp=getattr(args, "etp", 0) or None)
     train, specs = train_placement(layout, shape), build_specs(shape)
     gen = default_gen_placement(layout, shape, args.gen_tp, args.gen_pp, args.vocab_pad or None)
     strategy = "p2p" if zero_redundancy_reason(train, gen) else "zero_redundancy"
@@ -278,7 +282,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             0 if args.engine == "builtin" else ENGINE_VOCAB_PAD)
         rep = split_report(load_shape(args.model), args.world, args.tp, args.pp, args.gen_world,
                            args.gen_tp, DTYPE_BYTES[args.dtype], args.bucket_mb, args.gbps,
-                           pad or None, link_speeds(args.link_gbps))
+                           pad or None, link_speeds(args.link_gbps), ep=args.ep, etp=args.etp)
         print(json.dumps(rep) if args.json else split_text(rep, args.model, args.gbps))
         return 0
     if args.memory:
@@ -321,6 +325,8 @@ def _fill(p: argparse.ArgumentParser) -> None:
                    "default the config's tp * pp * dp")
     p.add_argument("--tp", type=int, default=1, help="training tensor-parallel size t")
     p.add_argument("--pp", type=int, default=1, help="training pipeline-parallel size p")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--etp", type=int, default=0, help="expert tensor-parallel size (0 = --tp)")
     p.add_argument("--gen-tp", type=int, help="generation tensor-parallel size tg (required "
                    "unless --memory --config)")
     p.add_argument("--gen-pp", type=int, default=1, help="generation pipeline-parallel size pg")

@@ -51,7 +51,7 @@ import dataclasses
 import math
 from types import MappingProxyType
 
-from hybridrl.config.hf_model import check_hf_features, hf_architecture
+from hybridrl.config.hf_model import check_hf_features, hf_architecture, moe_num_experts
 
 KINDS = ("qkv", "fc1", "row", "vocab", "norm")
 NAMINGS = ("local", "te")
@@ -158,7 +158,8 @@ class LlamaShape:
             tied=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            **({"num_experts": size("num_experts"), "moe_topk": size("num_experts_per_tok"),
+            **({"num_experts": size(moe_num_experts(cfg)[0]),
+                "moe_topk": size("num_experts_per_tok"),
                 "moe_ffn_hidden_size": size("moe_intermediate_size"),
                 "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", False))}  # HF default
                if arch == "Qwen3MoeForCausalLM" else {}),
@@ -256,6 +257,11 @@ def _presets() -> dict[str, LlamaShape]:
         "qwen2.5-72b": S(8192, 29568, 64, 8, 80, 152064, qkv_bias=True),
         "qwen3-8b": S(4096, 12288, 32, 8, 36, 151936, head_dim=128, qk_norm=True),
         "qwen3-32b": S(5120, 25600, 64, 8, 64, 151936, head_dim=128, qk_norm=True),
+        # Qwen3-MoE: 128 routed experts per layer of width moe_intermediate_size, top-8
+        "qwen3-30b-a3b": S(2048, 6144, 32, 4, 48, 151936, head_dim=128, qk_norm=True,
+                           num_experts=128, moe_topk=8, moe_ffn_hidden_size=768),
+        "qwen3-235b-a22b": S(4096, 12288, 64, 4, 94, 151936, head_dim=128, qk_norm=True,
+                             num_experts=128, moe_topk=8, moe_ffn_hidden_size=1536),
         "llama2-7b": S(4096, 11008, 32, 32, 32, 32000),
         "llama2-13b": S(5120, 13824, 40, 40, 40, 32000),
         "llama2-34b": S(8192, 22016, 64, 8, 48, 32000),  # CodeLlama-34B

@@ -97,3 +97,29 @@ def test_qwen3_235b_a22b_fits_256_gpus_with_offload_and_wide_ep():
     assert wide["fits"] and wide["moe"]["edp"] == 2
     narrow = _plan(big + ["parallel.ep=16"], A22B, 256)
     assert narrow["totals"]["train_actor"] > wide["totals"]["train_actor"] + 20e9
+
+
+def test_plan_cli_takes_ep_and_etp(capsys):
+    """`hybridrl plan --ep/--etp` (the reshard dry run, --memory, --gen-world) lays the experts
+    out over ep as the trainer does: at ep 8 x etp 1 a gen-TP-4 rank lacks the experts its
+    training rank does not hold (~12.7 GB for Qwen3-30B-A3B); before the flags the plan took
+    ep 1 (every expert local: ~0 GB moved) and --memory counted unsharded experts."""
+    import json
+
+    from hybridrl.planning.cli import main
+
+    def recv(*flags):
+        assert main(["--model", "qwen3-30b-a3b", "--world", "32", "--tp", "4", "--gen-tp", "4",
+                     "--json", *flags]) == 0
+        rep = json.loads(capsys.readouterr().out)
+        return rep["strategies"]["zero_redundancy"]["max_bytes_received_per_rank"] / 1e9
+
+    assert recv("--ep", "8", "--etp", "1") > 10.0 > 0.1 > recv()
+    assert main(["--model", "qwen3-30b-a3b", "--world", "32", "--tp", "4", "--gen-tp", "4",
+                 "--memory", "--ep", "8", "--etp", "1", "--json"]) == 0
+    sharded = json.loads(capsys.readouterr().out)
+    assert main(["--model", "qwen3-30b-a3b", "--world", "32", "--tp", "4", "--gen-tp", "4",
+                 "--memory", "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert sharded["job"]["ep"] == 8
+    assert max(sharded["totals"].values()) < max(whole["totals"].values())

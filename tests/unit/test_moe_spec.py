@@ -94,3 +94,18 @@ def test_canonical_names_carry_the_global_expert():
     name = canonical_name("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight", 4, 8)
     assert name == "decoder.layers.5.mlp.experts.local_experts.11.linear_fc1.weight"
     assert expert_index(name) == 11 and expert_index("decoder.layers.5.mlp.router.weight") is None
+
+
+def test_moe_presets_are_the_published_configs():
+    """`plan --model qwen3-30b-a3b` (reshard.specs PRESETS) is Qwen/Qwen3-30B-A3B's
+    config.json read by LlamaShape.from_hf_config, under either expert-count key (transformers
+    5 writes num_local_experts: the reshard read only num_experts), with its 30.5B parameters."""
+    from hybridrl.reshard.specs import PRESETS, LlamaShape
+
+    want = PRESETS["qwen3-30b-a3b"]
+    assert LlamaShape.from_hf_config(QWEN3_30B_A3B) == want
+    renamed = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"}
+    assert LlamaShape.from_hf_config({**renamed, "num_local_experts": 128}) == want
+    assert round(want.num_params() / 1e9, 1) == 30.5
+    big = PRESETS["qwen3-235b-a22b"]
+    assert (big.num_experts, big.moe_topk, round(big.num_params() / 1e9)) == (128, 8, 235)
