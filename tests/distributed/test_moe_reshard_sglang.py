@@ -1,15 +1,26 @@
 """SGLang 0.5.21's real Qwen3MoeForCausalLM on CPU (4 gloo ranks, one launch; the test-only
-prelude lets its modules import), at gen tp 1, 2 and 4: the reshard from megatron training
-shards (tp 2, ep 2, expert tp 1; the oracle of tests/unit/test_moe_reshard.py) in the engine
-format, loaded per rank by ``hybridrl.rollout.sglang.loader.load_direct`` (what SGLang's
-``update_weights_from_tensor`` calls for a custom loader), leaves every parameter bitwise equal
-to SGLang's own ``load_weights`` on the full HF tensors (per-expert checkpoint names). The
-per-rank shapes equal ``engine_param_shapes(..., moe_loader=True)``.
+prelude lets its modules import), at gen tp 1, 2 and 4, against the same model after SGLang's
+own ``load_weights`` on the full HF tensors (per-expert checkpoint names); every parameter must
+be bitwise equal:
+- the reshard from megatron training shards (tp 2, ep 2, expert tp 1; the oracle of
+  tests/unit/test_moe_reshard.py) in the engine format, loaded per rank by
+  ``hybridrl.rollout.sglang.loader.load_direct``; the per-rank shapes equal
+  ``engine_param_shapes``;
+- the colocated adapter path, as the rollout worker runs it: ``build_sglang_engine`` (SGLang's
+  real backend: serializer, request class) starts an in-process engine
+  (tests/support/sglang_real.py) whose ``ServerArgs`` every member's scheduler adopts, as
+  SGLang's schedulers get the engine's, so SGLang's real runner ``WeightUpdater`` knows the
+  custom loaders the adapter registered; ``sync_engine`` pushes the shards through the
+  scheduler-side updater with sessions. Each request names ``loader.LOADER`` as its
+  load_format.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+import types
 
 import pytest
 import torch
@@ -53,6 +64,90 @@ def _tp_coordinator(tg: int):
     return tp
 
 
+@dataclasses.dataclass
+class AdoptServerArgs:
+    """Test-only request: a scheduler takes its engine's ServerArgs keywords."""
+
+    kwargs: dict
+
+
+def _adopt(bridge, req):
+    """What a scheduler's start does with the engine's ServerArgs: publish them; its model
+    runner's WeightUpdater reads ``custom_weight_loaders`` from them (ModelRunner.
+    init_weight_updater: ``get_model().custom_weight_loader``, [] once SGLang resolved it)."""
+    from sglang.srt.runtime_context import get_model
+
+    from tests.support import sglang_real as real
+
+    real.publish(req.kwargs)
+    runner = bridge.manager.tp_worker.model_runner
+    runner.weight_updater = dataclasses.replace(  # a frozen dataclass
+        runner.weight_updater, custom_weight_loaders=get_model().custom_weight_loader or [])
+    return list(runner.weight_updater.custom_weight_loaders)
+
+
+def adopting_engine(bridge, **kwargs):
+    """An ``InProcessEngine`` whose start also hands its ServerArgs keywords to every member's
+    scheduler (``adopted``: the custom loaders each member's updater then knows)."""
+    from tests.support import sglang_real as real
+
+    engine = real.InProcessEngine(bridge, **kwargs)
+    engine.adopted = bridge.call(AdoptServerArgs(
+        {k: v for k, v in kwargs.items() if k != "custom_sigquit_handler"}))
+    return engine
+
+
+def _adapter_push(rank, tg, cfg, path, tp, hf, reference):
+    """The adapter's colocated path into a fresh model (see the module docstring)."""
+    import torch.distributed as dist
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    from hybridrl.config.rollout import RolloutConfig
+    from hybridrl.parallel.layout import TrainLayout
+    from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, train_placement
+    from hybridrl.reshard.planner import plan_reshard
+    from hybridrl.reshard.specs import build_specs
+    from hybridrl.rollout.engine_sync import sync_engine
+    from hybridrl.rollout.sglang.adapter import build_sglang_engine, sglang_backend
+    from hybridrl.rollout.sglang.layout import gen_tp_groups
+    from hybridrl.rollout.worker import rollout_gen_placement
+    from tests.support import sglang_real as real
+    from tests.unit.test_moe_reshard import MOE, rank_shards
+
+    layout = TrainLayout(4, tp=2, pp=1, ep=2, etp=1)
+    gen, grouping = rollout_gen_placement(layout, MOE, types.SimpleNamespace(
+        tp=tg, pp=1, grouping="hybridflow"), ENGINE_VOCAB_PAD, "sglang")
+    all_members = gen_tp_groups(gen)
+    members = next(m for m in all_members if rank in m)
+    model = Qwen3MoeForCausalLM(cfg, None)
+    real.nan_fill(model)
+    groups = [dist.new_group(m, backend="gloo") if len(m) > 1 else None for m in all_members]
+    bridge = real.SchedulerRank(model, tp, members, groups[all_members.index(members)])
+    bridge.routes[AdoptServerArgs] = functools.partial(_adopt, bridge)
+    formats, update = [], bridge.routes[UpdateWeightsFromTensorReqInput]
+    bridge.routes[UpdateWeightsFromTensorReqInput] = lambda req: (
+        formats.append(req.load_format), update(req))[1]
+    bridge.start()
+    backend = dataclasses.replace(sglang_backend(),
+                                  engine_cls=functools.partial(adopting_engine, bridge))
+    train = train_placement(layout, MOE)
+    plan = plan_reshard(train, gen, build_specs(MOE),
+                        "zero_redundancy" if grouping == "hybridflow" else "p2p", 0.01, 4)
+    handle = build_sglang_engine(path, shape=MOE, all_members=all_members, rank=rank,
+                                 device="cpu", dtype=torch.float32,
+                                 rollout=RolloutConfig(engine="sglang", timeout_s=60.0),
+                                 backend=backend)
+    sync_engine(plan, rank, MOE, rank_shards(MOE, hf, train, rank), handle, torch.float32)
+    handle.release()
+    bridge.stop()
+    want, have = dict(reference.named_parameters()), dict(model.named_parameters())
+    return {"differ": sorted(n for n in want if not torch.equal(have[n], want[n])),
+            "members": members, "sglang_tp_ranks": list(tp.ranks), "formats": set(formats),
+            "handled": bridge.handled,
+            "adopted": handle.engine.adopted if handle.is_src else None}
+
+
 def _case(rank, world, tg, root):
     from sglang.srt.arg_groups.boundary_reduction import model_boundary_reduction
     from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -87,25 +182,46 @@ def _case(rank, world, tg, root):
     asm = Assembler(plan, rank, engine_format(MOE, gen, rank), sink=got.extend,
                     sink_every_flush=True)
     run_plan(plan, train_sources(plan, named), asm)
-    table = engine_param_shapes(MOE, tg, moe_loader=True)
+    table = engine_param_shapes(MOE, tg)
     load_direct(pushed, got)
     want, have = dict(reference.named_parameters()), dict(pushed.named_parameters())
     return {"differ": sorted(n for n in want if not torch.equal(have[n], want[n])),
             "bad_shapes": sorted(n for n, t in got if table.get(n) != tuple(t.shape)),
-            "loaded": len(got), "table": len(table)}
+            "loaded": len(got), "table": len(table),
+            "adapter": _adapter_push(rank, tg, cfg, path, tp, hf, reference)}
 
 
 def _all(rank, world, root):
     from tests.support.sglang_prelude import install
 
     install()
+    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU payloads across ranks
     return {tg: _case(rank, world, tg, root) for tg in (1, 2, 4)}
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_on_ranks(_all, WORLD, str(tmp_path_factory.mktemp("moe_sglang")), timeout=600)
+
+
 @pytest.mark.slow
-def test_sglang_qwen3_moe_loads_the_resharded_experts_bitwise(tmp_path):
-    results = run_on_ranks(_all, WORLD, str(tmp_path), timeout=600)
+def test_sglang_qwen3_moe_loads_the_resharded_experts_bitwise(results):
     for rank, per_tp in enumerate(results):
         for tg, out in per_tp.items():
             assert out["differ"] == [] and out["bad_shapes"] == [], (rank, tg, out)
             assert out["loaded"] == out["table"], (rank, tg, out)  # every tensor, once
+
+
+@pytest.mark.slow
+def test_adapter_pushes_qwen3_moe_through_the_custom_loader(results):
+    from hybridrl.rollout.sglang.loader import LOADER
+
+    for rank, per_tp in enumerate(results):
+        for tg, out in per_tp.items():
+            got = out["adapter"]
+            assert got["differ"] == [], (rank, tg, got["differ"])
+            assert got["members"] == got["sglang_tp_ranks"]  # gen-TP order == SGLang's TP order
+            assert got["formats"] == {LOADER}, (rank, tg, got["formats"])
+            assert "UpdateWeightsFromTensorReqInput" in got["handled"], (rank, tg)
+            if got["adopted"] is not None:  # source: every member's updater knows the loader
+                assert got["adopted"] == [[LOADER]] * tg, (rank, tg, got["adopted"])

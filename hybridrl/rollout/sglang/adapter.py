@@ -31,18 +31,19 @@ Contract (docs/rollout.md has the diagram, the lifecycle and the memory of each 
   ``load_format="dummy"`` (the first sync writes every weight), ``enable_memory_saver=True``,
   ``skip_tokenizer_init=True``, ``mem_fraction_static`` = ``rollout.mem_fraction_static``,
   ``enable_deterministic_inference`` = ``rollout.deterministic``, the training dtype, then any
-  ``engine_kwargs`` (which may override these), and releases its memory. Every rank then learns
-  over the world side group whether all engines started: a failure (or no answer within the
-  start timeout) raises RuntimeError with the same one line on every rank.
+  ``engine_kwargs`` (which may override these), and releases its memory. A MoE model adds
+  ``loader.start_kwargs`` (refusing, in one line, ``loader.engine_kwargs_problem``). Every rank
+  then learns over the world side group whether all engines started: a failure (or no answer
+  within the start timeout) raises RuntimeError with the same one line on every rank.
 - Lifecycle (the source rank calls the engine; the others wait on the side group, at most
   ``rollout.timeout_s`` per wait, then RuntimeError naming the engine): ``start_update(plan)``
   empties every member's CUDA cache, then (after a release) resumes the weights' memory and
   opens the weight-update session where the release has one; ``update_weights(named)`` is the
-  reshard's sink at every flush (``WeightPusher`` rounds, load_format "direct", tensors
-  serialized with SGLang's reductions patch in force only around CUDA tensors:
-  ``hybridrl.rollout.sglang.env.sglang_serializer``); ``finish_update()`` empties every member's CUDA cache
-  again (the reshard's buffers), closes the session, resumes the KV cache and CUDA graphs and
-  flushes the cache (a failed flush raises); ``generate``; ``release()`` first awaits SGLang's
+  reshard's sink at every flush (``WeightPusher`` rounds, load_format "direct", a MoE model's
+  ``loader.LOADER``; tensors serialized with SGLang's reductions patch in force only around
+  CUDA tensors: ``hybridrl.rollout.sglang.env.sglang_serializer``); ``finish_update()``
+  empties every member's CUDA cache again (the reshard's buffers), closes the session,
+  resumes the KV cache and CUDA graphs and flushes the cache (a failed flush raises); ``generate``; ``release()`` first awaits SGLang's
   ``flush_cache(timeout_s)`` (the scheduler defers it until it is fully idle, at most
   ``timeout_s`` = half of ``rollout.timeout_s``, so the members' waits outlast it), then gives
   all the engine's GPU memory back before the training phases: SGLang asserts the scheduler is
@@ -86,6 +87,7 @@ from hybridrl.rollout.sglang.compat import (
 )
 from hybridrl.rollout.sglang.env import engine_start_env, sglang_serializer
 from hybridrl.rollout.sglang.layout import engine_param_shapes
+from hybridrl.rollout.sglang.loader import LOADER, engine_kwargs_problem, start_kwargs
 from hybridrl.rollout.sglang.push import WeightPusher, bounded
 
 logger = logging.getLogger(__name__)
@@ -156,7 +158,7 @@ def _gloo_groups(all_members: list[list[int]], rank: int, rollout):
 
 
 def engine_start_kwargs(model_path: str, *, tp_size: int, base: int, step: int,
-                        dtype: torch.dtype, rollout) -> dict:
+                        dtype: torch.dtype, rollout, moe: bool = False) -> dict:
     """The ServerArgs keywords the source rank starts its engine with (module docstring)."""
     port = rollout.engine_port_base + PORT_STRIDE * base
     kwargs = dict(model_path=model_path, tp_size=tp_size, base_gpu_id=base, gpu_id_step=step,
@@ -165,6 +167,8 @@ def engine_start_kwargs(model_path: str, *, tp_size: int, base: int, step: int,
                   enable_deterministic_inference=rollout.deterministic,
                   dtype=str(dtype).removeprefix("torch."))
     kwargs.update(rollout.engine_kwargs)
+    if moe:
+        kwargs.update(start_kwargs(rollout.engine_kwargs))
     return kwargs
 
 
@@ -180,6 +184,10 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
     if bad:
         raise ValueError(f"rollout.engine_kwargs must not set {bad}: the gen layout decides "
                          f"{list(RESERVED)}")
+    moe = bool(shape.num_experts)
+    problem = engine_kwargs_problem(rollout.engine_kwargs) if moe else None
+    if problem:
+        raise ValueError(problem)
     backend = backend or sglang_backend()
     members = next(m for m in all_members if rank in m)
     table = engine_param_shapes(shape, len(members))
@@ -200,7 +208,7 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
              f"{members[0]})")
     if rank == members[0]:
         kwargs = engine_start_kwargs(model_path, tp_size=len(members), base=base, step=step,
-                                     dtype=dtype, rollout=rollout)
+                                     dtype=dtype, rollout=rollout, moe=moe)
         free = [gpus[r][2] for r in members]
         logger.info(start_line(members, free))
         try:
@@ -232,7 +240,8 @@ def build_sglang_engine(model_path: str, *, shape, all_members: list[list[int]],
     if first:
         raise RuntimeError(first)
     handle = SGLangEngine(engine, backend, rank=rank, members=members, tp_group=tp_group,
-                          table=table, dtype=dtype, device=device, timeout_s=rollout.timeout_s)
+                          table=table, dtype=dtype, device=device, timeout_s=rollout.timeout_s,
+                          load_format=LOADER if moe else LOAD_FORMAT)
     handle.start_line = start_line(members, [gpus[r][2] for r in members])
     handle.release_line = checked[0] if rank == members[0] and checked else ""
     handle.seeds_honoured = bool(rollout.engine_kwargs.get("enable_deterministic_inference",
@@ -248,8 +257,9 @@ class SGLangEngine:
 
     def __init__(self, engine, backend: SGLangBackend, *, rank: int, members: list[int],
                  tp_group, table: dict, dtype: torch.dtype, device=None,
-                 timeout_s: float = 3600.0):
+                 timeout_s: float = 3600.0, load_format: str = LOAD_FORMAT):
         self.engine, self.backend, self.rank, self.members = engine, backend, rank, members
+        self.load_format = load_format
         self.tp_group, self.is_src = tp_group, rank == members[0]
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.sessions = has_weight_update_session(backend.version)
@@ -271,7 +281,7 @@ class SGLangEngine:
 
     def _load(self, payloads: list) -> tuple[bool, str]:
         req = self.backend.request_cls(serialized_named_tensors=payloads,
-                                       load_format=LOAD_FORMAT, flush_cache=False)
+                                       load_format=self.load_format, flush_cache=False)
         ok, message = self.engine.loop.run_until_complete(
             self.engine.tokenizer_manager.update_weights_from_tensor(req, None))
         return bool(ok), str(message)

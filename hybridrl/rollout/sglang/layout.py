@@ -17,10 +17,10 @@ Contract: ``engine_param_shapes(shape, tp, vocab_pad=64) -> {name: shape}`` list
 Mixture of experts (``shape.num_experts``; SGLang's Qwen3-MoE at ep 1): SGLang's FusedMoE keeps
 a layer's experts as one [E, 2Fm/tp, H] ``w13_weight`` and one [E, H, Fm/tp] ``w2_weight`` per
 rank (every expert's F cut over tp), which ``load_format="direct"`` cannot fill expert by
-expert; with ``moe_loader=True`` (the push loads through ``hybridrl.rollout.sglang.loader``) the
-table lists the engine format's router ``mlp.gate.weight`` [E, H] and per-expert
-``mlp.experts.e.gate_up_proj.weight`` [2Fm/tp, H] / ``down_proj`` [H, Fm/tp]; without it a MoE
-shape is one ValueError line.
+expert, so the adapter pushes a MoE model through ``hybridrl.rollout.sglang.loader`` and the
+table lists what that loader takes: the engine format's router ``mlp.gate.weight`` [E, H] and
+per-expert ``mlp.experts.e.gate_up_proj.weight`` [2Fm/tp, H] / ``down_proj`` [H, Fm/tp]
+(moe_intermediate_size % tp != 0 is refused, ValueError).
 ``check_named_tensors(named, table, dtype)`` returns the first problem (unknown name, wrong
 shape or dtype) as one line, or None: the push checks every tensor with it before sending.
 
@@ -40,7 +40,6 @@ import torch
 
 from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, Placement
 from hybridrl.reshard.specs import LlamaShape
-from hybridrl.rollout.sglang.loader import LOADER
 
 
 def _split(total: int, tp: int, what: str) -> int:
@@ -49,20 +48,13 @@ def _split(total: int, tp: int, what: str) -> int:
     return total // tp
 
 
-def engine_param_shapes(shape: LlamaShape, tp: int, vocab_pad: int = ENGINE_VOCAB_PAD,
-                        moe_loader: bool = False) -> dict[str, tuple[int, ...]]:
+def engine_param_shapes(shape: LlamaShape, tp: int,
+                        vocab_pad: int = ENGINE_VOCAB_PAD) -> dict[str, tuple[int, ...]]:
     """{name: per-rank shape} of one SGLang TP rank (see the module docstring)."""
-    if shape.num_experts and not moe_loader:
-        raise ValueError(
-            f"rollout.engine=sglang: a mixture-of-experts model (num_experts="
-            f"{shape.num_experts}) needs the push to load through {LOADER} (SGLang's FusedMoE "
-            "holds a layer's experts as one w13_weight / w2_weight per rank, which the direct "
-            "loader cannot fill per expert), which the adapter does not use yet; use "
-            "rollout.engine=builtin")
     H, hd = shape.hidden, shape.head_dim
     heads = _split(shape.heads, tp, "num_attention_heads")
     kv = _split(shape.num_query_groups, tp, "num_key_value_heads")
-    ffn = _split(shape.ffn, tp, "intermediate_size")
+    ffn = None if shape.num_experts else _split(shape.ffn, tp, "intermediate_size")
     vocab = _split(-(-shape.vocab // vocab_pad) * vocab_pad, tp, "padded vocab")
     qkv_rows = (heads + 2 * kv) * hd
     table: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, H),
@@ -80,7 +72,7 @@ def engine_param_shapes(shape: LlamaShape, tp: int, vocab_pad: int = ENGINE_VOCA
             table[p + "self_attn.q_norm.weight"] = (hd,)
             table[p + "self_attn.k_norm.weight"] = (hd,)
         table[p + "self_attn.o_proj.weight"] = (H, heads * hd)
-        if shape.num_experts:  # the engine format's per-expert shards (sglang.loader)
+        if shape.num_experts:  # the engine format's per-expert shards (sglang/loader.py)
             fm = _split(shape.moe_ffn_hidden_size, tp, "moe_intermediate_size")
             table[p + "mlp.gate.weight"] = (shape.num_experts, H)
             for e in range(shape.num_experts):

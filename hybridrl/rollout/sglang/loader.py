@@ -13,6 +13,16 @@ Contract:
   expert arrives in its own bucket and nothing is gathered or stacked.
 - An unknown name or a wrong shape raises ValueError naming it (the push checks the table
   ``sglang.layout.engine_param_shapes`` first, so this is a last guard).
+- The engine a MoE model starts with (``hybridrl.rollout.sglang.adapter``):
+  ``start_kwargs(engine_kwargs)`` are the ServerArgs keywords that make SGLang load through
+  ``LOADER`` and keep the layout it writes: ``custom_weight_loader`` = the user's list (from
+  ``rollout.engine_kwargs``) plus ``LOADER`` (SGLang's ``WeightUpdater`` runs a
+  ``load_format`` only if it is in that list, then imports it by its dotted path), and
+  ``moe_runner_backend="triton"`` (its FusedMoE keeps the checkpoint layout [gate; up] per
+  expert after loading; ``auto`` picks flashinfer_trtllm for Qwen3-MoE on SM100, whose
+  post-load re-layout a hot copy would bypass). ``engine_kwargs_problem(engine_kwargs)``: one
+  line when ``rollout.engine_kwargs`` changes that layout (``FIXED``: expert or MoE data
+  parallelism inside the engine, another MoE runner), else None.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import torch
 LOADER = "hybridrl.rollout.sglang.loader.load_direct"
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.weight$")
 _FUSED = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+FIXED = {"ep_size": 1, "moe_dp_size": 1, "moe_runner_backend": "triton"}  # the layout written
 
 
 def _target(params: dict, name: str) -> torch.Tensor:
@@ -45,3 +56,20 @@ def load_direct(model, named_tensors) -> None:
             raise ValueError(f"SGLang parameter {name!r} has shape {tuple(target.shape)}, "
                              f"got {tuple(tensor.shape)}")
         target.copy_(tensor)
+
+
+def engine_kwargs_problem(engine_kwargs: dict) -> str | None:
+    """One line when ``rollout.engine_kwargs`` changes the layout the loader writes, else None."""
+    for key, value in FIXED.items():
+        if key in engine_kwargs and engine_kwargs[key] != value:
+            return (f"rollout.engine_kwargs sets {key}={engine_kwargs[key]!r}: a mixture-of-"
+                    f"experts model is pushed into SGLang's FusedMoE at {key}={value!r} "
+                    "(every expert on every TP rank, its F cut over tp)")
+    return None
+
+
+def start_kwargs(engine_kwargs: dict) -> dict:
+    """The ServerArgs keywords a MoE engine starts with (see the module docstring)."""
+    loaders = list(engine_kwargs.get("custom_weight_loader") or [])
+    return {"moe_runner_backend": FIXED["moe_runner_backend"],
+            "custom_weight_loader": loaders + [LOADER] * (LOADER not in loaders)}

@@ -23,8 +23,9 @@ Contract:
   SGLang: the rows are assembled in the engine format (HF names, ``qkv_proj``/``gate_up_proj``
   fused, vocab padded to 64) on this rank's device, bucket by bucket, and every flush is one
   push round into the engine's scheduler-side updater (``update_weights_from_tensor``, load
-  format ``direct``: each TP rank's parameters take its own shard, in place; CUDA IPC on the
-  rank's own GPU), so a bucket's rows are loaded while the next bucket is on the wire and the
+  format ``direct``, or for a MoE model the adapter's custom loader ``rollout.sglang.loader``,
+  each expert's shard into its slot of the FusedMoE tensors: each TP rank's parameters take
+  its own shard, in place; CUDA IPC on the rank's own GPU), so a bucket's rows are loaded while the next bucket is on the wire and the
   whole shard is never buffered. ``finish_update`` after the last round. Returns ``RunStats``.
   Why not SGLang's ``update_weights_from_distributed``: in 0.5.21 every TP rank of the engine
   receives each tensor whole, broadcast from rank 0 of a custom group it joins
