@@ -12,7 +12,9 @@ be bitwise equal:
   SGLang's schedulers get the engine's, so SGLang's real runner ``WeightUpdater`` knows the
   custom loaders the adapter registered; ``sync_engine`` pushes the shards through the
   scheduler-side updater with sessions. Each request names ``loader.LOADER`` as its
-  load_format.
+  load_format;
+- the split placement's path, once (training ranks 0-1 at tp 1, ep 2 send over the bridge;
+  ranks 2-3 are one gen tp 2 replica: ``build_split_engine`` + ``receive_weights``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def _hf_config(shape):
         torch_dtype="float32")
 
 
-def _tp_coordinator(tg: int):
+def _tp_coordinator(tg: int, tag: str = ""):
     """tests/support/sglang_real.tp_coordinator plus SGLang's MoE widths and ranks at ep 1
     (moe_tp = tp), published in the same override (SGLang validates them together)."""
     import torch.distributed as dist
@@ -52,9 +54,9 @@ def _tp_coordinator(tg: int):
     world = dist.get_world_size()
     opts = dict(use_pynccl=False, use_custom_allreduce=False)
     tp = ps.init_model_parallel_group([list(range(i, i + tg)) for i in range(0, world, tg)], 0,
-                                      "gloo", group_name=f"moe_tp{tg}", **opts)
+                                      "gloo", group_name=f"moe_tp{tg}{tag}", **opts)
     pp = ps.init_model_parallel_group([[r] for r in range(world)], 0, "gloo",
-                                      group_name=f"moe_pp{tg}", **opts)
+                                      group_name=f"moe_pp{tg}{tag}", **opts)
     r = tp.rank_in_group
     get_parallel().override_permanently(
         tp_size=tg, tp_rank=r, pp_size=1, pp_rank=0, attn_tp_size=tg, attn_tp_rank=r,
@@ -100,7 +102,6 @@ def adopting_engine(bridge, **kwargs):
 def _adapter_push(rank, tg, cfg, path, tp, hf, reference):
     """The adapter's colocated path into a fresh model (see the module docstring)."""
     import torch.distributed as dist
-    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
     from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 
     from hybridrl.config.rollout import RolloutConfig
@@ -109,7 +110,7 @@ def _adapter_push(rank, tg, cfg, path, tp, hf, reference):
     from hybridrl.reshard.planner import plan_reshard
     from hybridrl.reshard.specs import build_specs
     from hybridrl.rollout.engine_sync import sync_engine
-    from hybridrl.rollout.sglang.adapter import build_sglang_engine, sglang_backend
+    from hybridrl.rollout.sglang.adapter import build_sglang_engine
     from hybridrl.rollout.sglang.layout import gen_tp_groups
     from hybridrl.rollout.worker import rollout_gen_placement
     from tests.support import sglang_real as real
@@ -123,14 +124,7 @@ def _adapter_push(rank, tg, cfg, path, tp, hf, reference):
     model = Qwen3MoeForCausalLM(cfg, None)
     real.nan_fill(model)
     groups = [dist.new_group(m, backend="gloo") if len(m) > 1 else None for m in all_members]
-    bridge = real.SchedulerRank(model, tp, members, groups[all_members.index(members)])
-    bridge.routes[AdoptServerArgs] = functools.partial(_adopt, bridge)
-    formats, update = [], bridge.routes[UpdateWeightsFromTensorReqInput]
-    bridge.routes[UpdateWeightsFromTensorReqInput] = lambda req: (
-        formats.append(req.load_format), update(req))[1]
-    bridge.start()
-    backend = dataclasses.replace(sglang_backend(),
-                                  engine_cls=functools.partial(adopting_engine, bridge))
+    bridge, formats, backend = _scheduler(model, tp, members, groups[all_members.index(members)])
     train = train_placement(layout, MOE)
     plan = plan_reshard(train, gen, build_specs(MOE),
                         "zero_redundancy" if grouping == "hybridflow" else "p2p", 0.01, 4)
@@ -141,11 +135,83 @@ def _adapter_push(rank, tg, cfg, path, tp, hf, reference):
     sync_engine(plan, rank, MOE, rank_shards(MOE, hf, train, rank), handle, torch.float32)
     handle.release()
     bridge.stop()
+    return _outcome(reference, model, members, tp, formats, bridge, handle)
+
+
+def _scheduler(model, tp, members, group):
+    """One member's stand-in scheduler (SGLang's real updater code), the load formats its
+    requests named, and the real backend whose engine hands the members its ServerArgs."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+    from hybridrl.rollout.sglang.adapter import sglang_backend
+    from tests.support import sglang_real as real
+
+    bridge = real.SchedulerRank(model, tp, members, group)
+    bridge.routes[AdoptServerArgs] = functools.partial(_adopt, bridge)
+    formats, update = [], bridge.routes[UpdateWeightsFromTensorReqInput]
+    bridge.routes[UpdateWeightsFromTensorReqInput] = lambda req: (
+        formats.append(req.load_format), update(req))[1]
+    bridge.start()
+    backend = dataclasses.replace(sglang_backend(),
+                                  engine_cls=functools.partial(adopting_engine, bridge))
+    return bridge, formats, backend
+
+
+def _outcome(reference, model, members, tp, formats, bridge, handle) -> dict:
     want, have = dict(reference.named_parameters()), dict(model.named_parameters())
     return {"differ": sorted(n for n in want if not torch.equal(have[n], want[n])),
             "members": members, "sglang_tp_ranks": list(tp.ranks), "formats": set(formats),
             "handled": bridge.handled,
             "adopted": handle.engine.adopted if handle.is_src else None}
+
+
+def _split_case(rank, world, root):
+    """Split placement: training ranks 0-1 (tp 1, ep 2) send over the bridge, generation ranks
+    2-3 (one replica, gen tp 2) build their engine with ``build_split_engine`` and receive with
+    ``receive_weights``, into a fresh SGLang Qwen3-MoE (None on the training ranks)."""
+    import torch.distributed as dist
+    from sglang.srt.arg_groups.boundary_reduction import model_boundary_reduction
+    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    from hybridrl.config.rollout import RolloutConfig
+    from hybridrl.parallel.layout import TrainLayout
+    from hybridrl.parallel.split import build_split_groups
+    from hybridrl.reshard.assemble import Assembler
+    from hybridrl.reshard.executor import run_plan, train_sources
+    from hybridrl.rollout.split.engine import build_split_engine, engine_split_plan
+    from tests.support import sglang_real as real
+    from tests.unit.test_moe_reshard import MOE, make_moe_hf, rank_shards
+
+    cfg, path = _hf_config(MOE), os.path.join(root, "qwen3moe_tp2")  # written by _case
+    train = TrainLayout(2, tp=1, ep=2)
+    split = build_split_groups(train, 2, 2, timeout_s=120)
+    real.publish({"model_path": path, "tp_size": 2, "load_format": "dummy", "dtype": "float32",
+                  "skip_tokenizer_init": True, "boundary_reduction": model_boundary_reduction(cfg)})
+    tp = _tp_coordinator(2, "split")  # blocks [0, 1], [2, 3]: the replica is one block
+    channels = [dist.new_group(m, backend="gloo") if len(m) > 1 else None
+                for m in split.gen_replicas()]
+    hf, out = make_moe_hf(MOE, seed=11), None
+    if split.is_gen:
+        model, reference = Qwen3MoeForCausalLM(cfg, None), Qwen3MoeForCausalLM(cfg, None)
+        real.nan_fill(model)
+        reference.load_weights(list(hf.items()))
+        members = split.gen_replicas()[0]
+        bridge, formats, backend = _scheduler(model, tp, members, channels[0])
+        run = types.SimpleNamespace(
+            rollout=RolloutConfig(engine="sglang", timeout_s=60.0),
+            model=types.SimpleNamespace(path=path), reshard=types.SimpleNamespace(bucket_mb=0.01))
+        engine = build_split_engine(run, split, MOE, train=train, dtype=torch.float32,
+                                    uses_te=False, backend=backend)
+        engine.receive_weights(True)
+        bridge.stop()
+        out = _outcome(reference, model, engine.members, tp, formats, bridge, engine.engine)
+    else:
+        plan = engine_split_plan("sglang", train, MOE, 2, 2, 0.01, torch.float32, False)
+        sources = train_sources(plan, rank, rank_shards(MOE, hf, plan.train, rank))
+        run_plan(plan, rank, sources, Assembler(plan, rank, None, dtype=torch.float32),
+                 group=split.bridge)
+    dist.barrier()
+    return out
 
 
 def _case(rank, world, tg, root):
@@ -196,7 +262,8 @@ def _all(rank, world, root):
 
     install()
     torch.multiprocessing.set_sharing_strategy("file_system")  # CPU payloads across ranks
-    return {tg: _case(rank, world, tg, root) for tg in (1, 2, 4)}
+    out = {tg: _case(rank, world, tg, root) for tg in (1, 2, 4)}
+    return out, _split_case(rank, world, root)
 
 
 @pytest.fixture(scope="module")
@@ -206,22 +273,33 @@ def results(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sglang_qwen3_moe_loads_the_resharded_experts_bitwise(results):
-    for rank, per_tp in enumerate(results):
+    for rank, (per_tp, _) in enumerate(results):
         for tg, out in per_tp.items():
             assert out["differ"] == [] and out["bad_shapes"] == [], (rank, tg, out)
             assert out["loaded"] == out["table"], (rank, tg, out)  # every tensor, once
 
 
-@pytest.mark.slow
-def test_adapter_pushes_qwen3_moe_through_the_custom_loader(results):
+def _check_adapter_push(got, tg, where):
     from hybridrl.rollout.sglang.loader import LOADER
 
-    for rank, per_tp in enumerate(results):
+    assert got["differ"] == [], (where, got["differ"])
+    assert got["members"] == got["sglang_tp_ranks"]  # gen-TP order == SGLang's TP order
+    assert got["formats"] == {LOADER}, (where, got["formats"])
+    assert "UpdateWeightsFromTensorReqInput" in got["handled"], where
+    if got["adopted"] is not None:  # source: every member's updater knows the loader
+        assert got["adopted"] == [[LOADER]] * tg, (where, got["adopted"])
+
+
+@pytest.mark.slow
+def test_adapter_pushes_qwen3_moe_through_the_custom_loader(results):
+    for rank, (per_tp, _) in enumerate(results):
         for tg, out in per_tp.items():
-            got = out["adapter"]
-            assert got["differ"] == [], (rank, tg, got["differ"])
-            assert got["members"] == got["sglang_tp_ranks"]  # gen-TP order == SGLang's TP order
-            assert got["formats"] == {LOADER}, (rank, tg, got["formats"])
-            assert "UpdateWeightsFromTensorReqInput" in got["handled"], (rank, tg)
-            if got["adopted"] is not None:  # source: every member's updater knows the loader
-                assert got["adopted"] == [[LOADER]] * tg, (rank, tg, got["adopted"])
+            _check_adapter_push(out["adapter"], tg, (rank, tg))
+
+
+@pytest.mark.slow
+def test_split_engine_pushes_qwen3_moe_through_the_custom_loader(results):
+    split = [out for _, out in results]
+    assert split[:2] == [None, None]  # the training ranks only send
+    for rank in (2, 3):
+        _check_adapter_push(split[rank], 2, ("split", rank))
