@@ -20,7 +20,9 @@ Contract:
   ``load_format`` only if it is in that list, then imports it by its dotted path), and
   ``moe_runner_backend="triton"`` (its FusedMoE keeps the checkpoint layout [gate; up] per
   expert after loading; ``auto`` picks flashinfer_trtllm for Qwen3-MoE on SM100, whose
-  post-load re-layout a hot copy would bypass). ``engine_kwargs_problem(engine_kwargs)``: one
+  post-load re-layout a hot copy would bypass; so would SGLang's opt-in
+  ``SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED=1``, off by default and not supported here).
+  ``engine_kwargs_problem(engine_kwargs)``: one
   line when ``rollout.engine_kwargs`` changes that layout (``FIXED``: expert or MoE data
   parallelism inside the engine, another MoE runner), else None.
 """
