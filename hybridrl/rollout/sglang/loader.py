@@ -22,9 +22,9 @@ Contract:
   expert after loading; ``auto`` picks flashinfer_trtllm for Qwen3-MoE on SM100, whose
   post-load re-layout a hot copy would bypass; so would SGLang's opt-in
   ``SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED=1``, off by default and not supported here).
-  ``engine_kwargs_problem(engine_kwargs)``: one
-  line when ``rollout.engine_kwargs`` changes that layout (``FIXED``: expert or MoE data
-  parallelism inside the engine, another MoE runner), else None.
+  ``engine_kwargs_problem(engine_kwargs)``: one line when ``rollout.engine_kwargs`` changes
+  that layout (``FIXED``: expert or MoE data parallelism inside the engine, another MoE
+  runner), else None.
 """
 
 from __future__ import annotations
