@@ -46,6 +46,8 @@ def _worker(rank: int, timeout_s: float):
     w = object.__new__(RolloutWorker)  # only what generate_partitioned reads before partitioning
     w.rank, w.replica, w.n_replicas, w.is_src = rank, rank, 2, True
     w.gen = types.SimpleNamespace(tp=1, rank_at=lambda b, p, rep: rep)
+    w.layout = types.SimpleNamespace(dp=2, coords=lambda r: {"dp": r})  # one rank per replica
+    w.routing = None  # a dense model: no expert ids travel
     w.device, w.engine, w.timeout_s, w.generates = torch.device("cpu"), _SlowEngine(rank), \
         timeout_s, 0
     return w
