@@ -4,9 +4,12 @@ Contract:
 - ``build_multi_turn(cfg, tokenizer, worker)`` returns ``worker`` itself when
   ``rollout.multi_turn.enable`` is false or it is a ``MultiTurnWorker`` already, else a ``MultiTurnWorker`` around it (tools built and
   checked first: ``hybridrl.tools.registry.build_tools``; the format from the tokenizer:
-  ``hybridrl.rollout.multi_turn.format``). A split placement's worker (no engine on the
-  training ranks) is refused with one line: its generation ranks build their engine
-  themselves (``hybridrl.rollout.split.server``) and would need the same wrap there.
+  ``hybridrl.rollout.multi_turn.format``). A split placement's worker has no engine on the
+  training ranks: its generation ranks run the loop themselves (``loop_engine_of(cfg,
+  tokenizer, engine)`` in ``hybridrl.rollout.split.server``), the wrapper only derives the loss
+  mask of the received tails and their statistics (``mask_stats``: sequences, turns, tool
+  calls, tokens by source; the tool errors, timeouts and end reasons stay on the generation
+  ranks and are not reported), counted once per DP replica.
 - ``MultiTurnWorker`` answers everything the worker answers (``sync_weights``, ``release``,
   ``gen``, ...) and runs ``generate`` / ``generate_partitioned`` of the worker with its engine
   replaced, for that call only, by a ``LoopEngine`` (``generate`` = one ``AgentLoop.run``):
@@ -31,6 +34,7 @@ import torch.distributed as dist
 
 from hybridrl.rollout.multi_turn.format import build_format, loss_mask
 from hybridrl.rollout.multi_turn.loop import STAT_KEYS, AgentLoop, Budgets, LoopOutput
+from hybridrl.tools.registry import build_tools
 
 
 class LoopEngine:
@@ -76,7 +80,10 @@ class MultiTurnWorker:
 
     @contextlib.contextmanager
     def _looping(self):
-        real = self._worker.engine
+        real = getattr(self._worker, "engine", None)
+        if real is None:  # split placement: the loop runs on the generation ranks
+            yield None
+            return
         loop = LoopEngine(real, self.fmt, self.tools, self.budgets)
         self._worker.engine = loop
         try:
@@ -88,15 +95,23 @@ class MultiTurnWorker:
         """The model's tokens of these tails, [N, R] (``format.loss_mask``)."""
         return loss_mask(self.fmt, response_ids, response_mask)
 
-    def _finish(self, out, loop: LoopEngine) -> LoopOutput:
-        mine = loop.stats if getattr(self._worker, "is_src", True) else dict.fromkeys(STAT_KEYS, 0)
-        sums = torch.tensor([float(mine[k]) for k in STAT_KEYS], dtype=torch.float64)
+    def _finish(self, out, loop: LoopEngine | None) -> LoopOutput:
+        mask = self.loss_mask(out.response_ids, out.response_mask)
+        if loop is None:  # split: counted from the received tails, once per DP replica
+            g = self._worker.groups
+            keys = MASK_STAT_KEYS
+            mine = (mask_stats(mask, out.response_mask) if g.tp_rank == 0 and g.pp_rank == 0
+                    else dict.fromkeys(keys, 0))
+        else:
+            keys = STAT_KEYS
+            mine = (loop.stats if getattr(self._worker, "is_src", True)
+                    else dict.fromkeys(keys, 0))
+        sums = torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64)
         if dist.is_initialized():
             sums = sums.to(self._worker.device)
             dist.all_reduce(sums)
-        self._metrics = dict(zip(STAT_KEYS, sums.cpu().tolist()))
-        return LoopOutput(out.response_ids, out.response_mask, out.logprobs,
-                          loss_mask=self.loss_mask(out.response_ids, out.response_mask))
+        self._metrics = dict(zip(keys, sums.cpu().tolist()))
+        return LoopOutput(out.response_ids, out.response_mask, out.logprobs, loss_mask=mask)
 
     def generate(self, prompts, params, seed: int):
         with self._looping() as loop:
@@ -116,11 +131,42 @@ class MultiTurnWorker:
         n = max(m["sequences"], 1.0)
         out = {f"{prefix}turns/mean": m["turns"] / n, f"{prefix}tool_calls/mean": m["tool_calls"] / n,
                f"{prefix}tool_calls/rate": m["with_calls"] / n,
-               f"{prefix}tool_errors": m["tool_errors"], f"{prefix}tool_timeouts": m["tool_timeouts"],
                f"{prefix}tokens/model": m["model_tokens"], f"{prefix}tokens/tool": m["tool_tokens"]}
-        for reason in ("answer", "budget", "turns", "tool_calls"):
-            out[f"{prefix}ended/{reason}"] = m[f"ended_{reason}"] / n
+        if "tool_errors" in m:  # the loop's own record (not in split placement: see mask_stats)
+            out[f"{prefix}tool_errors"] = m["tool_errors"]
+            out[f"{prefix}tool_timeouts"] = m["tool_timeouts"]
+            for reason in ("answer", "budget", "turns", "tool_calls"):
+                out[f"{prefix}ended/{reason}"] = m[f"ended_{reason}"] / n
         return out
+
+
+MASK_STAT_KEYS = ("sequences", "with_calls", "turns", "tool_calls", "model_tokens", "tool_tokens")
+
+
+def mask_stats(loss_mask_NR: torch.Tensor, response_mask_NR: torch.Tensor) -> dict[str, int]:
+    """The loop statistics a tail's masks show (split placement, where the loop ran on the
+    generation ranks): model turns = runs of model tokens, tool calls = runs of other tokens
+    between or after them (a tool's output with the format's template tokens)."""
+    model = loss_mask_NR.bool() & response_mask_NR.bool()
+    other = response_mask_NR.bool() & ~model
+    pad = torch.zeros(model.shape[0], 1, dtype=torch.bool)
+
+    def runs(x):  # starts of runs of True per row
+        return (x & ~torch.cat([pad, x[:, :-1]], 1)).sum(1)
+
+    turns, calls = runs(model), runs(other)
+    return {"sequences": int(model.shape[0]), "with_calls": int((calls > 0).sum()),
+            "turns": int(turns.sum()), "tool_calls": int(calls.sum()),
+            "model_tokens": int(model.sum()), "tool_tokens": int(other.sum())}
+
+
+def loop_engine_of(cfg, tokenizer, engine) -> LoopEngine:
+    """``engine`` wrapped in the agent loop of ``rollout.multi_turn`` (a split placement's
+    generation ranks: ``hybridrl.rollout.split.server``)."""
+    mt = cfg.rollout.multi_turn
+    tools = build_tools(mt.tools, mt.tool_timeout_s or None, mt.max_tool_response_chars)
+    return LoopEngine(engine, build_format(mt.format, tokenizer, tools.schemas()), tools,
+                      budgets_of(cfg))
 
 
 def budgets_of(cfg) -> Budgets:
@@ -136,12 +182,6 @@ def build_multi_turn(cfg, tokenizer, worker):
     mt = cfg.rollout.multi_turn
     if not mt.enable or isinstance(worker, MultiTurnWorker):  # off, or wrapped already
         return worker
-    if getattr(worker, "engine", None) is None:
-        raise ValueError("rollout.multi_turn.enable with parallel.placement=split is not "
-                         "supported yet (the generation ranks' server builds its engine "
-                         "itself); use the colocated placement")
-    from hybridrl.tools.registry import build_tools
-
     tools = build_tools(mt.tools, mt.tool_timeout_s or None, mt.max_tool_response_chars)
     fmt = build_format(mt.format, tokenizer, tools.schemas())
     return MultiTurnWorker(worker, fmt, tools, budgets_of(cfg))

@@ -8,7 +8,9 @@ Contract:
   (``rollout.split.engine.build_split_engine``: ``rollout.engine`` builtin on its gen shard and
   gen TP group ``split.gen_tp``, or one SGLang Engine per replica; on ``split.device()``;
   replica = its gen_tp consecutive ranks), empty until the first sync. Then, per command
-  (``hybridrl.rollout.split.link.Command``): ``sync``: the split plan over the bridge into the
+  (``hybridrl.rollout.split.link.Command``; with ``rollout.multi_turn.enable`` each ``gen``
+  runs the agent loop around the engine, ``multi_turn.loop_engine_of``, and the tails travel
+  like any response): ``sync``: the split plan over the bridge into the
   engine (``SplitEngine.receive_weights``: builtin in place, SGLang pushed bucket by bucket),
   then ``finish_update``; ``gen``: samples its
   replica's share; the replica's first rank keeps the rows (per request seed) and posts every
@@ -51,6 +53,11 @@ def serve(cfg, split, phases=None, on_started=None) -> int:
     spec, uses_te, dtype, train = receive_command(split)
     se = build_split_engine(cfg, split, spec, train=train, dtype=dtype, uses_te=uses_te)
     rank, engine, members = split.rank, se.engine, se.members
+    if cfg.rollout.multi_turn.enable:  # the agent loop runs here, where the engine is
+        from hybridrl.data.build import build_tokenizer
+        from hybridrl.rollout.multi_turn.wrap import loop_engine_of
+
+        engine = loop_engine_of(cfg, build_tokenizer(cfg.model), engine)
     replica = se.plan.gen.coords[rank][2]
     n_replicas, pending, batches, verify, syncs = len(split.gen_replicas()), [], 0, True, 0
     held = {}  # request seed -> (rows, GenerationOutput): generated, not yet handed off
