@@ -124,3 +124,26 @@ def test_a_weight_sync_first_collects_the_batches_requested_before_it(monkeypatc
     with pytest.raises(GenerationTimeout, match="generation rank 1"):
         rr.sync_weights(actor=None)
     assert sent == []  # no sync command went out behind the hung batch
+
+
+def test_forgotten_results_are_dropped_on_the_generation_ranks(monkeypatch):
+    """Review of issue 39 (F4): a KL-guard rollback reloads the checkpoint's in-flight batches
+    (keep); results collected since then, whose rows still wait on the generation ranks, were
+    forgotten on the training side only and stayed held there for the rest of the run. Each is
+    now dropped there with a handoff to no training rank (a batch held locally needs none)."""
+    import torch
+
+    from hybridrl.rollout.base import GenerationOutput
+    from hybridrl.rollout.split import remote
+
+    rr = remote.RemoteRollout.__new__(remote.RemoteRollout)
+    out = GenerationOutput(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
+                           torch.zeros(1, 2))
+    rr.outstanding, rr.dp_of, sent = [], [0, 0, 1], []
+    rr.kept = {7: remote.Results([[1]], [2], 0.0, 0.0, 1),  # rows on the generation ranks
+               8: remote.Results([[1]], [2], 0.0, 0.0, 1, local=out)}  # from a checkpoint
+    monkeypatch.setattr(rr, "_command", sent.append, raising=False)
+    rr.keep([])
+    assert [(c.op, c.seed, c.drop, c.dp_of) for c in sent] == [("handoff", 7, True,
+                                                                [None, None, None])]
+    assert rr.kept == {}

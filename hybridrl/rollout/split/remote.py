@@ -228,8 +228,14 @@ class RemoteRollout:
                 "wait_s": res.wait_s, "syncs": res.syncs}
 
     def keep(self, states: list[dict]) -> None:
-        """Forget every kept result, then keep ``states``' (``kept_state``'s form)."""
+        """Forget every kept result, then keep ``states``' (``kept_state``'s form). A forgotten
+        result whose rows still wait on the generation ranks (a KL-guard rollback to a
+        checkpoint at async_steps >= 1) is dropped there too: a handoff to no training rank."""
         self.collect()
+        for seed, res in self.kept.items():
+            if res.local is None:
+                self._command(Command("handoff", seed=seed, parts=[],
+                                      dp_of=[None] * len(self.dp_of), drop=True))
         self.kept = {}
         for state in states:
             out = GenerationOutput(state["ids"], state["mask"], state["logprobs"])
