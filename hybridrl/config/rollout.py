@@ -49,6 +49,11 @@ class MultiTurnConfig:
                                  "answered 'error: timed out' (0: each tool's own).")
     max_tool_response_chars: int = knob(2000, "Tool output longer than this is cut (> 0).")
     max_parallel_calls: int = knob(4, "Tool calls of one round run on this many threads.")
+    turn_reward_fn: str = knob("", "Per-turn reward hook 'package.module:function' | "
+                               "'file.py:function': fn(turns, data_source, ground_truth, "
+                               "extra_info) -> one number per assistant turn (or one: the last "
+                               "turn's), added at each turn's last token on top of the outcome "
+                               "reward. Empty: none.")
 
     def __post_init__(self) -> None:
         check_choice("rollout.multi_turn.format", self.format, MULTI_TURN_FORMATS)

@@ -85,6 +85,7 @@ from hybridrl.rewards.distributed import DistributedScorer, global_score_metrics
 from hybridrl.rewards.reward_model import place_on_last_token, value_at_last_token
 from hybridrl.rollout.batch import RolloutBatch, batch_metrics, gather_response
 from hybridrl.rollout.multi_turn import build_multi_turn
+from hybridrl.rollout.multi_turn.turn_rewards import build_turn_rewards
 from hybridrl.rollout.partition import TransportStats, plan_rollout_partition
 from hybridrl.rollout.split.remote import build_rollout_worker
 from hybridrl.rollout.worker import reshard_metrics
@@ -171,6 +172,7 @@ class PPOTrainer:
         self.worker = self.memory.start_engine(  # training state away first (docs/memory.md)
             lambda: build_rollout_worker(cfg, groups, self.actor, self.tokenizer, split))
         self.worker = build_multi_turn(cfg, self.tokenizer, self.worker)  # rollout.multi_turn
+        self.turn_rewards = build_turn_rewards(cfg, self.tokenizer)  # its per-turn hook
         self.overlap = Overlap(self)  # rollout.async_steps (hybridrl/trainer/overlap.py)
         self.log.startup(f"hybridrl: models built and weights loaded ({t_models - t_start:.1f} s),"
                          f" engine ready ({time.perf_counter() - t_models:.1f} s)")
@@ -326,6 +328,10 @@ class PPOTrainer:
         metrics.update(reward_metrics)
         with self.memory.timed(timing, "adv"):
             rewards = place_on_last_token(scores, mask).float()
+            if self.turn_rewards is not None:  # multi-turn: each turn's reward at its end
+                turn = self.turn_rewards(rb)
+                rewards = rewards + turn  # (its metric: this rank's rows, per sequence)
+                metrics["multi_turn/turn_reward/mean"] = float(turn.sum()) / max(len(rb), 1)
             if cfg.algorithm.use_kl_in_reward:
                 rewards, kl_metrics = apply_kl_in_reward(rewards, old, tensors["ref_log_probs"],
                                                          mask, self.kl_ctrl,

@@ -190,8 +190,13 @@ def _split_rank(rank, world, tmp):
 
     PPOTrainer._rollout = spy
     try:
+        with open(f"{tmp}/turn_hooks.py", "w") as f:  # one reward per assistant turn
+            f.write("def one_each(turns, **kw):\n"
+                    "    return [1.0 for t in turns if t['role'] == 'assistant']\n")
         cfg = load_config([CONFIG], _overrides(tmp, "split", 2, (
-            "parallel.placement=split", "parallel.gen.world=1")), world_size=world)
+            "parallel.placement=split", "parallel.gen.world=1",
+            f"rollout.multi_turn.turn_reward_fn={tmp}/turn_hooks.py:one_each")),
+            world_size=world)
         train, _ = build_layout(cfg, world)
         torch.manual_seed(cfg.trainer.seed)
         hist = fit_split(cfg, train, 120, print_fn=lambda *a, **k: None)
@@ -210,7 +215,7 @@ def test_multi_turn_in_split_placement(tmp_path):
     """The generation rank runs the agent loop around its engine (rollout.split.server); the
     training rank reads the loss mask back from the received tails: tool segments are there,
     its log-probs equal the engine's on every model token, the multi-turn metrics come from the
-    masks (was: refused in one line)."""
+    masks (was: refused in one line); a per-turn reward hook pays each assistant turn."""
     res = run_on_ranks(_split_rank, 2, str(tmp_path), timeout=600, preload=("megatron.core",))
     train, gen = res
     assert gen["batches"] == 2
@@ -218,3 +223,7 @@ def test_multi_turn_in_split_placement(tmp_path):
     assert train["lp_gap"] < 1e-4, train["lp_gap"]
     last = train["hist"][-1]
     assert last["multi_turn/turns/mean"] > 1.0 and "multi_turn/tool_errors" not in last
+    # the per-turn hook (rollout.multi_turn.turn_reward_fn): 1 per assistant turn, so its mean
+    # per sequence is the mean number of turns (one training rank: the same rows)
+    for m in train["hist"]:
+        assert m["multi_turn/turn_reward/mean"] == pytest.approx(m["multi_turn/turns/mean"])
