@@ -87,9 +87,10 @@ CHECKPOINTED = ("llama3", "qwen3_tied", "qwen25_yarn")  # through `hybridrl expo
 OTHER_LAYOUTS = {"llama3_tied": (1, 2), "qwen3": (2, 1), "qwen25_yarn": (1, 2)}  # (tp, pp), dp 2
 
 
-def save_family(folder: str, config: dict, seed: int) -> str:
-    """Random weights for ``config`` saved with save_pretrained; config.json is then the
-    scaled-down real one exactly as given (transformers 4.x style keys)."""
+def save_family(folder: str, config: dict, seed: int, noise: float = 0.05) -> str:
+    """Random weights for ``config`` (the default init plus ``noise`` x a normal draw) saved with
+    save_pretrained; config.json is then the scaled-down real one exactly as given
+    (transformers 4.x style keys)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     os.makedirs(folder, exist_ok=True)
@@ -99,7 +100,7 @@ def save_family(folder: str, config: dict, seed: int) -> str:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     with torch.no_grad():  # larger than the default init, so differences show
         for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_(noise * torch.randn_like(p))
     model.save_pretrained(folder)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)

@@ -30,6 +30,7 @@ from hybridrl.models.vocab_parallel import reference_logprobs_entropy
 from hybridrl.testing.dist import run_on_ranks
 from tests.distributed import test_models_cases as base
 from tests.distributed import test_moe_train_cases as moe_cases
+from tests.distributed.test_models_families import save_family
 
 VOCAB, SEQ, N_SEQS = 100, 10, 8
 TOL = 1e-5
@@ -50,20 +51,9 @@ QWEN3_MOE = {  # Qwen/Qwen3-30B-A3B's config.json keys, scaled down
 
 
 def _save(folder: str, config: dict, seed: int) -> str:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    with torch.no_grad():  # larger than the default init, so differences show
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    with open(os.path.join(folder, "config.json"), "w") as f:  # the Hub's keys, as given
-        json.dump(config, f)
-    return folder
+    """The HF folder of ``config`` (test_models_families.save_family, a larger weight noise so
+    that differences show)."""
+    return save_family(folder, config, seed, noise=0.1)
 
 
 def _hf_model(folder):

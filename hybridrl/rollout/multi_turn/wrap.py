@@ -160,13 +160,17 @@ def mask_stats(loss_mask_NR: torch.Tensor, response_mask_NR: torch.Tensor) -> di
             "model_tokens": int(model.sum()), "tool_tokens": int(other.sum())}
 
 
+def _loop_parts(cfg, tokenizer):
+    """(format, tools, budgets) of ``rollout.multi_turn`` (tools built and checked first)."""
+    mt = cfg.rollout.multi_turn
+    tools = build_tools(mt.tools, mt.tool_timeout_s or None, mt.max_tool_response_chars)
+    return build_format(mt.format, tokenizer, tools.schemas()), tools, budgets_of(cfg)
+
+
 def loop_engine_of(cfg, tokenizer, engine) -> LoopEngine:
     """``engine`` wrapped in the agent loop of ``rollout.multi_turn`` (a split placement's
     generation ranks: ``hybridrl.rollout.split.server``)."""
-    mt = cfg.rollout.multi_turn
-    tools = build_tools(mt.tools, mt.tool_timeout_s or None, mt.max_tool_response_chars)
-    return LoopEngine(engine, build_format(mt.format, tokenizer, tools.schemas()), tools,
-                      budgets_of(cfg))
+    return LoopEngine(engine, *_loop_parts(cfg, tokenizer))
 
 
 def budgets_of(cfg) -> Budgets:
@@ -182,6 +186,4 @@ def build_multi_turn(cfg, tokenizer, worker):
     mt = cfg.rollout.multi_turn
     if not mt.enable or isinstance(worker, MultiTurnWorker):  # off, or wrapped already
         return worker
-    tools = build_tools(mt.tools, mt.tool_timeout_s or None, mt.max_tool_response_chars)
-    fmt = build_format(mt.format, tokenizer, tools.schemas())
-    return MultiTurnWorker(worker, fmt, tools, budgets_of(cfg))
+    return MultiTurnWorker(worker, *_loop_parts(cfg, tokenizer))
