@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -34,12 +36,14 @@ from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.coalesce import Merges, agree
 from hybridrl.reshard.executor import (
     Replay,
+    RunStats,
     _local_error,
     check_same_plan,
     run_plan,
     train_sources,
 )
 from hybridrl.reshard.formats import engine_format, hf_name
+from hybridrl.reshard.planner import Plan
 from hybridrl.reshard.specs import LlamaShape
 
 # a sender's hole up to this travels in the message (cheaper than a message of its own)
@@ -95,8 +99,10 @@ def inplace_targets(plan, rank: int, named: dict, engine, alias: bool) -> dict:
 
 
 @torch.no_grad()
-def sync_engine(plan, rank: int, shape: LlamaShape, named: dict, engine, dtype, device="cpu",
-                alias: bool = False, verify: bool = True, coalescing: Coalescing | None = None):
+def sync_engine(plan: Plan, rank: int, shape: LlamaShape, named: Mapping[str, torch.Tensor],
+                engine: Any, dtype: torch.dtype, device: str | torch.device = "cpu",
+                alias: bool = False, verify: bool = True,
+                coalescing: Coalescing | None = None) -> RunStats:
     """Run ``plan`` from this rank's training tensors ``named`` into ``engine`` (collective).
 
     An engine with ``buffer`` (the builtin one; needs a gen-shard strategy) is filled in place:

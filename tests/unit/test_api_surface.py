@@ -10,21 +10,11 @@ import inspect
 import os
 import re
 import sys
-import textwrap
 import typing
-
-import pytest
 
 import hybridrl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-# public names whose home module (owned elsewhere) still lacks a docstring or a parameter's
-# type hint: reported to their owners; the check below fails for any name NOT listed here
-PENDING = {
-    "sync_engine": "hybridrl/rollout/engine_sync.py: plan, engine, dtype, device",
-}
-
 
 def _api_text() -> str:
     with open(os.path.join(ROOT, "docs", "api.md"), encoding="utf-8") as f:
@@ -92,7 +82,7 @@ def test_every_public_name_has_a_docstring_and_hinted_parameters():
     gaps = {name: _gaps(getattr(hybridrl, name)) for name in hybridrl.__all__}
     gaps.update({f"testing.{n}": _gaps(getattr(testing, n)) for n in testing.__all__})
     gaps = {name: g for name, g in gaps.items() if g}
-    assert sorted(set(gaps) - set(PENDING)) == [], {n: gaps[n] for n in set(gaps) - set(PENDING)}
+    assert gaps == {}
 
 
 def test_gap_finder_sees_missing_docstrings_and_hints():
@@ -108,7 +98,8 @@ def test_gap_finder_sees_missing_docstrings_and_hints():
 
 
 def test_hints_of_the_python_entry_resolve():
-    for obj in (hybridrl.build_trainer, hybridrl.build_layout, hybridrl.PPOTrainer.__init__):
+    for obj in (hybridrl.build_trainer, hybridrl.build_layout, hybridrl.PPOTrainer.__init__,
+                hybridrl.sync_engine):
         assert typing.get_type_hints(obj)
 
 
@@ -125,8 +116,3 @@ def test_py_typed_ships_as_package_data(monkeypatch):
     assert "py.typed" in captured["package_data"]["hybridrl"]
     assert os.path.isfile(os.path.join(ROOT, "hybridrl", "py.typed"))
 
-
-@pytest.mark.parametrize("name", sorted(PENDING))
-def test_pending_names_are_still_exported(name):
-    # a name dropped from __all__ leaves PENDING too (the list only names current gaps' owners)
-    assert name in hybridrl.__all__, textwrap.shorten(PENDING[name], 60)
