@@ -27,8 +27,10 @@ Contract:
   (``link.recv_rows``; row order and right padding as ``RolloutWorker.generate_partitioned``:
   the same tensors). ``TransportStats``: ``bytes_in`` = this rank's rows, ``scalar_bytes`` =
   the lengths and headers (``link.handoff_bytes``).
-- ``kept_state(seed)`` / ``keep(states)``: request ``seed``'s results as plain data, the whole
-  batch on rank 0 (collective: a ``handoff`` of every row to rank 0 with ``drop=False``, so the
+- ``kept_state(seed)`` / ``keep(states)``: request ``seed``'s results as plain data in the
+  hand-off's wire form (response lengths, then the unpadded int32 ids and fp32 log-probs: 8
+  bytes per real token, where the padded int64 ids + mask + log-probs of earlier checkpoints,
+  which ``keep`` still loads, cost 20 per padded position), the whole batch on rank 0 (collective: a ``handoff`` of every row to rank 0 with ``drop=False``, so the
   generation ranks still hand it off later; other ranks return None) and back (a list of them:
   the in-flight batches a checkpoint holds; kept whole on every rank, no hand-off needed).
   Results are kept per request, so a validation generated between a prefetch and its use does
@@ -54,7 +56,7 @@ import torch.distributed as dist
 from hybridrl.reshard.assemble import Assembler
 from hybridrl.reshard.executor import run_plan, train_sources
 from hybridrl.rollout.base import GenerationOutput, SamplingParams
-from hybridrl.rollout.partition import TransportStats, check_prefix_mask
+from hybridrl.rollout.partition import TransportStats, check_prefix_mask, pack_rows, unpack_rows
 from hybridrl.rollout.split.link import (
     Command,
     build_split_plan,
@@ -223,8 +225,7 @@ class RemoteRollout:
                                    self.pad_token_id, self.timeout_s, self.who, self.device)
         if out is None:
             return None  # not rank 0: only rank 0's state is written
-        return {"seed": seed, "prompts": res.prompts, "ids": out.response_ids,
-                "mask": out.response_mask, "logprobs": out.logprobs, "gen_s": res.gen_s,
+        return {"seed": seed, "prompts": res.prompts, **kept_payload(out), "gen_s": res.gen_s,
                 "wait_s": res.wait_s, "syncs": res.syncs}
 
     def keep(self, states: list[dict]) -> None:
@@ -238,7 +239,7 @@ class RemoteRollout:
                                       dp_of=[None] * len(self.dp_of), drop=True))
         self.kept = {}
         for state in states:
-            out = GenerationOutput(state["ids"], state["mask"], state["logprobs"])
+            out = kept_output(state, self.pad_token_id)
             self.kept[state["seed"]] = Results(state["prompts"], check_prefix_mask(out),
                                                state["gen_s"], state["wait_s"],
                                                state.get("syncs", 0), local=out)
@@ -247,3 +248,25 @@ class RemoteRollout:
         """The generation ranks' loop ends (after any outstanding results are received)."""
         self.collect()
         self._command(Command("stop"))
+
+
+def kept_payload(out: GenerationOutput) -> dict:
+    """A batch's responses in the wire form ``kept_state`` stores (see ``kept_output``)."""
+    lens = check_prefix_mask(out)
+    rows = list(range(len(lens)))
+    return {"lens": lens, "width": int(out.response_ids.shape[1]),
+            "rows": pack_rows(rows, {r: r for r in rows}, out, lens).cpu()}
+
+
+def kept_output(state: dict, pad_token_id: int) -> GenerationOutput:
+    """``kept_state``'s batch as a right-padded ``GenerationOutput``: the wire form (``lens``,
+    ``rows``: unpadded int32 ids then fp32 log-prob bits, ``width`` columns) or the padded
+    int64 tensors of earlier checkpoints (``ids``, ``mask``, ``logprobs``)."""
+    if "rows" not in state:
+        return GenerationOutput(state["ids"], state["mask"], state["logprobs"])
+    lens, width = [int(n) for n in state["lens"]], int(state["width"])
+    ids = torch.full((len(lens), width), pad_token_id, dtype=torch.long)
+    mask, logp = torch.zeros_like(ids), torch.zeros(len(lens), width, dtype=torch.float32)
+    rows = list(range(len(lens)))
+    unpack_rows(state["rows"], rows, lens, {r: r for r in rows}, ids, mask, logp)
+    return GenerationOutput(ids, mask, logp)
