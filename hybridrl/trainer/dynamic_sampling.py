@@ -27,9 +27,9 @@ Contract:
 - Needs a rule / custom reward (not ``reward.reward_model_path``) and ``rollout.n >= 2``;
   otherwise ``check`` raises one ValueError line naming the key. The per-row ``loss_mask`` and
   ``routed_experts`` are kept in the merged batch at dp 1 (padded to the widest round); at
-  dp > 1 the exchange moves ids and log-probs only: the loss mask is read back from the moved
-  ids (a multi-turn worker's ``loss_mask``) and the routing is not moved (routing replay with
-  filter_groups at dp > 1 then stops with ``actor.router_replay``'s one-line error).
+  dp > 1 the exchange moves ids, log-probs and, from a MoE engine, each row's routed expert
+  ids (``exchange_rollouts(routing=...)``, as the colocated hand-off moves them); the loss
+  mask is read back from the moved ids (a multi-turn worker's ``loss_mask``).
 """
 
 from __future__ import annotations
@@ -197,6 +197,8 @@ def _rebalance(trainer, picks, made):
                 for d in range(g.dp_size)]
     owner = [replicas[made[r][3][row]][0] for r, row, _, _ in entries]
     src_rows = [m for m, o in enumerate(owner) if o == rank]
+    routed = made[0][1].routed_experts  # a MoE engine's ids (every rank's rounds alike)
+    routing = None if routed is None else tuple(routed.shape[2:])  # (layers, k)
     src_out = None
     if src_rows:  # this rank's rows that others (or it) train on, from its rounds' batches
         positions = [{row: j for j, row in enumerate(m[1].rows)} for m in made]
@@ -205,18 +207,21 @@ def _rebalance(trainer, picks, made):
             r, row = entries[m][:2]
             rb = made[r][1]
             j = positions[r][row]
-            cols.append((rb.response_ids[j], rb.response_mask[j], rb.rollout_logprobs[j]))
-        width = max(c[0].shape[0] for c in cols)
+            cols.append((rb.response_ids[j], rb.response_mask[j], rb.rollout_logprobs[j],
+                         None if routing is None else rb.routed_experts[j]))
 
-        def stack(k):
-            return torch.stack([torch.nn.functional.pad(c[k], (0, width - c[k].shape[0]))
+        def stack(k, fill=0):
+            width = max(c[k].shape[0] for c in cols)
+            return torch.stack([torch.cat([c[k], c[k].new_full((width - c[k].shape[0],
+                                                                *c[k].shape[1:]), fill)])
                                 for c in cols])
 
-        src_out = GenerationOutput(stack(0), stack(1), stack(2))
+        src_out = GenerationOutput(stack(0), stack(1), stack(2),
+                                   routed_experts=None if routing is None else stack(3, -1))
     mine = parts[g.dp_rank]
     out, moved = exchange_rollouts(rank, plan_transfers(owner, parts, replicas), mine, src_rows,
                                    src_out, resp, int(trainer.tokenizer.pad_token_id),
-                                   trainer.actor.device)
+                                   trainer.actor.device, routing=routing, prompt_lens=prompt_lens)
     if hasattr(trainer, "transport"):  # the re-balance's bytes count in rollout/handoff_bytes
         trainer.transport += moved
     picked = [entries[m] for m in mine]
@@ -224,7 +229,8 @@ def _rebalance(trainer, picks, made):
     merged = RolloutBatch([b.prompt_ids[i] for b, i in pb], out.response_ids, out.response_mask,
                           out.logprobs, [u for _, _, u, _ in picked],
                           [b.ground_truth[i] for b, i in pb], [b.data_source[i] for b, i in pb],
-                          [b.extra_info[i] for b, i in pb], rows=mine)
+                          [b.extra_info[i] for b, i in pb], rows=mine,
+                          routed_experts=out.routed_experts)
     derive = getattr(getattr(trainer, "worker", None), "loss_mask", None)  # multi-turn: from ids
     if derive is not None:
         merged.loss_mask = derive(merged.response_ids, merged.response_mask)

@@ -50,8 +50,7 @@ def replay_tensors(actor_cfg, rb) -> dict:
     if rb.routed_experts is None:
         raise ValueError("actor.router_replay=rollout: the rollout batch carries no routed "
                          "expert ids (only the builtin engine returns them, for a MoE model, "
-                         "and only the colocated hand-off brings them to the batch; DAPO's "
-                         "filter_groups re-balance at dp > 1 does not)")
+                         "and only the colocated hand-off brings them to the batch)")
     return {ROUTED_KEY: rb.routed_experts}
 
 

@@ -8,7 +8,8 @@ the step runs (without the hand-off it stops at step 1 with "carries no routed e
 every received row holds k distinct expert ids in [0, E) on each of its prompt + response tokens
 but the last (never run) and -1 past them, each row lands on one replica, and the trainer's own
 routing agrees with the replayed one on the unperturbed weights (``actor/router_agreement``
-1.0: ids misplaced in the hand-off would disagree). The run's checkpoint (plain optimizer,
+1.0: ids misplaced in the hand-off would disagree), also after DAPO dynamic sampling's
+re-balance over the DP replicas (``algorithm.filter_groups``), which moves the ids as well. The run's checkpoint (plain optimizer,
 ``actor.use_distributed_optimizer=false``) then resumes at ep 1 with every expert's weights as
 saved (the dense "parameter i saved by DP rank i % dp" rule dropped half the experts at ep 2).
 """
@@ -71,6 +72,11 @@ def _rank(rank, world, tmp):
     out = {"metrics": hist[-1], "rows": rb.rows, "routed": rb.routed_experts,
            "lens": rb.response_lengths.tolist(), "prompts": [len(p) for p in rb.prompt_ids],
            "ep": tr.groups.ep_size, "saved": saved}
+    # DAPO dynamic sampling at dp 2: its re-balance moves each kept row's routed ids too (it
+    # moved ids and log-probs only: the update stopped with "carries no routed expert ids")
+    _, dapo = run(1, "dapo", "actor.router_replay=rollout", "algorithm.filter_groups.enable=true",
+                  "algorithm.filter_groups.max_num_gen_batches=2")
+    out["dapo"] = dapo[-1]
     # the checkpoint (plain optimizer: each expert on the rank of its EP group) resumed at ep 1
     tr, _ = run(2, "at_ep1", "parallel.ep=1", "trainer.resume=path",
                 f"trainer.resume_path={tmp}/run/checkpoints/global_step_1")
@@ -87,6 +93,9 @@ def test_router_replay_runs_colocated_with_the_ids_handed_off(tmp_path):
     for r in res:
         m = r["metrics"]
         assert m["actor/router_agreement"] == pytest.approx(1.0), m.get("actor/router_agreement")
+        d = r["dapo"]
+        assert d["dynamic_sampling/rounds"] >= 1
+        assert d["actor/router_agreement"] == pytest.approx(1.0), d.get("actor/router_agreement")
         routed = r["routed"]
         assert routed is not None and routed.dtype == torch.int16
         for j, (p, n) in enumerate(zip(r["prompts"], r["lens"])):
