@@ -2,8 +2,9 @@
 
 Contract:
 - ``BuiltinEngine(spec, tp_group=None, tp_rank=0, tp_size=1, tp_src=None, device, dtype, pp_size,
-  blocks=1, compact_at=0.25)``
+  blocks=1, compact_at=0.25, share_prefill=True)``
   holds gen TP rank ``tp_rank`` of ``tp_size`` of a llama decoder described by ``EngineSpec``
+  (``hybridrl.rollout.builtin.spec``)
   (RMSNorm, RoPE as HF llama / megatron non-interleaved, SwiGLU, GQA; q/k/v biases when
   ``qkv_bias``, as Qwen2 has them, and no other biases; per-head q/k RMSNorm before RoPE when
   ``qk_norm``, as Qwen3 has them; RoPE scaling ``rope_scaling`` (llama3, yarn) with inverse
@@ -36,13 +37,19 @@ Contract:
   all-reduce over ``tp_group``; last-position logits are all-gathered (real ids only) for
   sampling; ``tp_src`` (global rank of the group's first member) broadcasts the chosen tokens so
   every TP rank continues with the same ones.
-- ``generate`` (see ``hybridrl.rollout.base``): prompts are left-padded in a KV cache of
-  [B, hk, P + max_new, hd] per layer; positions count real tokens only; a row stops after its
-  eos or any of ``params.stop_token_ids`` (the stop token is kept in the response); generation stops when every row stopped or after ``max_new_tokens``. Finished rows are
-  not decoded further: once at least ``compact_at`` (default 0.25; 0 = never) of the rows
-  being decoded have stopped, they leave the batch (KV cache rows, positions, per-row
-  generators), so a long-tailed length mix costs what its live rows cost. A row's tokens
-  and log-probs do not depend on it (up to matmul rounding at another batch size).
+- ``generate`` (see ``hybridrl.rollout.base``; the loop: ``hybridrl.rollout.builtin.decode``):
+  prompts are left-padded in a KV cache of [B, hk, P + max_new, hd] per layer; positions count
+  real tokens only; a row stops after its eos or any of ``params.stop_token_ids`` (the stop
+  token is kept in the response); generation stops when every row stopped or after
+  ``max_new_tokens``. Rows with identical prompts are prefilled once and their K/V copied
+  (``share_prefill``, default on: a GRPO batch of n samples per prompt prefills each prompt
+  once). Finished rows are not decoded further: once at least ``compact_at`` (default 0.25;
+  0 = never) of the rows being decoded have stopped, they leave the batch (KV cache rows,
+  positions, per-row generators), so a long-tailed length mix costs what its live rows cost.
+  A row's tokens and log-probs depend on neither (up to matmul rounding at another batch size).
+- ``open_session()`` (``hybridrl.rollout.builtin.session``): calls that keep each sequence's
+  K/V after it stops on a stop id and continue it in a later call, prefilling only the tokens
+  appended since (an agent loop's tool output and template tokens).
 - Qwen3-MoE (``EngineSpec.num_experts`` > 0): every layer's MLP is a router and E experts
   (``hybridrl.rollout.builtin.moe``: softmax over E in fp32, top-k, renormalized when
   ``moe_norm_topk_prob``; each expert's F split over gen TP, the partial sums all-reduced like
@@ -59,69 +66,19 @@ Contract:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridrl.config.hf_model import RopeScaling
 from hybridrl.models.rope import inv_freq
 from hybridrl.rollout.base import GenerationOutput, SamplingParams, as_prompt_lists
-from hybridrl.rollout.builtin.moe import RoutingRecord, experts_forward, route
+from hybridrl.rollout.builtin.decode import generate_rows
+from hybridrl.rollout.builtin.moe import experts_forward, route
+from hybridrl.rollout.builtin.session import KVSession
+from hybridrl.rollout.builtin.spec import EngineSpec
 from hybridrl.rollout.builtin.weights import EngineWeights
-from hybridrl.rollout.sampling import sample_next
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSpec:
-    """Sizes of the llama decoder the engine runs (full model, before TP)."""
-
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_layers: int
-    vocab_size: int  # real vocabulary (ids >= vocab_size are never sampled)
-    vocab_chunk: int  # rows of embed/lm_head per TP rank (the engine's padded vocab / tp)
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    max_seq_len: int = 2048
-    qkv_bias: bool = False  # Qwen2: biases on the q/k/v projections
-    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
-    rope_scaling: RopeScaling | None = None  # llama3 / yarn (hybridrl.models.rope)
-    max_position_embeddings: int | None = None  # the config's (yarn's default context)
-    num_experts: int = 0  # Qwen3-MoE: experts per layer (0 = dense MLP)
-    moe_topk: int = 0  # experts each token uses
-    moe_ffn_hidden_size: int | None = None  # each expert's F (HF moe_intermediate_size)
-    moe_norm_topk_prob: bool = True  # renormalize the top-k probabilities to sum 1
-
-    def __post_init__(self) -> None:
-        if self.num_experts:
-            if not 1 <= self.moe_topk <= self.num_experts:
-                raise ValueError(f"moe_topk must be in [1, num_experts={self.num_experts}], "
-                                 f"got {self.moe_topk!r}")
-            if not isinstance(self.moe_ffn_hidden_size, int) or self.moe_ffn_hidden_size < 1:
-                raise ValueError(f"moe_ffn_hidden_size must be a positive integer with experts, "
-                                 f"got {self.moe_ffn_hidden_size!r}")
-            if self.num_experts >= 1 << 15:  # the routing record is int16
-                raise ValueError(f"num_experts={self.num_experts} must be below 32768")
-
-    @classmethod
-    def from_llama(cls, spec, vocab_chunk: int, max_seq_len: int | None = None) -> EngineSpec:
-        """From ``hybridrl.models.spec.LlamaSpec``; ``vocab_chunk`` from the gen placement."""
-        return cls(spec.hidden_size, spec.ffn_hidden_size, spec.num_attention_heads,
-                   spec.num_query_groups, spec.head_dim, spec.num_layers, spec.vocab_size,
-                   vocab_chunk, spec.rope_theta, spec.norm_eps, spec.tie_word_embeddings,
-                   max_seq_len or spec.max_position_embeddings,
-                   bool(getattr(spec, "qkv_bias", False)), bool(getattr(spec, "qk_norm", False)),
-                   getattr(spec, "rope_scaling", None), spec.max_position_embeddings,
-                   int(getattr(spec, "num_experts", 0) or 0), int(getattr(spec, "moe_topk", 0) or 0),
-                   getattr(spec, "moe_ffn_hidden_size", None),
-                   bool(getattr(spec, "moe_norm_topk_prob", True)))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,7 +100,7 @@ class BuiltinEngine:
                  tp_rank: int = 0, tp_size: int = 1,
                  tp_src: int | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, pp_size: int = 1, blocks: int = 1,
-                 compact_at: float = 0.25):
+                 compact_at: float = 0.25, share_prefill: bool = True):
         if pp_size != 1:
             raise ValueError(f"the builtin engine needs gen pp = 1 (parallel.gen.pp), got {pp_size}")
         if spec.vocab_chunk * tp_size < spec.vocab_size:
@@ -167,6 +124,8 @@ class BuiltinEngine:
                                               spec.max_position_embeddings or spec.max_seq_len)
         # [hd/2] fp64, computed on the CPU, kept on the engine's device (no copy per forward)
         self.inv_freq = freq.double().to(self.device)
+        self.share_prefill = share_prefill
+        self.prefilled = 0  # real prompt tokens prefilled so far (``decode``)
 
     # ----------------------------------------------------------------------------- weights
     @property
@@ -385,75 +344,21 @@ class BuiltinEngine:
 
     def generate(self, prompt_ids, params: SamplingParams) -> GenerationOutput:
         """Sample responses for ``prompt_ids`` (see ``hybridrl.rollout.base``)."""
-        with torch.inference_mode():  # less per-op bookkeeping than no_grad
-            ids, mask, logp, routed = self._generate(prompt_ids, params)
-        return GenerationOutput(ids.clone(), mask.clone(), logp.clone(),  # ordinary tensors
-                                None if routed is None else routed.clone())
+        return self._run(as_prompt_lists(prompt_ids), params)[0]
 
-    def _generate(self, prompt_ids, params: SamplingParams):
+    def open_session(self) -> KVSession:
+        """Calls that continue their sequences' kept caches (``hybridrl.rollout.builtin.session``)."""
+        return KVSession(self)
+
+    def _run(self, prompts: list[list[int]], params: SamplingParams, resume=None,
+             keep: bool = False) -> tuple[GenerationOutput, dict]:
         missing = self.missing_weights()
         if missing:
             raise ValueError(f"builtin engine: weights not loaded yet: {missing[:4]} "
                              f"({len(missing)} missing); call update_weights first")
-        prompts = as_prompt_lists(prompt_ids)
-        B, P, R = len(prompts), max(len(p) for p in prompts), params.max_new_tokens
-        if P + R > self.spec.max_seq_len:
-            raise ValueError(f"prompt length {P} + max_new_tokens {R} exceeds the engine's "
-                             f"max_seq_len={self.spec.max_seq_len}")
-        if any(t < 0 or t >= self.spec.vocab_size for p in prompts for t in p):
-            raise ValueError(f"prompt_ids hold ids outside [0, {self.spec.vocab_size})")
-        dev = self.device
-        ids_BP = torch.full((B, P), params.pad_token_id, dtype=torch.long, device=dev)
-        valid_BT = torch.zeros(B, P + R, dtype=torch.bool, device=dev)  # real key columns
-        for b, p in enumerate(prompts):
-            ids_BP[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-            valid_BT[b, P - len(p):P] = True
-        pos_BP = (valid_BT[:, :P].long().cumsum(-1) - 1).clamp(min=0)
-        cols = torch.arange(P + R, device=dev)
-        causal_PK = cols[:P, None] >= cols[None, :P]
-        allowed = causal_PK & (valid_BT[:, None, :P] | torch.eye(P, dtype=torch.bool, device=dev))
-        cache = self._new_cache(B, P + R)
-        record = (RoutingRecord(B, P + R, self.spec.num_layers, self.spec.moe_topk, dev)
-                  if self.spec.num_experts else None)
-        live = torch.arange(B, device=dev)  # the batch's rows still decoded (see compact_at)
-        h = self.forward(ids_BP, pos_BP, cache, 0, allowed, record, live)[:, -1]
-        if params.row_seeds is not None:  # one generator per request
-            if len(params.row_seeds) != B:
-                raise ValueError(f"row_seeds has {len(params.row_seeds)} seeds for {B} prompts")
-            generator = [torch.Generator(device=dev).manual_seed(int(s)) for s in params.row_seeds]
-        else:
-            generator = torch.Generator(device=dev).manual_seed(int(params.seed))
-        out_ids = torch.full((B, R), params.pad_token_id, dtype=torch.long, device=dev)
-        out_logp = torch.zeros(B, R, dtype=torch.float32, device=dev)
-        done_b = torch.zeros(B, dtype=torch.bool, device=dev)
-        next_pos_b = pos_BP[:, -1] + 1
-        steps = 0
-        stops = torch.tensor(params.stop_ids, device=h.device) if params.stop_ids else None
-        for j in range(R):
-            tokens_b, logp_b = sample_next(self.logits(h), params, generator)
-            tokens_b = self._sync_tokens(tokens_b.masked_fill(done_b, params.pad_token_id))
-            out_ids[live, j] = tokens_b
-            out_logp[live, j] = logp_b.masked_fill(done_b, 0.0)
-            valid_BT[live, P + j] = ~done_b
-            steps = j + 1
-            if stops is not None:  # eos and the stop ids end a row (the token is kept)
-                done_b = done_b | torch.isin(tokens_b, stops)
-            if bool(done_b.all()) or j == R - 1:
-                break
-            if int(done_b.sum()) >= self.compact_at * len(live) > 0:  # drop the finished rows
-                keep = torch.nonzero(~done_b).flatten()  # the same on every TP rank (synced)
-                cache = [(k.index_select(0, keep), v.index_select(0, keep)) for k, v in cache]
-                live, tokens_b, next_pos_b = live[keep], tokens_b[keep], next_pos_b[keep]
-                done_b = done_b[keep]
-                if isinstance(generator, list):
-                    generator = [generator[i] for i in keep.tolist()]
-            c = P + j
-            allowed = (valid_BT[live, : c + 1] | (cols[: c + 1] == c)).unsqueeze(1)  # [b, 1, K]
-            h = self.forward(tokens_b[:, None], next_pos_b[:, None], cache, c, allowed, record,
-                             live)[:, -1]
-            next_pos_b = next_pos_b + 1
-        mask = valid_BT[:, P:P + steps].long()
-        routed = None if record is None else record.aligned(
-            [len(p) for p in prompts], mask.sum(-1).tolist(), P)[:, :P + steps]
-        return (out_ids[:, :steps] * mask + params.pad_token_id * (1 - mask), mask,
-                out_logp[:, :steps] * mask, routed)
+        with torch.inference_mode():  # less per-op bookkeeping than no_grad
+            ids, mask, logp, routed, kept = generate_rows(self, prompts, params, resume, keep)
+        # ordinary tensors out; the kept K/V stay inference tensors (read only in here)
+        out = GenerationOutput(ids.clone(), mask.clone(), logp.clone(),
+                               None if routed is None else routed.clone())
+        return out, kept

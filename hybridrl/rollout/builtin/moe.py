@@ -12,9 +12,9 @@ Contract:
   F); the result is this rank's partial sum over its F slices (the caller all-reduces over
   gen TP). Only the experts some token chose run, each on its tokens only.
 - ``RoutingRecord(B, T, layers, k, device)``: ``ids`` [B, T, layers, k] int16 (-1 = not run)
-  in the engine's own columns (left-padded prompt, then response); ``put(rows, start, L,
-  ids_bSk)`` stores a forward's choice. ``aligned(prompt_lens, lengths, P)`` returns
-  [B, P_max + R, layers, k] with row b's token t (prompt then response, as the trainer's
+  in the engine's own columns (``hybridrl.rollout.builtin.decode``'s layout); ``put(rows,
+  start, L, ids_bSk)`` stores a forward's choice. ``aligned(valid_BT, width)`` returns
+  [B, width, layers, k] with row b's token t (prompt then response, as the trainer's
   micro-batches number them from 0) at column t; -1 on padding and on each row's last token
   (never fed forward: its routing cannot change any log-prob of the row).
 """
@@ -64,12 +64,12 @@ class RoutingRecord:
         S = ids_bSk.shape[1]
         self.ids[rows, start:start + S, layer] = ids_bSk.to(torch.int16)
 
-    def aligned(self, prompt_lens: list[int], lengths: list[int], P: int) -> torch.Tensor:
-        """[B, P + R, layers, k]: row b's token t at column t (module doc); ``lengths`` are the
-        rows' response lengths, ``P`` the engine's (left-padded) prompt width."""
-        B, T = self.ids.shape[:2]
-        out = torch.full_like(self.ids, -1)
-        for b, (p, n) in enumerate(zip(prompt_lens, lengths)):
-            real = p + n - 1  # the last token is never forwarded
-            out[b, :real] = self.ids[b, P - p:P - p + real]
+    def aligned(self, valid_BT: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width, layers, k]: row b's token t at column t (module doc); ``valid_BT`` marks
+        the engine columns that hold each row's real tokens (prompt then response, in order)."""
+        out = torch.full((self.ids.shape[0], width, *self.ids.shape[2:]), -1,
+                         dtype=self.ids.dtype, device=self.ids.device)
+        for b in range(self.ids.shape[0]):
+            cols = torch.nonzero(valid_BT[b]).flatten()[:-1]  # the last token is never forwarded
+            out[b, :len(cols)] = self.ids[b, cols]
         return out

@@ -2,20 +2,28 @@
 budget ends it; one engine call per turn for every live sequence.
 
 Contract:
-- ``AgentLoop(engine, fmt, tools, budgets, share=None)``; ``run(prompts, params)`` ->
+- ``AgentLoop(engine, fmt, tools, budgets, share=None, continuation=True)``; ``run(prompts, params)`` ->
   ``LoopOutput``: the ``GenerationOutput`` of the whole tails after the prompts
   (``response_ids`` / ``response_mask`` / ``logprobs`` [B, R], R <= ``budgets.max_tokens``:
   model turns, tool segments and template tokens; the engine's log-probs on model tokens, 0
   elsewhere) plus ``loss_mask`` [B, R] (1 on model tokens) and ``stats`` (sums over the
   batch, ``STAT_KEYS``).
-- Each round calls ``engine.generate`` once with every live sequence's whole context (prompt +
-  tail) as its prompt (more calls, longest contexts first, when the engine bounds prompt + new
-  tokens together, the builtin engine's ``spec.max_seq_len``, and one call would pass it) (engines with a prefix cache, SGLang's radix cache, reuse the shared
-  prefix; the builtin engine prefills it again), ``params`` with the format's stop ids added,
-  ``max_new_tokens`` = the largest per-sequence allowance (each row is then cut to its own:
-  ``min(budgets.max_tokens_per_turn, what is left of budgets.max_tokens)``) and per-turn seeds
-  (turn 0 keeps ``params``' seeds, so a sequence that answers at once samples what a
-  single-turn rollout samples; ``row_seeds`` keep rollouts independent of the batch).
+- Each round calls the engine once with every live sequence's whole context (prompt + tail)
+  as its prompt (more calls, longest contexts first, when the engine bounds prompt + new
+  tokens together, the builtin engine's ``spec.max_seq_len``, and one call would pass it),
+  ``params`` with the format's stop ids added, ``max_new_tokens`` = the largest per-sequence
+  allowance (each row is then cut to its own: ``min(budgets.max_tokens_per_turn, what is
+  left of budgets.max_tokens)``) and per-turn seeds (turn 0 keeps ``params``' seeds, so a
+  sequence that answers at once samples what a single-turn rollout samples; ``row_seeds``
+  keep rollouts independent of the batch).
+- Continuation (``continuation=True``, the default): an engine with ``open_session()`` (the
+  builtin engine: ``hybridrl.rollout.builtin.session``) is called through one session per
+  ``run``, each sequence keyed by its index, so a sequence's next turn prefills only its
+  last sampled token, the tool segment and template tokens on top of its kept K/V; a
+  sequence's K/V is dropped as soon as it ends, and all of it when ``run`` returns. The
+  tails, log-probs and calls are those of resending whole contexts (log-probs up to matmul
+  rounding). Engines without it (SGLang: its radix cache reuses the prefix by itself) get
+  ``generate`` with the whole contexts; ``continuation=False`` does that for any engine.
 - After a turn, a sequence ends (``ended_<reason>`` in the stats) when its turn was cut by a
   budget (``budget``), ended without a tool call (``answer``), it has had
   ``budgets.max_assistant_turns`` turns (``turns``) or ``budgets.max_tool_calls`` calls
@@ -71,32 +79,41 @@ class _Seq:
 class AgentLoop:
     """Runs the multi-turn rollouts of one batch (see the module docstring)."""
 
-    def __init__(self, engine, fmt, tools, budgets: Budgets, share=None) -> None:
+    def __init__(self, engine, fmt, tools, budgets: Budgets, share=None,
+                 continuation: bool = True) -> None:
         self.engine, self.fmt, self.tools, self.budgets = engine, fmt, tools, budgets
-        self.share = share
+        self.share, self.continuation = share, continuation
+
+    def _session(self):
+        """The engine's continuation session, or a null one (no ``open_session``: SGLang)."""
+        opener = getattr(self.engine, "open_session", None) if self.continuation else None
+        return opener() if opener is not None else _Resend(self.engine)
 
     def run(self, prompt_ids, params: SamplingParams) -> LoopOutput:
         seqs = [_Seq(list(p)) for p in as_prompt_lists(prompt_ids)]
         stats = dict.fromkeys(STAT_KEYS, 0)
         stats["sequences"] = len(seqs)
         stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.fmt.stop_ids)))
-        for turn in range(self.budgets.max_assistant_turns):
-            live = [i for i, s in enumerate(seqs) if not s.done]
-            if not live:
-                break
-            allow = {i: self._allowance(seqs[i]) for i in live}
-            pending = []  # (sequence, its calls)
-            for group in _groups(live, seqs, allow, self._max_len()):
-                out = self.engine.generate([seqs[i].context for i in group], dataclasses.replace(
-                    params, max_new_tokens=max(allow[i] for i in group), stop_token_ids=stops,
-                    **_turn_seeds(params, group, turn)))
-                for b, i in enumerate(group):
-                    calls = self._take_turn(seqs[i], out, b, allow[i],
-                                            set(params.stop_ids) | set(stops))
-                    stats["turns"] += 1
-                    if calls is not None:
-                        pending.append((i, calls))
-            self._run_calls(seqs, pending, stats)
+        with self._session() as session:
+            for turn in range(self.budgets.max_assistant_turns):
+                live = [i for i, s in enumerate(seqs) if not s.done]
+                if not live:
+                    break
+                allow = {i: self._allowance(seqs[i]) for i in live}
+                pending = []  # (sequence, its calls)
+                for group in _groups(live, seqs, allow, self._max_len()):
+                    out = session.generate([seqs[i].context for i in group], dataclasses.replace(
+                        params, max_new_tokens=max(allow[i] for i in group), stop_token_ids=stops,
+                        **_turn_seeds(params, group, turn)), group)
+                    for b, i in enumerate(group):
+                        calls = self._take_turn(seqs[i], out, b, allow[i],
+                                                set(params.stop_ids) | set(stops))
+                        stats["turns"] += 1
+                        if calls is not None:
+                            pending.append((i, calls))
+                    session.drop([i for i in group if seqs[i].done])  # ended: K/V freed now
+                self._run_calls(seqs, pending, stats)
+                session.drop([i for i, _ in pending if seqs[i].done])
         for s in seqs:
             s.done = s.done or "turns"
             stats[f"ended_{s.done}"] += 1
@@ -184,6 +201,25 @@ class AgentLoop:
             stats["model_tokens"] += sum(s.source)
             stats["tool_tokens"] += n - sum(s.source)
         return LoopOutput(ids, mask, logp, loss_mask=lmask, stats=stats)
+
+
+class _Resend:
+    """The session of an engine without continuation: every call sends whole contexts."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def generate(self, prompt_ids, params: SamplingParams, keys) -> GenerationOutput:
+        return self.engine.generate(prompt_ids, params)
+
+    def drop(self, keys) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def _groups(live: list[int], seqs, allow: dict, max_len: int | None) -> list[list[int]]:
