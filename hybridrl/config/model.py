@@ -68,6 +68,11 @@ class ModelConfig:
                                 "reference, reward model) run micro-batches as packs of whole "
                                 "sequences (THD, cu_seqlens) instead of right-padded rows: no "
                                 "pad token is computed and token budgets count real tokens.")
+    share_prompts: bool = knob(True, "With pack_sequences: rows of one micro-batch that share "
+                               "a prompt (rollout.n > 1) compute the prompt once and each "
+                               "response attends to its keys/values (exact). Off by itself on "
+                               "the TE spec, with router replay, recompute or megatron's own "
+                               "attention forward.")
 
     def __post_init__(self) -> None:
         check_choice("model.dtype", self.dtype, DTYPES)

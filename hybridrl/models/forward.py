@@ -23,6 +23,12 @@ Contract:
   sequence over the TP ranks. Right padding changes no earlier position (causal attention), and
   padded positions carry loss mask 0; PPO reads responses through ``resp_index``. A pack is
   padded at its tail only, the pad joining its last sequence (``packing.extend_tail``).
+- Shared prompts: a pack with ``seg_parent`` [n] and ``position_ids`` [S]
+  (``RolloutBatch.microbatch(share=True)``) gets those positions (RoPE) and the segments'
+  parents on its ``PackedSeqParams`` (``pack_cached`` keys ``"positions"``, ``"parents"``),
+  which the local spec's attention reads (``packing.shared_attention``); ``shares_prompts``
+  tells whether a model's forward can take such a pack (the local spec's lean attention in
+  every layer: not the TE spec, not megatron's own attention forward).
 - Routing replay: a micro-batch with ``routed_experts`` [b, W, layers, k] (the rollout
   engine's top-k expert ids, ``RolloutBatch.routed_experts`` rows) runs its forward with every
   MoE router replaying them (``hybridrl.models.router_replay``); without the key a MoE model
@@ -42,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.models.build import VALUE_ROLES, ShardedModel, ensure_megatron_state
-from hybridrl.models.packing import extend_tail, packed_seq_params, positions
+from hybridrl.models.packing import extend_tail, pack_cached, packed_seq_params, positions
 from hybridrl.models.router_replay import replaying
 from hybridrl.models.vocab_parallel import vocab_parallel_logprobs_entropy
 
@@ -121,6 +127,16 @@ def _loss_func(model, batch, loss_fn, options, output):
     return loss, {"loss": loss.detach().clone(), **metrics}
 
 
+def shared_positions(position_ids_S: torch.Tensor, total: int) -> torch.Tensor:
+    """A shared-prompt pack's host position ids, the sequence-parallel tail pad (which joins
+    the last segment) continuing the last segment's positions up to ``total`` tokens."""
+    pos = position_ids_S.long().cpu()
+    extra = total - pos.numel()
+    if extra <= 0:
+        return pos
+    return torch.cat([pos, pos[-1] + 1 + torch.arange(extra)])
+
+
 def _forward_step(model, loss_fn, options, data_iterator, module):
     batch = next(data_iterator)
     input_ids_BT = batch["input_ids"].to(model.device)
@@ -129,10 +145,18 @@ def _forward_step(model, loss_fn, options, data_iterator, module):
     replay = replaying(model.module, batch, t, model.groups.tp_rank if sp > 1 else 0, sp)
     if "cu_seqlens" in batch:  # a pack [1, S]: positions restart at every sequence (THD)
         cu = extend_tail(batch["cu_seqlens"], t).cpu()  # host copy: no device sync per pack
-        pos = positions(cu).to(input_ids_BT.device, non_blocking=True).unsqueeze(0)
+        params = packed_seq_params(cu, input_ids_BT.device)
+        host_pos = positions(cu)
+        if "seg_parent" in batch:  # shared prompts: each response continues its prompt
+            host_pos = shared_positions(batch["position_ids"], t)
+            pack_cached(params, "parents", lambda: [int(x) for x in batch["seg_parent"]])
+            pack_cached(params, "positions", lambda: host_pos)
+            # megatron's RoPE table holds max_seqlen positions: the furthest response's
+            params.max_seqlen_q = params.max_seqlen_kv = max(params.max_seqlen_q,
+                                                             int(host_pos.max()) + 1)
+        pos = host_pos.to(input_ids_BT.device, non_blocking=True).unsqueeze(0)
         with replay:
-            output = module(input_ids_BT, pos, None,
-                            packed_seq_params=packed_seq_params(cu, input_ids_BT.device))
+            output = module(input_ids_BT, pos, None, packed_seq_params=params)
     else:
         position_ids_BT = torch.arange(t, device=input_ids_BT.device).expand(b, t)
         with replay:
@@ -185,6 +209,14 @@ def run_microbatches(
     finally:  # a failing schedule must not leave a training model in eval mode
         model.module.train(was_training)
     return list(results) if model.groups.is_last_stage else []
+
+
+def shares_prompts(model: ShardedModel) -> bool:
+    """True when every attention layer of ``model`` takes a shared-prompt pack (module doc)."""
+    from hybridrl.models.local_spec import LeanSelfAttention
+
+    layers = [m for m in model.module.modules() if isinstance(m, LeanSelfAttention)]
+    return bool(layers) and all(m.lean_shared for m in layers)
 
 
 def broadcast_from_last_stage(obj, groups):

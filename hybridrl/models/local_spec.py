@@ -78,14 +78,19 @@ from hybridrl.models.packing import (
     host_cu_seqlens,
     pack_cached,
     positions,
+    shared_attention,
+    shared_block_mask,
+    shared_path,
+    shared_plan,
     varlen_attention,
 )
 
 
-def _needs_megatron(config) -> bool:
-    """True when a config option changes what megatron's own forwards do beyond the plain case."""
+def _needs_megatron(config, sp: bool = True) -> bool:
+    """True when a config option changes what megatron's own forwards do beyond the plain case
+    (``sp=False``: sequence parallelism not counted)."""
     return bool(
-        config.sequence_parallel or config.recompute_granularity is not None
+        (sp and config.sequence_parallel) or config.recompute_granularity is not None
         or config.fp8 or getattr(config, "fp4", None) or config.cpu_offloading
         or getattr(config, "fine_grained_activation_offloading", False)
         or config.cuda_graph_impl != "none" or config.gradient_accumulation_fusion
@@ -151,6 +156,9 @@ class SDPACoreAttention(MegatronModule):
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         t, _, heads, hn = query.shape
         cu = host_cu_seqlens(params)  # host bounds: no device read per layer
+        parents = pack_cached(params, "parents", lambda: None)
+        if parents is not None:
+            return self._shared(query, key, value, params, cu, parents)
         path = pack_cached(params, "attention_path", lambda: attention_path(cu))
         mask = index = None  # built once per pack, shared by the layers
         if path == "mask":
@@ -168,6 +176,27 @@ class SDPACoreAttention(MegatronModule):
             out_BNSD = varlen_attention(q_BNSD, k_BGSD, v_BGSD, cu, self.softmax_scale,
                                         dropout, mask=mask, path=path, index=index)
         return out_BNSD.permute(2, 0, 1, 3).reshape(t, 1, heads * hn)  # [t, 1, np*hn]
+
+
+    def _shared(self, query, key, value, params, cu, parents):
+        """A shared-prompt pack (``packing.shared_attention``), its state built once a pack."""
+        t, _, heads, hn = query.shape
+        path = pack_cached(params, "attention_path", lambda: shared_path(cu, parents))
+        dev = query.device
+        mask = plan = None
+        if path == "mask":
+            mask = pack_cached(params, ("mask", dev), lambda: shared_block_mask(cu, parents, dev))
+        else:
+            plan = pack_cached(params, ("plan", dev), lambda: shared_plan(cu, parents, dev))
+        dropout = self.dropout_p if self.training else 0.0
+        rng = (tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0.0
+               else contextlib.nullcontext())
+        with rng:
+            out_BNSD = shared_attention(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
+                                        value.permute(1, 2, 0, 3), cu, parents,
+                                        self.softmax_scale, dropout, path=path, mask=mask,
+                                        plan=plan)
+        return out_BNSD.permute(2, 0, 1, 3).reshape(t, 1, heads * hn)
 
 
 class LeanColumnParallelLinear(ColumnParallelLinear):
@@ -225,6 +254,11 @@ def _lean_packing(params) -> bool:
                               and (params.cp_group is None or params.cp_group.size() == 1))
 
 
+def _shared(params) -> bool:
+    """True for a shared-prompt pack (its segments' parents set by the forward)."""
+    return params is not None and pack_cached(params, "parents", lambda: None) is not None
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = torch.chunk(x, 2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -239,8 +273,8 @@ class LeanSelfAttention(SelfAttention):
         # Qwen3's per-head q/k RMSNorm (megatron's local spec: torch RMSNorm over hn)
         self.qk_norm = all(isinstance(m, torch.nn.RMSNorm)
                            for m in (self.q_layernorm, self.k_layernorm))
-        self.lean = not (
-            _needs_megatron(cfg) or cfg.attention_output_gate or cfg.no_rope_freq
+        self.lean_shared = not (  # sequence parallelism: the linears gather and scatter
+            _needs_megatron(cfg, sp=False) or cfg.attention_output_gate or cfg.no_rope_freq
             or cfg.rotary_interleaved or cfg.apply_rope_fusion or cfg.fused_single_qkv_rope
             or cfg.multi_latent_attention or getattr(cfg, "mrope_section", None)
             or hasattr(cfg, "yarn_rotary_scaling_factor") or self.checkpoint_core_attention
@@ -249,6 +283,7 @@ class LeanSelfAttention(SelfAttention):
             or not (self.qk_norm or all(m is None or isinstance(m, IdentityOp)
                                         for m in (self.q_layernorm, self.k_layernorm)))
             or self.num_query_groups_per_partition * self.world_size != cfg.num_query_groups)
+        self.lean = self.lean_shared and not cfg.sequence_parallel
         self._rope = None  # (rotary tensor, dtype, cos, sin)
 
     def _cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype, packed=None):
@@ -256,8 +291,9 @@ class LeanSelfAttention(SelfAttention):
         for a pack, row t holds the angle of token t's position inside its own sequence."""
         if packed is not None:  # once per pack and dtype, shared by the layers
             def build():
-                cu = host_cu_seqlens(packed)
-                f = freqs[positions(cu).to(freqs.device, non_blocking=True)].unsqueeze(3)
+                pos = pack_cached(packed, "positions",
+                                  lambda: positions(host_cu_seqlens(packed)))
+                f = freqs[pos.to(freqs.device, non_blocking=True)].unsqueeze(3)
                 return f.cos().to(dtype), f.sin().to(dtype)
             return pack_cached(packed, ("rope", dtype, freqs.data_ptr(), freqs.shape[0]), build)
         cached = self._rope
@@ -271,7 +307,11 @@ class LeanSelfAttention(SelfAttention):
                 rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
                 packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
         hn = self.hidden_size_per_attention_head
-        if (not self.lean or key_value_states is not None or inference_context is not None
+        shared = _shared(packed_seq_params)
+        if shared and not self.lean_shared:
+            raise ValueError("a shared-prompt pack needs the local spec's lean attention (RoPE "
+                             "at its explicit positions); use forward.shares_prompts first")
+        if (not (self.lean or shared) or key_value_states is not None or inference_context is not None
                 or inference_params is not None or rotary_pos_cos is not None
                 or rotary_pos_sin is not None or rotary_pos_cos_sin is not None
                 or attention_bias is not None or not _lean_packing(packed_seq_params)

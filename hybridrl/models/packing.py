@@ -36,6 +36,17 @@ Contract:
   sequence only (right padding is invisible to causal attention). ``use_mask(cu_seqlens)``:
   the path is ``mask``. ``batch_index(cu_seqlens)``: the batch path's gather index, which a
   caller may compute once per pack and pass in (``index=``) with the path (``path=``).
+- Shared prompts (``RolloutBatch.microbatch(share=True)``): a pack may also carry
+  ``parents`` [n] (segment i continues segment ``parents[i]``, or -1) and explicit
+  ``position_ids``. A segment with a parent attends to ALL of its parent, then causally to
+  itself; a root segment (-1) is causal over itself alone. A group's prompt is computed once
+  and each of its responses reads the prompt's keys/values: exact (a prompt position never sees
+  a response), and the prompt's gradients are the sum over its responses.
+  ``shared_path(cu_seqlens, parents)`` picks ``mask`` (one SDPA call, ``shared_block_mask``
+  [S, S]) or ``grouped`` (the roots by ``varlen_attention``; per group one SDPA call: its
+  responses as a right-padded batch [k, np, R_max, hn] over cat(prompt K/V expanded to k rows,
+  own K/V), bottom-right causal) by the same cost model; ``shared_attention`` runs it,
+  ``shared_plan`` is the grouped path's host/device index state, computed once per pack.
 - ``token_counts(micro_batches, multiple)`` -> (real, computed): the real tokens of micro-batches
   (packed: ``cu_seqlens[-1]``; padded: ``seq_lens`` when given, else the non-pad count is
   unknown and every token is real) and the tokens the forward computes (``input_ids.numel()``
@@ -224,3 +235,118 @@ def token_counts(micro_batches, multiple: int = 1) -> tuple[int, int]:
         else:
             real += b * t
     return real, computed
+
+
+def _path_cost(lens: list[int]) -> int:
+    """The cheapest plain varlen path's cost of segments of these lengths (score elements)."""
+    if len(lens) == 1:
+        return CALL_COST_ELEMENTS + lens[0] ** 2
+    call, n = CALL_COST_ELEMENTS, len(lens)
+    return min(2 * call + n * max(lens) ** 2, call + sum(lens) ** 2,
+               n * call + sum(x * x for x in lens))
+
+
+def _shared_groups(parents: list[int]) -> tuple[list[int], dict[int, list[int]]]:
+    """(root segments, {parent segment: its child segments, in order})."""
+    roots, kids = [], {}
+    for i, p in enumerate(parents):
+        if p < 0:
+            roots.append(i)
+        else:
+            kids.setdefault(p, []).append(i)
+    return roots, kids
+
+
+def shared_path(cu_seqlens: torch.Tensor, parents: list[int]) -> str:
+    """``mask`` or ``grouped``: the cheaper exact way to attend a shared-prompt pack."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    roots, kids = _shared_groups(parents)
+    grouped = _path_cost([lens[i] for i in roots]) if roots else 0
+    for p, ch in kids.items():
+        width = max(lens[c] for c in ch)
+        grouped += 3 * CALL_COST_ELEMENTS + len(ch) * width * (lens[p] + width)
+    return "mask" if CALL_COST_ELEMENTS + cu[-1] ** 2 <= grouped else "grouped"
+
+
+def shared_block_mask(cu_seqlens: torch.Tensor, parents: list[int], device=None):
+    """[S, S] bool, True = attend: same segment and key <= query, or the key in the query
+    segment's parent."""
+    cu = cu_seqlens.long().cpu()
+    seg = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
+    par = torch.tensor(parents, dtype=torch.long)[seg]  # [S] parent segment of each token
+    idx = torch.arange(int(cu[-1]))
+    mask = ((seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])) \
+        | (par[:, None] == seg[None, :])
+    return mask.to(device) if device is not None else mask
+
+
+def shared_plan(cu_seqlens: torch.Tensor, parents: list[int], device=None) -> dict:
+    """The grouped path's indices: root tokens and their cu_seqlens, per group its prompt span,
+    its responses' span, batch index and mask, and the inverse order of the pieces."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    roots, kids = _shared_groups(parents)
+    root_idx = [t for i in roots for t in range(cu[i], cu[i + 1])]
+    order, groups = list(root_idx), []
+    for p, ch in kids.items():
+        lo, hi = cu[ch[0]], cu[ch[-1] + 1]
+        if [cu[c + 1] for c in ch[:-1]] != [cu[c] for c in ch[1:]]:
+            raise ValueError(f"shared prompt {p}: its response segments {ch} must be adjacent")
+        sub = torch.tensor([cu[c] - lo for c in ch] + [hi - lo])
+        width, plen = int((sub[1:] - sub[:-1]).max()), cu[p + 1] - cu[p]
+        cols = torch.arange(plen + width)
+        mask = cols[None, :] <= torch.arange(width)[:, None] + plen  # bottom-right causal
+        index = batch_index(sub)
+        groups.append(dict(prompt=(cu[p], cu[p + 1]), span=(lo, hi), n=len(ch), width=width,
+                           mask=mask.to(device), index=None if index is None else index.to(device)))
+        order.extend(range(lo, hi))
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    root_cu = torch.tensor([0] + [cu[i + 1] - cu[i] for i in roots]).cumsum(0)
+    return dict(root_idx=torch.tensor(root_idx, dtype=torch.long, device=device),
+                root_cu=root_cu, groups=groups, inverse=inverse.to(device))
+
+
+def shared_attention(q_BNSD, k_BGSD, v_BGSD, cu_seqlens, parents: list[int], scale: float,
+                     dropout_p: float = 0.0, path: str | None = None, mask=None,
+                     plan: dict | None = None) -> torch.Tensor:
+    """Attention of a shared-prompt pack (see the module docstring); [1, np, S, hn]."""
+    gqa = q_BNSD.shape[1] != k_BGSD.shape[1]
+    kwargs = dict(scale=scale, enable_gqa=gqa, dropout_p=dropout_p)
+    path = path or shared_path(cu_seqlens, parents)
+    if path == "mask":
+        if mask is None:
+            mask = shared_block_mask(cu_seqlens, parents, q_BNSD.device)
+        return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, attn_mask=mask, **kwargs)
+    if path != "grouped":
+        raise ValueError(f"shared attention path must be 'mask' or 'grouped', got {path!r}")
+    plan = plan or shared_plan(cu_seqlens, parents, q_BNSD.device)
+    pieces = []
+    if plan["root_idx"].numel():
+        ri = plan["root_idx"]
+        pieces.append(varlen_attention(q_BNSD.index_select(2, ri), k_BGSD.index_select(2, ri),
+                                       v_BGSD.index_select(2, ri), plan["root_cu"], scale,
+                                       dropout_p))
+    for g in plan["groups"]:
+        (plo, phi), (lo, hi), n, width = g["prompt"], g["span"], g["n"], g["width"]
+
+        def to_batch(x_1HSD, g=g, n=n, width=width):  # [n, H, width, D], right-padded
+            x_HSD = x_1HSD[0]
+            if g["index"] is not None:
+                slots = x_HSD.new_zeros(x_HSD.shape[0], n * width, x_HSD.shape[2])
+                x_HSD = slots.index_copy(1, g["index"], x_HSD)
+            return x_HSD.reshape(x_HSD.shape[0], n, width, x_HSD.shape[2]).transpose(0, 1)
+
+        def with_prompt(x_1GSD, n=n, plo=plo, phi=phi, lo=lo, hi=hi, to_batch=to_batch):
+            own = to_batch(x_1GSD[:, :, lo:hi])
+            return torch.cat([x_1GSD[:, :, plo:phi].expand(n, -1, -1, -1), own], dim=2)
+
+        out_BNLD = F.scaled_dot_product_attention(
+            to_batch(q_BNSD[:, :, lo:hi]), with_prompt(k_BGSD), with_prompt(v_BGSD),
+            attn_mask=g["mask"], **kwargs)
+        out_NSD = out_BNLD.transpose(0, 1).reshape(out_BNLD.shape[1], n * width, -1)
+        if g["index"] is not None:
+            out_NSD = out_NSD.index_select(1, g["index"])
+        pieces.append(out_NSD.unsqueeze(0))
+    out = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+    return out.index_select(2, plan["inverse"])

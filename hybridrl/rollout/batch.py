@@ -90,11 +90,14 @@ class RolloutBatch:
                                             else self.routed_experts[sel]))
 
     def microbatch(self, idx: list[int], tensors: dict[str, torch.Tensor] | None = None,
-                   pad_token_id: int = 0, packed: bool = False) -> dict[str, torch.Tensor]:
+                   pad_token_id: int = 0, packed: bool = False,
+                   share: bool = False) -> dict[str, torch.Tensor]:
         """The megatron micro-batch of rows ``idx`` (see the module docstring)."""
         if not idx:
             raise ValueError("a micro-batch needs at least one row, got 0")
         lens = [len(self.prompt_ids[i]) + int(self.response_mask[i].sum()) for i in idx]
+        if packed and share and shared_groups([self.prompt_ids[i] for i in idx]):
+            return self._packed(idx, tensors, share=True)
         if packed and pack_pays(lens):
             return self._packed(idx, tensors)
         rows = torch.as_tensor(idx, dtype=torch.long)
@@ -115,23 +118,65 @@ class RolloutBatch:
             out[key] = value[rows]
         return out
 
-    def _packed(self, idx: list[int], tensors: dict[str, torch.Tensor] | None) -> dict:
-        """Rows ``idx`` as one pack [1, S] (see the module docstring)."""
+    def _packed(self, idx: list[int], tensors: dict[str, torch.Tensor] | None,
+                share: bool = False) -> dict:
+        """Rows ``idx`` as one pack [1, S]; ``share``: each shared prompt once (module doc)."""
         rows = torch.as_tensor(idx, dtype=torch.long)
         R = self.response_ids.shape[1]
-        seqs = [torch.cat([torch.tensor(self.prompt_ids[i], dtype=torch.long),
-                           self.response_ids[i, : int(self.response_mask[i].sum())]])
-                for i in idx]
-        input_ids_1S, cu = pack_sequences(seqs)
-        starts, lens = cu[:-1].long(), (cu[1:] - cu[:-1]).long()
-        plen = torch.tensor([len(self.prompt_ids[i]) for i in idx], dtype=torch.long)
-        resp_index_bR = (starts + plen - 1).unsqueeze(1) + torch.arange(R)  # [b, R]
-        resp_index_bR = torch.minimum(resp_index_bR, (starts + lens - 1).unsqueeze(1))
+        prompts = [torch.tensor(self.prompt_ids[i], dtype=torch.long) for i in idx]
+        resps = [self.response_ids[i, : int(self.response_mask[i].sum())] for i in idx]
+        groups = shared_groups([self.prompt_ids[i] for i in idx]) if share else []
+        member = {b: g for g in groups for b in g}
+        segs, parents, pos, first = [], [], [], {}  # first[b]: (start, length) of row b's read
+        start = 0
+
+        def add(tokens, parent, p0):
+            nonlocal start
+            segs.append(tokens)
+            parents.append(parent)
+            pos.append(torch.arange(p0, p0 + len(tokens)))
+            start += len(tokens)
+            return start - len(tokens)
+
+        for b in range(len(idx)):
+            if b in first:
+                continue
+            if b not in member:  # a whole sequence of its own
+                at = add(torch.cat([prompts[b], resps[b]]), -1, 0)
+                first[b] = (at + len(prompts[b]) - 1, len(prompts[b]) + len(resps[b]))
+                continue
+            prompt = prompts[b]
+            p = len(segs)
+            add(prompt[:-1], -1, 0)  # the shared prompt but its last token
+            for j in member[b]:  # each response after the prompt's last token
+                at = add(torch.cat([prompt[-1:], resps[j]]), p, len(prompt) - 1)
+                first[j] = (at, 1 + len(resps[j]))
+        input_ids_1S, cu = pack_sequences(segs)
+        head = torch.tensor([first[b][0] for b in range(len(idx))], dtype=torch.long)
+        span = torch.tensor([first[b][1] for b in range(len(idx))], dtype=torch.long)
+        resp_index_bR = head.unsqueeze(1) + torch.arange(R)  # [b, R]
+        seq_start = head - torch.tensor([0 if b in member else len(prompts[b]) - 1
+                                         for b in range(len(idx))])
+        resp_index_bR = torch.minimum(resp_index_bR, (seq_start + span - 1).unsqueeze(1))
+        lens = torch.tensor([len(prompts[b]) + len(resps[b]) for b in range(len(idx))])
         out = {"input_ids": input_ids_1S, "cu_seqlens": cu, "resp_index": resp_index_bR,
                "response_mask": self.response_mask[rows], "seq_lens": lens}
+        if groups:
+            out["seg_parent"] = torch.tensor(parents, dtype=torch.long)
+            out["position_ids"] = torch.cat(pos)
         for key, value in (tensors or {}).items():
             out[key] = value[rows]
         return out
+
+
+def shared_groups(prompts: list[list[int]]) -> list[list[int]]:
+    """Positions of the rows that share a prompt (at least 2 rows, a prompt of at least 2
+    tokens: its last token starts each response's segment), each group in row order."""
+    by = {}
+    for b, p in enumerate(prompts):
+        if len(p) >= 2:
+            by.setdefault(tuple(p), []).append(b)
+    return [g for g in by.values() if len(g) >= 2]
 
 
 def pack_pays(lens: list[int]) -> bool:

@@ -12,6 +12,11 @@ Contract:
   the rollout's MoE routing: ``{"routed_experts": rb.routed_experts}`` with
   ``actor.router_replay == "rollout"`` (a batch without them: ValueError), else {}; pass them to
   ``rb.microbatch`` for the old log-probs and the update alike.
+- ``share_prompts(model_cfg, model, replay)``: whether ``model``'s micro-batches compute each
+  shared prompt once (``RolloutBatch.microbatch(share=True)``): ``model.pack_sequences`` and
+  ``model.share_prompts``, no routing replay (MoE ids are per row), and a forward that takes it
+  (``hybridrl.models.forward.shares_prompts``: not the TE spec, recompute or megatron's own
+  attention); when the model cannot, a line says so once per model and packing goes on without.
 - ``TokenTally``: ``with tally.count(mbs, multiple):`` around a forward (or forward-backward)
   over micro-batches adds their real and computed tokens (``hybridrl.models.packing.
   token_counts``) and the seconds it took. ``pop_metrics(dp_group)`` returns the step's
@@ -24,12 +29,14 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import torch
 import torch.distributed as dist
 
 from hybridrl.data.batching import plan_micro_batches
+from hybridrl.models.forward import shares_prompts
 from hybridrl.models.packing import token_counts
 from hybridrl.models.router_replay import ROUTED_KEY
 
@@ -52,6 +59,21 @@ def replay_tensors(actor_cfg, rb) -> dict:
                          "expert ids (only the builtin engine returns them, for a MoE model, "
                          "and only the colocated hand-off brings them to the batch)")
     return {ROUTED_KEY: rb.routed_experts}
+
+
+def share_prompts(model_cfg, model, replay=None) -> bool:
+    """True when ``model``'s micro-batches share their prompts (see the module docstring)."""
+    if not (model_cfg.pack_sequences and model_cfg.share_prompts) or replay:
+        return False
+    able = model.__dict__.get("_hybridrl_shares_prompts")
+    if able is None:
+        able = model.__dict__["_hybridrl_shares_prompts"] = shares_prompts(model)
+        if not able:
+            logging.getLogger(__name__).warning(
+                "hybridrl: model.share_prompts is off for the %s: its attention is not the local "
+                "spec's lean forward (TE spec, recompute or another megatron-only option); "
+                "packs compute each row's prompt", getattr(model, "role", "model"))
+    return able
 
 
 def sp_multiple(model) -> int:

@@ -93,7 +93,13 @@ from hybridrl.trainer import dynamic_sampling
 from hybridrl.trainer.guards import StepGuard
 from hybridrl.trainer.inputs import build_data, reward_scorer, with_estimator
 from hybridrl.trainer.metrics_log import build_metrics_log
-from hybridrl.trainer.microbatches import TokenTally, forward_parts, replay_tensors, sp_multiple
+from hybridrl.trainer.microbatches import (
+    TokenTally,
+    forward_parts,
+    replay_tensors,
+    share_prompts,
+    sp_multiple,
+)
 from hybridrl.trainer.on_policy import GAP_METRICS, skip_old_forward
 from hybridrl.trainer.overlap import Overlap
 from hybridrl.trainer.phase_memory import PhaseMemory
@@ -236,7 +242,8 @@ class PPOTrainer:
         parts = forward_parts(rb.seq_lengths, micro, dynamic, max_tokens, packed,
                               min_count=self.groups.pp_size)
         replay = replay_tensors(self.cfg.actor, rb) if model is self.actor else None
-        mbs = [rb.microbatch(p, replay, packed=packed) for p in parts]
+        share = share_prompts(self.cfg.model, model, replay)
+        mbs = [rb.microbatch(p, replay, packed=packed, share=share) for p in parts]
         with self.tally.count(mbs, sp_multiple(model)):
             outs = run_microbatches(model, mbs, with_entropy=False, temperature=self.temperature)
         local = None
@@ -276,7 +283,7 @@ class PPOTrainer:
                            partition=self.partition, groups=self.groups, n=self.cfg.rollout.n,
                            loss_scale=self.cfg.rollout.response_length,
                            temperature=self.temperature, packed=self.cfg.model.pack_sequences,
-                           tally=self.tally)
+                           tally=self.tally, share=share_prompts(self.cfg.model, model))
 
     # ------------------------------------------------------------------ one step
     @own_rng

@@ -9,7 +9,8 @@ Contract:
   ``ppo_micro_batch_size_per_gpu`` sequences or, with ``use_dynamic_bsz``, token-budget
   micro-batches of the same count on every DP rank (``packed``: each micro-batch one pack of
   whole sequences, budgets in real tokens, ``hybridrl.models.packing``; ``tally``, a
-  ``TokenTally``, counts their tokens). The loss uses the global normalizers of the mini-batch
+  ``TokenTally``, counts their tokens; ``share``: rows of a micro-batch with one prompt
+  compute it once, ``RolloutBatch.microbatch(share=True)``, not with routing replay). The loss uses the global normalizers of the mini-batch
   (``compute_agg_normalizers`` over ``groups.dp``, verl's constant ``loss_scale``) over the
   tokens the losses see: ``rb.loss_mask`` when the batch has one (a multi-turn rollout's own
   model tokens; it then rides in each micro-batch as ``loss_mask``), else ``response_mask``.
@@ -96,7 +97,7 @@ def critic_loss_fn(c, outputs, batch, *, norm, k):
 
 def ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix: str, *, partition, groups,
                 n: int, loss_scale: int, temperature: float, packed: bool = False,
-                tally: TokenTally | None = None) -> dict:
+                tally: TokenTally | None = None, share: bool = False) -> dict:
     """PPO epochs over mini-batches of one model (see module doc)."""
     dp = groups.dp_size
     mini = role_cfg.ppo_mini_batch_size * n
@@ -120,7 +121,8 @@ def ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix: str, *, 
                 share = [j for g, j in local.items() if lo <= g < hi]
                 size = role_cfg.ppo_micro_batch_size_per_gpu
                 micro = [share[s:s + size] for s in range(0, len(share), size)]
-            mbs = [rb.microbatch(m, tensors, packed=packed) for m in micro]
+            mbs = [rb.microbatch(m, tensors, packed=packed, share=share and not replay)
+                   for m in micro]
             norm = compute_agg_normalizers(  # on the model's device: NCCL takes no CPU tensors
                 [loss_mask_of(mb).to(model.device) for mb in mbs],
                 groups.dp if dp > 1 else None, loss_scale_factor=loss_scale)  # verl: a constant L
