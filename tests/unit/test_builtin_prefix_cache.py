@@ -193,7 +193,7 @@ def test_a_session_prefills_only_the_appended_tokens_and_matches_a_whole_call():
 BUDGET = 128
 
 
-def _loop_run(engine, continuation: bool, max_seq_len: int):
+def _loop_run(engine, continuation: bool, max_seq_len: int, share=None):
     engine.spec = dataclasses.replace(engine.spec, max_seq_len=max_seq_len)
     tools = ToolRegistry([ShortCalculator()], max_output_chars=24)
     fmt = build_format("plain", TOK, tools.schemas())
@@ -207,7 +207,7 @@ def _loop_run(engine, continuation: bool, max_seq_len: int):
     engine._run = counted
     loop = AgentLoop(engine, fmt, tools, Budgets(BUDGET, max_tokens_per_turn=32,
                                                  max_assistant_turns=4, max_tool_calls=4),
-                     continuation=continuation)
+                     share=share, continuation=continuation)
     prompts = [PROMPTS[i] for i in (0, 0, 1, 1, 2, 2, 0, 1)]
     out = loop.run(prompts, SamplingParams(64, eos_token_id=TOK.eos_token_id,
                                            row_seeds=tuple(range(7, 15))))
