@@ -22,7 +22,9 @@ Contract:
   token_counts``) and the seconds it took. ``pop_metrics(dp_group)`` returns the step's
   ``perf/pad_fraction`` (share of the computed tokens that are padding: 1 - real / computed,
   summed over the DP ranks) and ``perf/tokens_per_s`` (real tokens of all DP ranks / the
-  slowest DP rank's seconds inside the counted forwards) and starts over; {} when nothing was
+  slowest DP rank's seconds inside the counted forwards), ``perf/shared_prompt_frac`` (share of
+  the rows' own tokens, each row counting its prompt, that shared prompts spared the forwards:
+  1 - real / row tokens; 0 without sharing) and starts over; {} when nothing was
   counted. Every rank of a DP replica counts the same micro-batches.
 """
 
@@ -86,7 +88,7 @@ class TokenTally:
     """Real and computed tokens of a step's forwards, and their seconds."""
 
     def __init__(self) -> None:
-        self.real = self.computed = 0
+        self.real = self.computed = self.rows = 0  # rows: the rows' own tokens, prompts each
         self.seconds = 0.0
 
     @contextlib.contextmanager
@@ -99,16 +101,20 @@ class TokenTally:
         self.seconds += time.perf_counter() - t0
         self.real += real
         self.computed += computed
+        self.rows += sum(int(mb["seq_lens"].sum()) if "seq_lens" in mb
+                         else token_counts([mb])[0] for mb in microbatches)
 
     def pop_metrics(self, dp_group=None) -> dict[str, float]:
-        sums = torch.tensor([float(self.real), float(self.computed)], dtype=torch.float64)
+        sums = torch.tensor([float(self.real), float(self.computed), float(self.rows)],
+                            dtype=torch.float64)
         peak = torch.tensor([self.seconds], dtype=torch.float64)
         if dp_group is not None:
             dist.all_reduce(sums, group=dp_group)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dp_group)
         self.__init__()
-        real, computed = sums.tolist()
+        real, computed, rows = sums.tolist()
         if computed <= 0:
             return {}
         return {"perf/pad_fraction": 1.0 - real / computed,
+                "perf/shared_prompt_frac": max(0.0, 1.0 - real / max(rows, 1.0)),
                 "perf/tokens_per_s": real / max(float(peak[0]), 1e-9)}

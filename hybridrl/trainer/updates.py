@@ -10,7 +10,8 @@ Contract:
   micro-batches of the same count on every DP rank (``packed``: each micro-batch one pack of
   whole sequences, budgets in real tokens, ``hybridrl.models.packing``; ``tally``, a
   ``TokenTally``, counts their tokens; ``share``: rows of a micro-batch with one prompt
-  compute it once, ``RolloutBatch.microbatch(share=True)``, not with routing replay). The loss uses the global normalizers of the mini-batch
+  compute it once, ``RolloutBatch.microbatch(share=True)``, not with routing replay). The
+  loss uses the global normalizers of the mini-batch
   (``compute_agg_normalizers`` over ``groups.dp``, verl's constant ``loss_scale``) over the
   tokens the losses see: ``rb.loss_mask`` when the batch has one (a multi-turn rollout's own
   model tokens; it then rides in each micro-batch as ``loss_mask``), else ``response_mask``.
@@ -118,9 +119,9 @@ def ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix: str, *, 
                     packed=packed, min_count=groups.pp_size)  # >= pp: the pipeline fills
                 micro = [[local[lo + j] for j in mb] for mb in plans[groups.dp_rank].micro_batches]
             else:
-                share = [j for g, j in local.items() if lo <= g < hi]
+                mine = [j for g, j in local.items() if lo <= g < hi]
                 size = role_cfg.ppo_micro_batch_size_per_gpu
-                micro = [share[s:s + size] for s in range(0, len(share), size)]
+                micro = [mine[s:s + size] for s in range(0, len(mine), size)]
             mbs = [rb.microbatch(m, tensors, packed=packed, share=share and not replay)
                    for m in micro]
             norm = compute_agg_normalizers(  # on the model's device: NCCL takes no CPU tensors

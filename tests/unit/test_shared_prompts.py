@@ -223,3 +223,18 @@ def test_shared_pack_equals_unshared_pack(model_results, shape, path):
     for key, (diff, scale) in model_results[(shape, path)].items():
         assert diff <= TOL, (key, diff, scale)
         assert scale > 1e-3, (key, scale)  # real numbers, not zeros
+
+
+def test_token_tally_reports_the_shared_fraction():
+    from hybridrl.trainer.microbatches import TokenTally
+
+    rb, _ = make_rollout()
+    tally = TokenTally()
+    with tally.count([rb.microbatch(PARTS[0], packed=True, share=True)]):  # 30 of 40 tokens
+        pass
+    m = tally.pop_metrics()
+    assert m["perf/shared_prompt_frac"] == pytest.approx(1 - 30 / 40)
+    assert m["perf/pad_fraction"] == 0.0
+    with tally.count([rb.microbatch(PARTS[0], packed=True)]):
+        pass
+    assert tally.pop_metrics()["perf/shared_prompt_frac"] == 0.0
