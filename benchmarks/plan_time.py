@@ -100,6 +100,8 @@ def _predict(world: int, overrides: list[str], model_json: str, hist: list[dict]
              "--mini-batches", str(cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size),
              "--max-tokens-per-gpu", str(max(micro * length, math.ceil(prompt)
                                              + r.response_length)),
+             "--forward-tokens-per-gpu", str(cfg.ref.log_prob_micro_batch_size_per_gpu
+                                             * length),
              "--gpus-per-node", "64"]
     if p.split:
         flags += ["--placement", "split", "--gen-world", str(p.gen.world)]

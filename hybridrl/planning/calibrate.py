@@ -3,21 +3,30 @@
 Contract:
 - ``run_calibration(path=None)`` measures, with one torch thread per rank as the CPU ranks run:
   ``flops`` (fp32 matmul FLOP/s of a [256, 256] x [256, 256] product), ``memory_bps`` (bytes/s
-  of copying a 64 MiB tensor, counted once read + once written), ``layer_latency_s`` (the fixed
-  cost of one layer call: hybridrl's own model at the CPU demo's size, 4 layers of 64 hidden,
-  built on a 1-rank gloo group in a child process, one packed micro-batch of 4 sequences of 26-38
-  tokens (as the trainer packs them) through
-  ``run_microbatches`` forward-only, less its FLOPs at ``flops``, over its layers + 1 for the
-  head and log-prob), ``train_calls_per_forward`` (the same for forward + backward over the
-  forward's: what a training pass costs in layer calls), ``optimizer_latency_s`` (megatron's
-  optimizer step of that model through ``train_step``, less the forward + backward and the
-  bytes Adam streams, ``timing.OPTIMIZER_BYTES_PER_PARAM``: its fixed cost per
-  step), ``sample_latency_s`` (one request's token drawn with its own generator, as the
-  builtin engine samples: per request per decode step), ``torch_layer_latency_s`` (for
-  comparison: the same layer's bare torch ops, 8 tokens; megatron's modules cost several times
-  more per call), ``collective_latency_s`` and ``link_bps`` (a gloo all-reduce between two
-  local processes: 8 bytes, then 4 MiB), ``memory_bytes`` (MemTotal). Writes them as JSON to
-  ``path`` (default ``cache_path()``) with the host, CPU model and load, returns the dict.
+  of copying a 64 MiB tensor, counted once read + once written); then hybridrl's own model at the
+  CPU demo's size (4 layers of 64 hidden, vocabulary 100), built on a 1-rank gloo group in a
+  child process, on packed micro-batches of ``SEQS`` = 2 and 8 sequences of ``SEQ_LEN`` = 72
+  tokens (as the trainer packs them) through ``run_microbatches``: forward-only and forward +
+  backward with the trainer's GRPO actor loss (``algos.losses.actor_loss``: clipped ratio and
+  low-var KL). Each pass is a straight line in its tokens: the forward's intercept over
+  layers + 1 (the head and log-prob) is ``layer_latency_s`` (the fixed cost of one layer call
+  per micro-batch), the training pass's intercept over the forward's is
+  ``train_calls_per_forward``; the forward's slope less its FLOPs at ``flops`` is the
+  activation traffic per token, ``act_passes`` = that many fp32 vectors of (layers x hidden +
+  vocab) at ``memory_bps`` (unfused elementwise ops, norms, rotary, softmax: the work that does
+  not shrink with the GEMMs' efficiency), and the training slope's (less 3x the FLOPs) over the
+  forward's is ``train_act_ratio``. ``optimizer_latency_s``: megatron's optimizer step of that
+  model through ``train_step``, less the forward + backward and the bytes Adam streams
+  (``timing.OPTIMIZER_BYTES_PER_PARAM``): its fixed cost per step. ``sample_latency_s``: one
+  request's token drawn with its own generator, as the builtin engine samples (per request per
+  decode step). ``torch_layer_latency_s`` (for comparison: the same layer's bare torch ops, 8
+  tokens). Gloo between two local processes: ``collective_min_s`` (the fastest 8-byte
+  all-reduce), ``link_bps`` (a 4 MiB all-reduce less that latency) and
+  ``collective_latency_s``: the mean all-reduce of a micro-batch's activations (64 KiB) after a
+  layer's worth of compute on each rank, ``RUN_COLLECTIVES`` times: what a run meets, the wait
+  for the later rank included (it grows with the machine's load). ``cores``: the CPUs this
+  process may run on (ranks past them share). ``memory_bytes`` (MemTotal). Writes them as JSON
+  to ``path`` (default ``cache_path()``) with the host, CPU model and load, returns the dict.
 - ``cache_path()``: ``$XDG_CACHE_HOME/hybridrl/plan-calibration-<host>.json`` (``~/.cache`` when
   the variable is unset): per machine, never in the repository.
 - ``load_calibration(path=None)``: the cached dict; ValueError (one line) when there is none
@@ -33,6 +42,8 @@ import socket
 import tempfile
 import time
 
+SEQ_LEN, SEQS = 72, (2, 8)  # the CPU demo's sequences (69-token prompts, 3-token responses)
+RUN_COLLECTIVES = 40
 KEYS = ("flops", "memory_bps", "layer_latency_s", "collective_latency_s", "link_bps",
         "memory_bytes")
 
@@ -118,41 +129,55 @@ def _allreduce_rank(rank: int, store_path: str, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank,
                             world_size=2)
-    small, big = torch.zeros(2), torch.zeros(1 << 20)
+    small, big, act = torch.zeros(2), torch.zeros(1 << 20), torch.zeros(1 << 14)
     for _ in range(5):
         dist.all_reduce(small)
         dist.all_reduce(big)
     lat = _fixed(lambda: dist.all_reduce(small), 50)  # the same count on both ranks: every
     t_big = _fixed(lambda: dist.all_reduce(big), 10)  # call is a collective
+    # as a run meets them: a micro-batch's activations (64 KiB) after a layer's worth of compute
+    # on each rank; the mean, waits for the later rank included
+    x, spent = torch.randn(128, 128), 0.0
+    for _ in range(RUN_COLLECTIVES):
+        for _ in range(4):
+            x @ x
+        t0 = time.perf_counter()
+        dist.all_reduce(act)
+        spent += time.perf_counter() - t0
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"lat": lat, "big": t_big, "bytes": big.numel() * 4}, f)
+            json.dump({"lat": lat, "big": t_big, "bytes": big.numel() * 4,
+                       "in_run": spent / RUN_COLLECTIVES}, f)
 
 
-def _collectives() -> tuple[float, float]:
+def _collectives() -> tuple[float, float, float]:
+    """(a collective's latency as a run meets it, the best small one, link bytes/s)."""
     r = _spawn(_allreduce_rank, 2)
     # a 2-rank ring moves 2 (g-1)/g = 1 x the bytes each way
     bps = r["bytes"] / max(r["big"] - r["lat"], 1e-9)
-    return r["lat"], bps
+    return max(r["in_run"], r["lat"]), r["lat"], bps
 
 
 def _model_rank(rank: int, store_path: str, out_path: str) -> None:
     """One rank (world 1): hybridrl's real model at the CPU demo's size (megatron's local spec
-    with hybridrl's lean forwards), one packed micro-batch of 4 sequences (128 tokens):
-    forward-only log-probs and
-    forward + backward, each the fastest of repeated runs."""
+    with hybridrl's lean forwards), packed micro-batches of ``SEQS`` sequences of ``SEQ_LEN``
+    tokens: forward-only log-probs and forward + backward with the PPO actor loss, each the
+    fastest of repeated runs, and the optimizer step."""
     import warnings
 
     import torch
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")  # megatron's notes on missing TE/Apex: not ours to show
+    from hybridrl.algos.losses import actor_loss
     from hybridrl.config.model import ModelConfig
     from hybridrl.models.build import build_model
     from hybridrl.models.forward import run_microbatches
+    from hybridrl.models.packing import pack_sequences
     from hybridrl.models.spec import LlamaSpec
+    from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
     from hybridrl.parallel.groups import build_groups
     from hybridrl.parallel.layout import TrainLayout
 
@@ -162,27 +187,27 @@ def _model_rank(rank: int, store_path: str, out_path: str) -> None:
         spec = LlamaSpec.from_model_config(ModelConfig(vocab_size=100,
                                                        max_position_embeddings=128))
         model = build_model(spec, build_groups(TrainLayout(world=1)), "actor", dtype="fp32")
-        from hybridrl.models.packing import pack_sequences
 
-        # as the trainer runs it (model.pack_sequences): 4 sequences of unequal lengths
-        ids, cu = pack_sequences([torch.randint(0, 100, (n,)) for n in (26, 30, 34, 38)])
-        mb = {"input_ids": ids, "cu_seqlens": cu}
-        fwd = _best(lambda: run_microbatches(model, [mb]), 0.6, 5)
-
-        def loss(out, batch):
-            return out["logprobs"].mean(), {}
-        train = _best(lambda: run_microbatches(model, [mb], loss_fn=loss, forward_only=False),
-                      0.6, 5)
-        from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
-
+        def loss(out, batch):  # the trainer's GRPO actor loss: clipped ratio + low-var KL
+            logp = out["logprobs"].reshape(1, -1)
+            old = logp.detach()
+            return actor_loss(old, logp, torch.ones_like(old), torch.ones_like(old),
+                              ref_log_prob=old - 0.01, use_kl_loss=True)
         opt = ModelOptimizer(model, OptimConfig())
-        step = _best(lambda: train_step(model, opt, [mb], loss), 0.6, 5)
-        params = sum(p.numel() for p in model.module.parameters())
+        rep = {}
+        for n in SEQS:
+            ids, cu = pack_sequences([torch.randint(0, 100, (SEQ_LEN,)) for _ in range(n)])
+            mb = {"input_ids": ids, "cu_seqlens": cu}
+            rep[f"fwd{n}"] = _best(lambda b=mb: run_microbatches(model, [b]), 0.5, 5)
+            rep[f"train{n}"] = _best(lambda b=mb: run_microbatches(
+                model, [b], loss_fn=loss, forward_only=False), 0.5, 5)
+        rep["step"] = _best(lambda: train_step(model, opt, [mb], loss), 0.5, 5)
+        rep.update(params=sum(p.numel() for p in model.module.parameters()),
+                   layers=spec.num_layers, hidden=spec.hidden_size, ffn=spec.ffn_hidden_size,
+                   heads=spec.num_attention_heads, groups=spec.num_query_groups,
+                   vocab=spec.vocab_size)
         with open(out_path, "w") as f:
-            json.dump({"fwd": fwd, "train": train, "step": step, "params": params, "layers": spec.num_layers,
-                       "hidden": spec.hidden_size, "ffn": spec.ffn_hidden_size,
-                       "heads": spec.num_attention_heads, "groups": spec.num_query_groups,
-                       "vocab": spec.vocab_size, "tokens": 4 * 32, "seq": 32}, f)
+            json.dump(rep, f)
     finally:
         dist.destroy_process_group()
 
@@ -198,22 +223,41 @@ def _spawn(fn, nprocs: int) -> dict:
             return json.load(f)
 
 
-def _model_latency(flops: float, memory_bps: float) -> tuple[float, float, float]:
-    """(seconds per layer call beyond its FLOPs, a training pass's calls per forward call, the
-    optimizer step's fixed seconds beyond its bytes)."""
+def _model_latency(flops: float, memory_bps: float) -> dict:
+    """The model's costs beyond its FLOPs, from the two micro-batch sizes: a straight line in
+    tokens per pass; its intercept is the layer calls, its slope beyond the FLOPs the
+    activation traffic (see the module docstring)."""
+    from hybridrl.planning import flops as F
     from hybridrl.planning.timing import OPTIMIZER_BYTES_PER_PARAM
+    from hybridrl.reshard.specs import LlamaShape
 
     r = _spawn(_model_rank, 1)
-    h, f, heads, g = r["hidden"], r["ffn"], r["heads"], r["groups"]
-    hd = h // heads
-    per_seq = r["layers"] * (r["seq"] * 2.0 * (h * (heads + 2 * g) * hd + heads * hd * h
-                                               + 3 * h * f) + 2.0 * heads * hd * r["seq"] ** 2)
-    fwd_flops = r["tokens"] / r["seq"] * per_seq + r["tokens"] * 2.0 * h * r["vocab"]
-    fwd = max(r["fwd"] - fwd_flops / flops, 1e-9)
-    train = max(r["train"] - 3 * fwd_flops / flops, fwd)
-    optimizer = r["step"] - r["train"] - r["params"] * OPTIMIZER_BYTES_PER_PARAM / memory_bps
-    # per layer call (the head and log-prob: one call more), the ratio, the optimizer step
-    return fwd / (r["layers"] + 1), train / fwd, max(optimizer, 0.0)
+    shape = LlamaShape(hidden=r["hidden"], ffn=r["ffn"], heads=r["heads"],
+                       num_query_groups=r["groups"], layers=r["layers"], vocab=r["vocab"])
+    (n1, n2), tok = SEQS, F.forward_flops(shape, SEQ_LEN) / SEQ_LEN / flops
+    dt = (n2 - n1) * SEQ_LEN
+
+    def line(kind: str) -> tuple[float, float]:
+        slope = (r[f"{kind}{n2}"] - r[f"{kind}{n1}"]) / dt
+        return r[f"{kind}{n1}"] - n1 * SEQ_LEN * slope, slope
+    fwd_calls, fwd_slope = line("fwd")
+    train_calls, train_slope = line("train")
+    fwd_calls, extra = max(fwd_calls, 1e-9), max(fwd_slope - tok, 1e-12)
+    vectors = (shape.layers * shape.hidden + shape.vocab) * 4  # fp32 bytes per pass
+    optimizer = r["step"] - r[f"train{n2}"] - r["params"] * OPTIMIZER_BYTES_PER_PARAM \
+        / memory_bps
+    return {"layer_latency_s": fwd_calls / (shape.layers + 1),  # the head: one call more
+            "train_calls_per_forward": max(train_calls / fwd_calls, 1.0),
+            "act_passes": extra * memory_bps / vectors,
+            "train_act_ratio": max(train_slope - 3 * tok, 0.0) / extra,
+            "optimizer_latency_s": max(optimizer, 0.0)}
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _cpu_model() -> str:
@@ -248,13 +292,12 @@ def run_calibration(path: str | None = None) -> dict:
         sample = _sample_latency()
     finally:
         torch.set_num_threads(threads)
-    lat, link = _collectives()
-    layer, train_calls, optimizer = _model_latency(flops, memory_bps)
-    rep = {"flops": flops, "memory_bps": memory_bps, "layer_latency_s": layer,
-           "train_calls_per_forward": train_calls, "optimizer_latency_s": optimizer,
+    lat, best_lat, link = _collectives()
+    rep = {"flops": flops, "memory_bps": memory_bps, **_model_latency(flops, memory_bps),
            "sample_latency_s": sample,
            "torch_layer_latency_s": op_layer,
-           "collective_latency_s": lat, "link_bps": link, "memory_bytes": _mem_total(),
+           "collective_latency_s": lat, "collective_min_s": best_lat, "link_bps": link,
+           "cores": _cores(), "memory_bytes": _mem_total(),
            "host": socket.gethostname(), "cpu": _cpu_model(),
            "load_avg": os.getloadavg()[0], "seconds": time.perf_counter() - t0,
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -291,9 +334,12 @@ def calibrate_text(rep: dict) -> str:
         f"{rep['load_avg']:.1f}; cached in {rep['path']}",
         f"  matmul {rep['flops'] / 1e9:.2f} GFLOP/s per rank (one thread)",
         f"  memory copy {rep['memory_bps'] / 1e9:.2f} GB/s",
-        f"  layer call {1e6 * rep['layer_latency_s']:.0f} us (forward, beyond its FLOPs; "
-        f"a training pass {rep['train_calls_per_forward']:.2f} of them)",
+        f"  layer call {1e6 * rep['layer_latency_s']:.0f} us per micro-batch (a training "
+        f"pass {rep['train_calls_per_forward']:.2f} of them)",
+        f"  activation traffic {rep['act_passes']:.1f} vectors per token per layer beyond "
+        f"the GEMMs (a training pass {rep['train_act_ratio']:.2f} x)",
         f"  optimizer step {1e3 * rep['optimizer_latency_s']:.2f} ms beyond its bytes",
         f"  sampling {1e6 * rep['sample_latency_s']:.1f} us per request per token",
-        f"  gloo all-reduce {1e6 * rep['collective_latency_s']:.0f} us latency, "
-        f"{rep['link_bps'] / 1e9:.2f} GB/s"])
+        f"  gloo all-reduce {1e6 * rep['collective_latency_s']:.0f} us in a run (best "
+        f"{1e6 * rep['collective_min_s']:.0f} us), {rep['link_bps'] / 1e9:.2f} GB/s; "
+        f"{rep['cores']} cores"])

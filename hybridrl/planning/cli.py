@@ -217,7 +217,8 @@ def memory_report(args: argparse.Namespace, cache: dict | None = None) -> dict:
             ref=not args.no_ref, dist_opt=not args.no_dist_opt, offload=frozenset(parts),
             rollout_seqs=args.rollout_seqs, gpu_gb=args.gpu_gb, spec=args.spec,
             engine=args.engine, mem_fraction_static=args.mem_fraction_static or 0.5,
-            ep=args.ep, etp=args.etp)
+            ep=args.ep, etp=args.etp,
+            forward_tokens_per_gpu=getattr(args, "forward_tokens_per_gpu", 0))
     key = (args.model, args.world, args.tp, args.pp, args.gen_tp, args.gen_pp, args.dtype,
            args.engine, args.bucket_mb, args.vocab_pad, args.gpus_per_node, args.ep, args.etp)
     if getattr(args, "placement", "colocated") == "split":  # the training ranks of a split
@@ -359,6 +360,8 @@ def _fill(p: argparse.ArgumentParser) -> None:
                         "rollout.mem_fraction_static, else 0.5)")
     m.add_argument("--max-tokens-per-gpu", type=int, default=16384,
                    help="padded tokens of one training micro-batch (ppo_max_token_len_per_gpu)")
+    m.add_argument("--forward-tokens-per-gpu", type=int, default=0, help="tokens of one "
+                   "forward-only micro-batch (log_prob_max_token_len_per_gpu; 0: as training)")
     m.add_argument("--seq-len", type=int, default=4096, help="prompt + response tokens")
     m.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     m.add_argument("--sp", action="store_true", help="sequence parallel (tp > 1)")

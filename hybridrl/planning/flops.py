@@ -13,6 +13,11 @@ ffn, a = heads x head_dim, g = query groups x head_dim (GQA: K and V have g colu
 - ``train_flops(shape, length, role, recompute)``: forward + backward (2 x forward) and what the
   recompute granularity runs again (``full``: the layers' forward; ``selective``: the attention
   core); ``model_flops`` is the same without recompute (the numerator of MFU).
+- ``shared_forward_flops(shape, prompt_len, length, rows, role)``: one sequence's share of a
+  packed micro-batch whose ``rows`` sequences of one prompt compute the prompt (but its last
+  token) once: forward_flops(length) less (1 - 1/rows) x forward_flops(prompt_len - 1) (the
+  rest of each row, attention to the prompt's keys included, is its own);
+  ``shared_tokens(prompt_len, length, rows)`` its tokens the same way. rows = 1: unshared.
 - ``decode_token_flops(shape, context)``: one generated token at ``context`` tokens of KV.
 - ``kv_bytes_per_token(shape, itemsize)``: K and V of all layers for one token.
 - ``mean_sq``: E[L^2] of lengths uniform-ish around a mean is not known; callers pass the mean
@@ -64,6 +69,18 @@ def train_flops(shape, length: float, role: str = "actor", recompute: str = "non
     elif recompute == "selective":
         extra = shape.layers * attention_flops(shape, length)
     return model_flops(shape, length, role) + extra
+
+
+def shared_forward_flops(shape, prompt_len: float, length: float, rows: float,
+                         role: str = "actor") -> float:
+    """One sequence's forward when ``rows`` sequences of a micro-batch share its prompt."""
+    saved = (1 - 1 / rows) * forward_flops(shape, max(prompt_len - 1, 0), role)
+    return forward_flops(shape, length, role) - saved
+
+
+def shared_tokens(prompt_len: float, length: float, rows: float) -> float:
+    """One sequence's tokens when ``rows`` sequences of a micro-batch share its prompt."""
+    return length - (1 - 1 / rows) * max(prompt_len - 1, 0)
 
 
 def decode_token_flops(shape, context: float) -> float:

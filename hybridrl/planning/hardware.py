@@ -28,6 +28,14 @@ Contract:
   ``link`` (NCCL bus bandwidth over the link peak) and ``pcie`` (pinned host copies over the
   PCIe peak). ``cpu`` kinds come from ``hybridrl.planning.calibrate`` instead (measured, so
   their factors are 1.0).
+- Per-call and per-token costs beyond the peaks (``Hardware`` fields): ``collective_latency_s``
+  (one collective's fixed cost: 10 us for a small NCCL collective inside a node; CPU: a gloo
+  all-reduce as a run meets it), ``kernel_latency_s`` (the fixed cost of one layer call per
+  micro-batch: 0 on GPUs, whose kernel launches overlap the previous kernel's work; CPU:
+  measured), ``train_calls``, ``optimizer_latency_s``, ``sample_latency_s``, ``act_passes`` and
+  ``train_act_ratio`` (activation traffic per token beyond the GEMMs: 0 on GPUs, where fused
+  kernels keep it inside the matmul efficiency; CPU: measured), ``cores`` (CPU: the cores the
+  ranks share; 0: every rank has its own device).
 - ``hardware(kind, gpu_gb=None, calibration=None)``: the row (``cpu``: from a calibration dict,
   see ``calibrate.py``); ``gpu_gb`` overrides the memory size. Unknown kinds: ValueError.
 """
@@ -57,6 +65,13 @@ class Hardware:
     train_calls: float = 3.0  # a training pass's layer-call cost over a forward's
     optimizer_latency_s: float = 0.0  # fixed cost of one optimizer step (CPU: measured)
     sample_latency_s: float = 0.0  # per request per decode step (CPU engine: measured)
+    # activation vectors a token reads or writes beyond the GEMMs, per layer (hidden-sized) and
+    # for the head (vocab-sized), streamed at hbm_bps: unfused elementwise ops, norms, rotary,
+    # softmax. CPU: measured; GPU: 0 (fused kernels, inside the matmul efficiency)
+    act_passes: float = 0.0
+    train_act_ratio: float = 3.0  # a training pass's activation traffic over a forward's
+    cores: int = 0  # CPU: cores the ranks share (a rank past them waits its turn); 0: a device
+    # per rank
     efficiency: tuple = ()  # ((name, fraction), ...); empty: EFFICIENCY
 
     def eff(self, name: str) -> float:
@@ -104,6 +119,9 @@ def hardware(kind: str, gpu_gb: float | None = None, calibration: dict | None = 
                       train_calls=c.get("train_calls_per_forward", 3.0),
                       optimizer_latency_s=c.get("optimizer_latency_s", 0.0),
                       sample_latency_s=c.get("sample_latency_s", 0.0),
+                      act_passes=c.get("act_passes", 0.0),
+                      train_act_ratio=c.get("train_act_ratio", 3.0),
+                      cores=int(c.get("cores", 0)),
                       efficiency=(("matmul", 1.0), ("hbm", 1.0), ("link", 1.0), ("pcie", 1.0)))
     elif kind in GPUS:
         hw = GPUS[kind]

@@ -118,6 +118,13 @@ def _split_gen(lay: Layout, mfs: float, work: Workload, shape, hw) -> dict:
             if kv > 0 else hw.hbm_bytes - RESERVE_BYTES - weights}
 
 
+def _shares_prompts(job: dict, cfg) -> bool:
+    """Packed micro-batches compute a shared prompt once (``model.share_prompts``): the local
+    spec without recompute (the trainer turns it off on the TE spec and with recompute)."""
+    on = cfg is None or (cfg.model.pack_sequences and cfg.model.share_prompts)
+    return bool(on and job["spec"] == "local" and job["recompute"] == "none")
+
+
 def time_report(args: argparse.Namespace, cache: dict | None = None) -> dict:
     """``hybridrl plan --time`` (see the module docstring)."""
     from hybridrl.planning.cli import DTYPE_BYTES, load_shape, memory_report
@@ -162,7 +169,7 @@ def time_report(args: argparse.Namespace, cache: dict | None = None) -> dict:
                  forward_tokens_per_gpu=j["forward_tokens_per_gpu"],
                  recompute=j["recompute"], sp=j["sequence_parallel"],
                  offload=frozenset(j["offload"]), ref=j["ref"], dtype=j["dtype"],
-                 dist_opt=j["dist_opt"])
+                 dist_opt=j["dist_opt"], share_prompts=_shares_prompts(j, cfg))
     verdict = {"fits": mem["fits"], "headroom_bytes": mem["headroom_bytes"],
                "largest_phase": mem["largest_phase"]}
     if lay.placement == "split":

@@ -125,6 +125,7 @@ class Layout:
     ref: bool = True
     dtype: str = "bf16"
     dist_opt: bool = True
+    share_prompts: bool = False  # packed micro-batches compute a shared prompt once
 
     @property
     def train_world(self) -> int:
@@ -162,14 +163,55 @@ def micro_batches(work: Workload, lay: Layout, budget: int) -> int:
     return max(math.ceil(seqs / per), min(lay.pp, math.ceil(seqs)))
 
 
+def share(hw, lay: Layout) -> float:
+    """How much longer everything runs when the ranks outnumber the cores they share (CPU:
+    ``hw.cores``; every rank of the job runs at once, split placement's two sides included):
+    world / cores, at least 1; 1 with a device per rank."""
+    return max(1.0, lay.world / hw.cores) if hw.cores else 1.0
+
+
+def act_s(hw, shape, tokens: float, head_tokens: float, itemsize: int, layers: float,
+          ratio: float = 1.0) -> float:
+    """Seconds of the activation traffic beyond the GEMMs: ``hw.act_passes`` hidden-sized
+    vectors per token and layer and vocab-sized ones per token through the head, x ``ratio``
+    (a training pass's over a forward's), at the memory bandwidth."""
+    if not hw.act_passes:
+        return 0.0
+    vectors = tokens * layers * shape.hidden + head_tokens * shape.vocab
+    return ratio * hw.act_passes * vectors * itemsize / (hw.hbm_bps * hw.eff("hbm"))
+
+
+# the collectives of one generation forward at gen tp > 1 beyond 2 per layer: the vocab-parallel
+# embedding's all-reduce, the last position's logits all-gathered, the sampled tokens broadcast
+GEN_EXTRA_COLLECTIVES = 3
+# a training forward's beyond 2 per layer: the vocab-parallel embedding's all-reduce (first
+# stage) and the vocab-parallel log-prob's 4 (max, sum of exponentials, target logit, entropy:
+# last stage); its backward's: the output layer's input gradient; a critic's value head: none
+TRAIN_EXTRA_FWD = {"actor": 4, "critic": 0}
+TRAIN_EXTRA_BWD = {"actor": 1, "critic": 0}
+
+
+def prompt_rows(work: Workload, lay: Layout, budget: int) -> float:
+    """Sequences of a micro-batch that share one computation of their prompt: with
+    ``share_prompts``, a micro-batch's ``b`` sequences hold ceil(b / n) prompt groups (the
+    trainer keeps a prompt's n rows together), else 1."""
+    if not lay.share_prompts or work.n == 1:
+        return 1.0
+    b = max(budget // max(int(work.length), 1), 1)
+    return b / math.ceil(b / work.n)
+
+
 def generate_s(work: Workload, lay: Layout, hw, shape, concurrent: int) -> tuple[float, dict]:
     """Seconds of the rollout on one replica (every replica in parallel) and its parts."""
     g = lay.gen_tp * lay.gen_pp
     itemsize = DTYPE_BYTES[lay.dtype]
     per_replica = math.ceil(work.seqs / lay.gen_replicas)
+    unique = math.ceil(per_replica / work.n)  # the n samples of a prompt are prefilled once
     batch = max(min(concurrent, per_replica), 1)
     peak = hw.flops * hw.eff("matmul")
-    prefill = per_replica * F.forward_flops(shape, work.prompt_len) / (g * peak)
+    calls = (shape.layers + 1) * hw.kernel_latency_s  # one forward's layer calls and the head
+    prefill = unique * F.forward_flops(shape, work.prompt_len) / (g * peak) + calls \
+        + act_s(hw, shape, unique * work.prompt_len, unique, itemsize, shape.layers / lay.gen_pp)
     if per_replica <= batch:
         steps = work.max_response_len
     else:
@@ -180,15 +222,22 @@ def generate_s(work: Workload, lay: Layout, hw, shape, concurrent: int) -> tuple
     kv = batch * context * F.kv_bytes_per_token(shape, itemsize) / g
     bytes_s = (weights + kv) / (hw.hbm_bps * hw.eff("hbm"))
     flops_s = batch * F.decode_token_flops(shape, context) / (g * peak)
-    latency = (shape.layers + 1) * hw.kernel_latency_s + batch * hw.sample_latency_s
+    latency = calls + batch * hw.sample_latency_s \
+        + act_s(hw, shape, batch, batch, itemsize, shape.layers / lay.gen_pp)
     if lay.gen_tp > 1:
+        link = _link(hw, lay.gen_tp)
         msg = batch / lay.gen_pp * shape.hidden * itemsize
-        latency += 2 * shape.layers * _ring(msg, lay.gen_tp, _link(hw, lay.gen_tp),
-                                            hw.collective_latency_s)
+        extra = GEN_EXTRA_COLLECTIVES * hw.collective_latency_s
+        latency += 2 * shape.layers * _ring(msg, lay.gen_tp, link, hw.collective_latency_s) \
+            + extra
+        prompt_msg = unique * work.prompt_len * shape.hidden * itemsize
+        prefill += 2 * shape.layers * _ring(prompt_msg, lay.gen_tp, link,
+                                            hw.collective_latency_s) + extra
     step = max(bytes_s, flops_s) + latency
-    return prefill + steps * step, {"prefill_s": prefill, "decode_steps": steps,
-                                    "decode_step_s": step, "batch": batch,
-                                    "decode_bound": "hbm" if bytes_s >= flops_s else "compute"}
+    stretch = share(hw, lay)
+    return (prefill + steps * step) * stretch, {
+        "prefill_s": prefill * stretch, "decode_steps": steps, "decode_step_s": step * stretch,
+        "batch": batch, "decode_bound": "hbm" if bytes_s >= flops_s else "compute"}
 
 
 def _pass_s(work: Workload, lay: Layout, hw, shape, role: str, train: bool, budget: int) -> float:
@@ -196,31 +245,43 @@ def _pass_s(work: Workload, lay: Layout, hw, shape, role: str, train: bool, budg
     itemsize = DTYPE_BYTES[lay.dtype]
     n = lay.train_world
     peak = hw.flops * hw.eff("matmul")
-    length = work.length
-    if train:
-        flops = work.ppo_epochs * work.seqs * F.train_flops(shape, length, role, lay.recompute)
+    length, rows = work.length, prompt_rows(work, lay, budget)
+    fwd = F.shared_forward_flops(shape, work.prompt_len, length, rows, role)
+    if train:  # recompute turns prompt sharing off (the trainer's rule): rows = 1 there
+        flops = work.ppo_epochs * work.seqs * (F.train_flops(shape, length, role, lay.recompute)
+                                               - 3 * (F.forward_flops(shape, length, role) - fwd))
     else:
-        flops = work.seqs * F.forward_flops(shape, length, role)
+        flops = work.seqs * fwd
     m = micro_batches(work, lay, budget)
     stretch = 1 / (1 - bubble_fraction(lay.pp, m))
-    compute = flops / (n * peak) * stretch
     # per rank: micro-batches it runs in this pass, each through layers / pp layers
     epochs = work.ppo_epochs if train else 1
     micro = m * work.mini_batches * epochs
     passes = (3 if lay.recompute == "full" else 2) if train else 1
-    tokens = min(budget, work.seqs * length / (work.mini_batches * lay.dp))
+    shared = F.shared_tokens(work.prompt_len, length, rows)  # a sequence's tokens computed
+    tokens = min(budget, work.seqs * length / (work.mini_batches * lay.dp)) * shared / length
     layers = shape.layers / lay.pp
-    calls = micro * (layers + 1) * (hw.train_calls if train else 1.0)
+    rank_tokens = epochs * work.seqs * shared / lay.dp  # a stage's tokens (every TP rank's)
+    act = act_s(hw, shape, rank_tokens, rank_tokens if role != "critic" else 0.0, itemsize,
+                layers, hw.train_act_ratio if train else 1.0)
+    calls = micro * (layers + 1) * (hw.train_calls if train else 1.0) * hw.kernel_latency_s
     tp_comm = 0.0
     if lay.tp > 1:
         msg = tokens * shape.hidden * itemsize
-        tp_comm = micro * layers * 2 * passes * _ring(msg, lay.tp, _link(hw, lay.tp),
-                                                      hw.collective_latency_s)
+        # the embedding's on the first stage, the head's on the last: the larger per stage
+        fwd = TRAIN_EXTRA_FWD[role]
+        extra = 1 + fwd if lay.pp == 1 else max(fwd, 1)
+        if train:
+            extra = extra * (passes - 1) + TRAIN_EXTRA_BWD[role]  # recompute: the forward's again
+        tp_comm = micro * (layers * 2 * passes * _ring(msg, lay.tp, _link(hw, lay.tp),
+                                                       hw.collective_latency_s)
+                           + extra * hw.collective_latency_s)
+    stage = (flops / (n * peak) + act + calls + tp_comm) * stretch
     pp_comm = 0.0
     if lay.pp > 1:
-        act = tokens * shape.hidden * itemsize / (lay.tp if lay.sp else 1)
+        act_bytes = tokens * shape.hidden * itemsize / (lay.tp if lay.sp else 1)
         hops = micro * (2 if train else 1)
-        pp_comm = hops * (act / _link(hw, lay.tp * lay.dp * 2) + hw.collective_latency_s)
+        pp_comm = hops * (act_bytes / _link(hw, lay.tp * lay.dp * 2) + hw.collective_latency_s)
     dp_comm = optimizer = 0.0
     if train:
         from hybridrl.planning.memory import stage_numel
@@ -237,7 +298,7 @@ def _pass_s(work: Workload, lay: Layout, hw, shape, role: str, train: bool, budg
         else:
             sync = _ring(params * 4, lay.dp, link, hw.collective_latency_s)
         dp_comm = work.mini_batches * work.ppo_epochs * sync
-    return compute + calls * hw.kernel_latency_s + tp_comm + pp_comm + dp_comm + optimizer
+    return (stage + pp_comm + dp_comm + optimizer) * share(hw, lay)
 
 
 PHASE_NEEDS = (  # PhaseMemory's phases in a step and the parts each brings to the device

@@ -52,7 +52,8 @@ def test_generate_by_hand():
     work = Workload(prompts=4, n=2, prompt_len=10, response_len=6, max_response_len=8)
     lay = Layout(world=2, gen_tp=1)  # 2 replicas of 4 sequences each
     total, d = generate_s(work, lay, HW, SHAPE, concurrent=4)
-    prefill = 4 * F.forward_flops(SHAPE, 10) / 1e12
+    # each replica's 4 sequences are 2 prompts x n 2: each prompt is prefilled once
+    prefill = 2 * F.forward_flops(SHAPE, 10) / 1e12
     weights = SHAPE.num_params() * 2
     kv = 4 * 13 * F.kv_bytes_per_token(SHAPE, 2)  # batch 4, mean context 10 + 6 / 2
     step = max((weights + kv) / 1e12, 4 * F.decode_token_flops(SHAPE, 13) / 1e12)
@@ -64,21 +65,81 @@ def test_generate_by_hand():
     kv2 = 2 * 13 * F.kv_bytes_per_token(SHAPE, 2)
     step2 = max((weights + kv2) / 1e12, 2 * F.decode_token_flops(SHAPE, 13) / 1e12)
     assert total2 == pytest.approx(prefill + 14 * step2)
-    # CPU: each decode step also pays a call per layer and the head, and one draw per request
+    # CPU: each forward (the prefill and every decode step) also pays a call per layer and
+    # the head, and each decode step one draw per request
     cpu = dataclasses.replace(HW, kernel_latency_s=1e-4, sample_latency_s=1e-3)
     cpu_total, _ = generate_s(work, lay, cpu, SHAPE, concurrent=4)
-    assert cpu_total == pytest.approx(total + 8 * ((2 + 1) * 1e-4 + 4 * 1e-3))
-    # tensor-parallel generation: weights and KV split over tg ranks, collectives per layer
+    assert cpu_total == pytest.approx(total + (2 + 1) * 1e-4 + 8 * ((2 + 1) * 1e-4 + 4 * 1e-3))
+    # tensor-parallel generation: weights and KV split over tg ranks, 2 all-reduces per layer
+    # and 3 small collectives (embedding, logits, tokens) per forward, the prefill's included
     lat = Hardware("lat", flops=1e15, hbm_bytes=80e9, hbm_bps=1e12, nvlink_bps=1e11,
                    ib_bps=1e10, pcie_bps=1e10, collective_latency_s=1e-5, efficiency=ONE)
     tp_total, _ = generate_s(work, Layout(world=2, gen_tp=2), lat, SHAPE, concurrent=8)
     msg = 8 * 64 * 2  # the batch's hidden states, 2 bytes
     ring = 2 * (2 - 1) / 2 * msg / 1e11 + 1e-5
+    prompt_ring = 2 * (2 - 1) / 2 * (4 * 10 * 64 * 2) / 1e11 + 1e-5  # 4 prompts of 10 tokens
     kv8 = 8 * 13 * F.kv_bytes_per_token(SHAPE, 2) / 2
     step8 = (weights / 2 + kv8) / 1e12  # HBM-bound at this peak
     assert 8 * F.decode_token_flops(SHAPE, 13) / 2e15 < step8
-    assert tp_total == pytest.approx(8 * F.forward_flops(SHAPE, 10) / 2e15
-                                     + 8 * (step8 + 2 * 2 * ring))
+    assert tp_total == pytest.approx(4 * F.forward_flops(SHAPE, 10) / 2e15 + 2 * 2 * prompt_ring
+                                     + 3e-5 + 8 * (step8 + 2 * 2 * ring + 3e-5))
+
+
+def test_cpu_terms_by_hand():
+    """The per-token activation traffic, the layer calls and ranks sharing cores."""
+    work = Workload(prompts=4, n=2, prompt_len=10, response_len=6, max_response_len=8)
+    lay = Layout(world=2, gen_tp=1)
+    base, _ = generate_s(work, lay, HW, SHAPE, concurrent=4)
+    cpu = dataclasses.replace(HW, act_passes=3.0)
+    total, _ = generate_s(work, lay, cpu, SHAPE, concurrent=4)
+    # 3 vectors per token: the 2 prompts' 10 tokens through 2 layers of 64 and their last
+    # token through the head (100), then each decode step's 4 tokens through both, 2 bytes
+    prefill = 3 * (2 * 10 * 2 * 64 + 2 * 100) * 2 / 1e12
+    step = 3 * (4 * 2 * 64 + 4 * 100) * 2 / 1e12
+    assert total == pytest.approx(base + prefill + 8 * step)
+    # 4 ranks on 2 cores: every phase twice as long; on 4 cores as before
+    wide = Layout(world=4, gen_tp=1)
+    alone, _ = generate_s(work, wide, HW, SHAPE, concurrent=4)
+    assert generate_s(work, wide, dataclasses.replace(HW, cores=2), SHAPE, 4)[0] == \
+        pytest.approx(2 * alone)
+    assert generate_s(work, wide, dataclasses.replace(HW, cores=4), SHAPE, 4)[0] == alone
+    # a forward pass: 8 sequences of 16 tokens on one rank, 2 per micro-batch (32-token budget)
+    one = Layout(world=1, ref=False, tokens_per_gpu=32)
+    fwd = Workload(prompts=4, n=2, prompt_len=10, response_len=6, max_response_len=8)
+    plain = predict(fwd, one, HW, SHAPE, _mem(), {"intra_node_bytes": 0, "inter_node_bytes": 0})
+    calls = dataclasses.replace(HW, kernel_latency_s=1e-3, act_passes=2.0)
+    rep = predict(fwd, one, calls, SHAPE, _mem(), {"intra_node_bytes": 0, "inter_node_bytes": 0})
+    # 4 micro-batches x (2 layers + the head) calls; 2 vectors per token of 2 x 64 + 100
+    extra = 4 * 3 * 1e-3 + 2 * 8 * 16 * (2 * 64 + 100) * 2 / 1e12
+    assert rep["phases_s"]["old_log_prob"] == pytest.approx(
+        plain["phases_s"]["old_log_prob"] + extra)
+    # training: train_calls x the calls, train_act_ratio x the traffic
+    calls2 = dataclasses.replace(calls, train_calls=2.5, train_act_ratio=4.0)
+    rep2 = predict(fwd, one, calls2, SHAPE, _mem(), {"intra_node_bytes": 0,
+                                                     "inter_node_bytes": 0})
+    extra2 = 2.5 * 4 * 3 * 1e-3 + 4.0 * 2 * 8 * 16 * (2 * 64 + 100) * 2 / 1e12
+    assert rep2["phases_s"]["actor_update"] == pytest.approx(
+        plain["phases_s"]["actor_update"] + extra2)
+
+
+def test_shared_prompts_by_hand():
+    """Packed micro-batches that compute a prompt once for its rows (the local spec)."""
+    # prompt 10 tokens: 9 are computed once for the rows sharing it, the rest per row
+    assert F.shared_tokens(10, 16, 4) == 16 - 0.75 * 9
+    assert F.shared_forward_flops(SHAPE, 10, 16, 4) == pytest.approx(
+        F.forward_flops(SHAPE, 16) - 0.75 * F.forward_flops(SHAPE, 9))
+    assert F.shared_forward_flops(SHAPE, 10, 16, 1) == F.forward_flops(SHAPE, 16)
+    work = Workload(prompts=4, n=4, prompt_len=10, response_len=6, max_response_len=8)
+    mem, none = _mem(), {"intra_node_bytes": 0, "inter_node_bytes": 0}
+    # 2 sequences per micro-batch (32 tokens), both of one prompt: 2 rows share it
+    lay = Layout(world=1, ref=False, tokens_per_gpu=32, share_prompts=True)
+    plain = predict(work, dataclasses.replace(lay, share_prompts=False), HW, SHAPE, mem, none)
+    rep = predict(work, lay, HW, SHAPE, mem, none)
+    saved = 16 * 0.5 * F.forward_flops(SHAPE, 9) / 1e12
+    assert rep["phases_s"]["old_log_prob"] == pytest.approx(
+        plain["phases_s"]["old_log_prob"] - saved)
+    assert rep["phases_s"]["actor_update"] == pytest.approx(
+        plain["phases_s"]["actor_update"] - 3 * saved)
 
 
 def _mem(actor_params=100, actor_optim=1000, ref_params=0):
