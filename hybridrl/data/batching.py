@@ -21,11 +21,15 @@ rows (``x[idx]``), runs them, and restores the original order with :func:`invers
   sequences, no padding) the budget counts REAL tokens: the sum of the rows' lengths. The plan
   takes k = ceil(total / budget) micro-batches (at least ``min_num_micro_batches``, at most one
   per row), splits the rows into k Karmarkar-Karp-balanced packs and raises k until every pack
-  fits; an oversized sequence again runs alone.
+  fits; an oversized sequence again runs alone. ``groups`` (packed only; a group id per row,
+  e.g. the prompt group: ``model.share_prompts`` computes a prompt once per micro-batch) keeps
+  a group's rows in one pack: the balanced units are whole groups (split into consecutive
+  chunks within the budget where a group alone exceeds it), each weighing its rows' real
+  tokens (a shared prompt counted per row: the budget holds without sharing too).
 * ``plan_dp_micro_batches(seqlens, dp_size, max_token_len)``: both, with (by default) the same
   number of micro-batches on every rank (pipeline schedules need it); ``partition`` gives the
   ranks' indices instead of ``plan_dp_partition`` (rows already placed on their DP ranks);
-  ``packed`` as above.
+  ``packed`` and ``groups`` (a group id per row of ``seqlens``) as above.
 * ``computed_tokens(seqlens, micro_batch, packed)``: tokens a micro-batch's forward computes
   (``padded_tokens``, or the real tokens of a pack).
 """
@@ -120,15 +124,41 @@ def computed_tokens(seqlens: Sequence[int], micro_batch: Sequence[int], packed: 
     return padded_tokens(seqlens, micro_batch)
 
 
-def _packs(seqlens: Sequence[int], rows: list[int], max_token_len: int, min_count: int):
+def _units(seqlens: Sequence[int], rows: list[int], max_token_len: int,
+           groups: Sequence | None) -> list[list[int]]:
+    """``rows`` as the planner's units: one row each, or (``groups``) each group's rows in
+    consecutive chunks that fit the budget."""
+    if groups is None:
+        return [[i] for i in rows]
+    by: dict = {}
+    for i in rows:
+        by.setdefault(groups[i], []).append(i)
+    units = []
+    for members in by.values():
+        chunk, size = [], 0
+        for i in members:
+            if chunk and size + int(seqlens[i]) > max_token_len:
+                units.append(chunk)
+                chunk, size = [], 0
+            chunk.append(i)
+            size += int(seqlens[i])
+        units.append(chunk)
+    return units
+
+
+def _packs(seqlens: Sequence[int], rows: list[int], max_token_len: int, min_count: int,
+           groups: Sequence | None = None):
     """The fewest KK-balanced packs of ``rows`` (at least ``min_count``) within the budget."""
     if not rows:
         return []
-    lens = [int(seqlens[i]) for i in rows]
-    k = min(max(-(-sum(lens) // max_token_len), min_count, 1), len(rows))
+    units = _units(seqlens, rows, max_token_len, groups)
+    if len(units) < min(min_count, len(rows)):  # too few groups to fill the count: rows
+        units = [[i] for i in rows]
+    lens = [sum(int(seqlens[i]) for i in u) for u in units]
+    k = min(max(-(-sum(lens) // max_token_len), min_count, 1), len(units))
     while True:
-        parts = [[rows[j] for j in p] for p in karmarkar_karp(lens, k) if p]
-        if k >= len(rows) or max(computed_tokens(seqlens, p, True) for p in parts) <= max_token_len:
+        parts = [[i for j in p for i in units[j]] for p in karmarkar_karp(lens, k) if p]
+        if k >= len(units) or max(computed_tokens(seqlens, p, True) for p in parts) <= max_token_len:
             return parts
         k += 1
 
@@ -147,7 +177,7 @@ def _split_largest(parts: list[list[int]], seqlens: Sequence[int]) -> bool:
 
 def plan_micro_batches(
     seqlens: Sequence[int], max_token_len: int, min_num_micro_batches: int = 1,
-    packed: bool = False,
+    packed: bool = False, groups: Sequence | None = None,
 ) -> MicroBatchPlan:
     """Token-budget micro-batches over ``range(len(seqlens))`` (see module docstring).
 
@@ -167,7 +197,7 @@ def plan_micro_batches(
     if packed:
         fitting = [i for i, n in enumerate(seqlens) if n <= max_token_len]
         want = max(min_num_micro_batches - len(oversized), 1)
-        parts = [[i] for i in oversized] + _packs(seqlens, fitting, max_token_len, want)
+        parts = [[i] for i in oversized] + _packs(seqlens, fitting, max_token_len, want, groups)
         return MicroBatchPlan(sorted((sorted(p) for p in parts), key=lambda p: p[0]), oversized)
     # longest first; each micro-batch takes the longest remaining row and as many of the next
     # (shorter) rows as its padded size allows: the fewest micro-batches, least padding
@@ -188,7 +218,7 @@ def plan_micro_batches(
 def plan_dp_micro_batches(
     seqlens: Sequence[int], dp_size: int, max_token_len: int, same_count: bool = True,
     partition: Sequence[Sequence[int]] | None = None, packed: bool = False,
-    min_count: int = 1,
+    min_count: int = 1, groups: Sequence | None = None,
 ) -> list[MicroBatchPlan]:
     """Per DP rank, its micro-batches as indices into the global batch.
 
@@ -204,8 +234,9 @@ def plan_dp_micro_batches(
         for idx in ranks:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                local = plan_micro_batches([seqlens[i] for i in idx], max_token_len, min_count,
-                                           packed=packed)
+                local = plan_micro_batches(
+                    [seqlens[i] for i in idx], max_token_len, min_count, packed=packed,
+                    groups=None if groups is None else [groups[i] for i in idx])
             out.append(
                 MicroBatchPlan(
                     [[idx[j] for j in mb] for mb in local.micro_batches],

@@ -5,7 +5,9 @@ Contract:
   (``range(len(seq_lens))``) as micro-batches for a forward-only pass (old / reference
   log-probs, values, reward model): ``micro`` rows each, or with ``dynamic`` the token-budget
   plan of ``hybridrl.data.batching.plan_micro_batches`` (``packed``: the budget counts real
-  tokens; at least ``min_count`` micro-batches where the rows allow: the trainer passes pp).
+  tokens; at least ``min_count`` micro-batches where the rows allow: the trainer passes pp;
+  ``groups``: a prompt group per row, kept in one pack where the budget allows, for
+  ``share_prompts``).
 - ``sp_multiple(model)``: the multiple a micro-batch's length is padded to before the forward
   (tp under sequence parallelism, else 1; ``hybridrl.models.forward.pad_to_multiple``).
 - ``replay_tensors(actor_cfg, rb)``: the per-row tensors that make the actor's forwards replay
@@ -44,10 +46,11 @@ from hybridrl.models.router_replay import ROUTED_KEY
 
 
 def forward_parts(seq_lens: list[int], micro: int, dynamic: bool, max_tokens: int,
-                  packed: bool, min_count: int = 1) -> list[list[int]]:
+                  packed: bool, min_count: int = 1, groups=None) -> list[list[int]]:
     """Row indices of each forward-only micro-batch (see the module docstring)."""
     if dynamic:
-        return plan_micro_batches(seq_lens, max_tokens, min_count, packed=packed).micro_batches
+        return plan_micro_batches(seq_lens, max_tokens, min_count, packed=packed,
+                                  groups=groups).micro_batches
     rows = list(range(len(seq_lens)))
     return [rows[s:s + micro] for s in range(0, len(rows), micro)]
 

@@ -239,10 +239,10 @@ class PPOTrainer:
         Column j is the output at the position that predicts response token j (``shift=0``), or
         at response token j itself (``shift=1``: a reward model reads the whole sequence)."""
         mine, packed = list(range(len(rb))), self.cfg.model.pack_sequences
-        parts = forward_parts(rb.seq_lengths, micro, dynamic, max_tokens, packed,
-                              min_count=self.groups.pp_size)
         replay = replay_tensors(self.cfg.actor, rb) if model is self.actor else None
         share = share_prompts(self.cfg.model, model, replay)
+        parts = forward_parts(rb.seq_lengths, micro, dynamic, max_tokens, packed,
+                              min_count=self.groups.pp_size, groups=rb.uid if share else None)
         mbs = [rb.microbatch(p, replay, packed=packed, share=share) for p in parts]
         with self.tally.count(mbs, sp_multiple(model)):
             outs = run_microbatches(model, mbs, with_entropy=False, temperature=self.temperature)

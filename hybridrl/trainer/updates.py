@@ -10,7 +10,9 @@ Contract:
   micro-batches of the same count on every DP rank (``packed``: each micro-batch one pack of
   whole sequences, budgets in real tokens, ``hybridrl.models.packing``; ``tally``, a
   ``TokenTally``, counts their tokens; ``share``: rows of a micro-batch with one prompt
-  compute it once, ``RolloutBatch.microbatch(share=True)``, not with routing replay). The
+  compute it once, ``RolloutBatch.microbatch(share=True)``, not with routing replay; the
+  token-budget plan then keeps each prompt group's ``n`` consecutive rows in one pack where
+  the budget allows). The
   loss uses the global normalizers of the mini-batch
   (``compute_agg_normalizers`` over ``groups.dp``, verl's constant ``loss_scale``) over the
   tokens the losses see: ``rb.loss_mask`` when the batch has one (a multi-turn rollout's own
@@ -116,7 +118,8 @@ def ppo_updates(model, opt, role_cfg, rb, tensors, loss_method, prefix: str, *, 
                 plans = plan_dp_micro_batches(
                     lens[lo:hi], dp, role_cfg.ppo_max_token_len_per_gpu,
                     partition=[[g - lo for g in p if lo <= g < hi] for p in parts],
-                    packed=packed, min_count=groups.pp_size)  # >= pp: the pipeline fills
+                    packed=packed, min_count=groups.pp_size,  # >= pp: the pipeline fills
+                    groups=[(lo + j) // n for j in range(hi - lo)] if share else None)
                 micro = [[local[lo + j] for j in mb] for mb in plans[groups.dp_rank].micro_batches]
             else:
                 mine = [j for g, j in local.items() if lo <= g < hi]

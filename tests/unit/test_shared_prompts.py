@@ -238,3 +238,30 @@ def test_token_tally_reports_the_shared_fraction():
     with tally.count([rb.microbatch(PARTS[0], packed=True)]):
         pass
     assert tally.pop_metrics()["perf/shared_prompt_frac"] == 0.0
+
+
+def test_token_budget_plan_keeps_prompt_groups_in_one_pack():
+    import random
+
+    from hybridrl.data.batching import plan_dp_micro_batches, plan_micro_batches
+    from hybridrl.trainer.microbatches import forward_parts
+
+    rng = random.Random(0)
+    lens = [rng.randint(20, 90) for _ in range(32)]  # 8 groups of 4 consecutive rows
+    groups = [i // 4 for i in range(32)]
+    plan = plan_micro_batches(lens, 400, packed=True, groups=groups).micro_batches
+    assert sorted(i for p in plan for i in p) == list(range(32))
+    assert all(sum(lens[i] for i in p) <= 400 for p in plan)
+    assert all(len({groups[i] for i in p}) * 4 == len(p) for p in plan)  # whole groups only
+    rows = plan_micro_batches(lens, 400, packed=True).micro_batches  # by rows: groups split
+    assert any(len({groups[i] for i in p}) * 4 != len(p) for p in rows)
+    # a group over the budget: consecutive chunks that fit; too few groups for the count: rows
+    big = plan_micro_batches([60] * 8, 130, packed=True, groups=[0] * 8).micro_batches
+    assert sorted(map(sorted, big)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert len(plan_micro_batches([10] * 4, 400, 4, packed=True, groups=[0] * 4)
+               .micro_batches) == 4
+    dp = plan_dp_micro_batches(lens, 2, 400, packed=True, groups=groups,
+                               partition=[list(range(16)), list(range(16, 32))])
+    assert all(len({groups[i] for i in p}) * 4 == len(p) for r in dp for p in r.micro_batches)
+    parts = forward_parts(lens, 4, True, 400, True, groups=groups)
+    assert all(len({groups[i] for i in p}) * 4 == len(p) for p in parts)
