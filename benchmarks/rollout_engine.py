@@ -20,6 +20,25 @@ from a builtin run without eos so that its first occurrences end the rows after 
 the token agreement line is not meaningful there. A third side runs
 the builtin engine decoding finished rows to the end (``compact_at=0``), the ratio showing what
 dropping finished rows saves.
+
+Realistic cells (issue 45's shape; the model is benchmarks/trl_model.py's ``12m`` llama, 12.6M
+parameters, with eos probability 1/30 at every sampled token, char-vocabulary prompts of 18-26
+tokens, temperature 1, at most ``--new`` 64 tokens, CPU seconds by ``time.process_time``):
+
+    .venv/bin/python benchmarks/rollout_engine.py --cell grpo        # ~1 min
+    .venv/bin/python benchmarks/rollout_engine.py --cell multi_turn  # ~1 min
+
+``--cell grpo``: ``--groups`` 12 distinct prompts x ``--samples`` 8, each prompt's rows next to
+each other as GRPO hands them, in one ``generate`` call: the builtin engine with shared prefill
+(each distinct prompt prefilled once), with it off (``share_prefill=False``: every row
+prefilled) and transformers' ``generate`` (left-padded, sampling, eos 2); per side the median
+CPU seconds per call, the range, the responses' mean length (each side its own draws of the
+same law) and CPU ms per response token, then the ratios. ``--cell multi_turn``: the same
+96 sequences through the agent loop (plain format, the calculator, <= 4 turns, ``--new``
+tokens per turn, ``--turn-budget`` 192 per tail; '>' made as likely as eos, so turns end in
+tool calls, mostly error outputs of random text), continuation on vs off (whole contexts
+resent each turn): CPU seconds per ``AgentLoop.run``, prompt tokens the engine prefilled, and
+that the tails are equal and the log-probs' largest gap.
 """
 
 from __future__ import annotations
@@ -45,31 +64,41 @@ def build_pair(size: str, device: str, dtype):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hybridrl.parallel.layout import TrainLayout
-    from hybridrl.reshard.formats import engine_format, hf_to_canonical
-    from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, gen_placement
-    from hybridrl.reshard.specs import LlamaShape, build_specs
-    from hybridrl.rollout.builtin.engine import BuiltinEngine, EngineSpec
-
     hidden, ffn, heads, kv, layers, vocab = SIZES[size]
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
                       num_key_value_heads=kv, num_hidden_layers=layers, vocab_size=vocab,
                       max_position_embeddings=4096, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    return model, engine_of(model, device, dtype)
+
+
+def engine_of(model, device: str, dtype, **kwargs):
+    """A builtin engine (gen tp 1) holding ``model``'s weights in its engine format."""
+    from hybridrl.parallel.layout import TrainLayout
+    from hybridrl.reshard.formats import engine_format, hf_to_canonical
+    from hybridrl.reshard.placement import ENGINE_VOCAB_PAD, gen_placement
+    from hybridrl.reshard.specs import LlamaShape, build_specs
+    from hybridrl.rollout.builtin.engine import BuiltinEngine, EngineSpec
+
+    c = model.config
+    hidden, ffn, heads, kv = (c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                              c.num_key_value_heads)
+    layers, vocab = c.num_hidden_layers, c.vocab_size
     shape = LlamaShape(hidden=hidden, ffn=ffn, heads=heads, num_query_groups=kv, layers=layers,
                        vocab=vocab)
     gen = gen_placement(TrainLayout(1), shape, 1, 1, vocab_pad=ENGINE_VOCAB_PAD)
     canonical = hf_to_canonical(shape, dict(model.state_dict()))
     fmt = engine_format(shape, gen, 0)
+    theta = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get(
+        "rope_theta", 10000.0)
     spec = EngineSpec(hidden, ffn, heads, kv, hidden // heads, layers, vocab, gen.vocab_chunk,
-                      cfg.rope_theta if hasattr(cfg, "rope_theta") else 10000.0, cfg.rms_norm_eps,
-                      False, 4096)
-    engine = BuiltinEngine(spec, device=device, dtype=dtype)
+                      theta, c.rms_norm_eps, False, 4096)
+    engine = BuiltinEngine(spec, device=device, dtype=dtype, **kwargs)
     for s in build_specs(shape):
         engine.update_weights(fmt(s, canonical[s.key]))
     engine.finish_update()
-    return model, engine
+    return engine
 
 
 def _rounds(fns: dict, rounds: int, sync) -> dict:
@@ -184,6 +213,142 @@ def report(args, res) -> str:
     return "\n".join(lines)
 
 
+def _cpu_rounds(fns: dict, rounds: int) -> dict:
+    """Process CPU seconds of each side, interleaved rounds after one warm-up call each."""
+    for fn in fns.values():
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.process_time()
+            fn()
+            times[k].append(time.process_time() - t0)
+    return times
+
+
+def _realistic(args):
+    """(HF model, prompts): trl_model's ``12m`` llama with eos probability 1/30 per sampled
+    token, ``--groups`` distinct char-vocabulary prompts of 18-26 tokens (mean ~22)."""
+    import tempfile
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from benchmarks.trl_model import make_folder
+
+    with tempfile.TemporaryDirectory() as tmp:
+        eos_p = make_folder(Path(tmp), "12m", eos_p=1 / 30)
+        model = LlamaForCausalLM.from_pretrained(tmp).eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, 100, (int(n),), generator=g).tolist()
+               for n in torch.randint(18, 27, (args.groups,), generator=g)]
+    return model, prompts, eos_p
+
+
+def run_grpo(args) -> str:
+    """The GRPO cell: each prompt ``--samples`` times in one call (module docstring)."""
+    import torch
+
+    from hybridrl.rollout.base import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    model, prompts, eos_p = _realistic(args)
+    batch = [p for p in prompts for _ in range(args.samples)]  # as GRPO hands them
+    shared = engine_of(model, "cpu", torch.float32)
+    separate = engine_of(model, "cpu", torch.float32, share_prefill=False)
+    params = SamplingParams(args.new, temperature=1.0, eos_token_id=2, pad_token_id=0,
+                            row_seeds=tuple(range(len(batch))))
+    P = max(map(len, batch))
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in batch])
+    mask = (torch.arange(P)[None] >= torch.tensor([P - len(p) for p in batch])[:, None]).long()
+    lengths = {}
+
+    def builtin(engine, name):
+        def call():
+            lengths[name] = engine.generate(batch, params).response_mask.sum(1).tolist()
+        return call
+
+    @torch.no_grad()
+    def hf():
+        torch.manual_seed(7)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=args.new, pad_token_id=0,
+                             eos_token_id=2, do_sample=True, temperature=1.0, top_k=0,
+                             use_cache=True)[:, P:]
+        ended = out == 2
+        lengths["hf"] = torch.where(ended.any(1), ended.float().argmax(1) + 1,
+                                    torch.tensor(out.shape[1])).tolist()
+
+    sides = {"builtin, shared prefill": builtin(shared, "shared"),
+             "builtin, each row": builtin(separate, "separate"), "transformers generate": hf}
+    times = _cpu_rounds(sides, args.rounds)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    lines = [f"GRPO cell: llama 12m, cpu fp32, {args.threads} thread(s), {args.groups} prompts x "
+             f"{args.samples} samples, prompts {min(map(len, prompts))}-{P} tokens, at most "
+             f"{args.new} new, temperature 1, eos p={eos_p:.4f}; CPU seconds per generate call, "
+             f"median of {args.rounds} interleaved rounds"]
+    for name, key in zip(sides, ("shared", "separate", "hf")):
+        ls = lengths[key]
+        lines.append(f"{name:<26}{med[name]:>8.3f} s  range {min(times[name]):.3f}-"
+                     f"{max(times[name]):.3f}  response mean {sum(ls) / len(ls):.1f} tokens, "
+                     f"{1e3 * med[name] / sum(ls):.2f} ms per token")
+    a, b, c = (med[k] for k in sides)
+    lines.append(f"shared / each row: {b / a:.2f}x faster; shared / transformers: {c / a:.2f}x "
+                 f"faster; each row / transformers: {c / b:.2f}x")
+    return "\n".join(lines)
+
+
+def run_multi_turn(args) -> str:
+    """The multi-turn cell: the agent loop, continuation on vs off (module docstring)."""
+    import torch
+
+    from hybridrl.data.tokenizer import CharTokenizer
+    from hybridrl.rollout.base import SamplingParams
+    from hybridrl.rollout.multi_turn import AgentLoop, Budgets, build_format
+    from hybridrl.tools import build_tools
+
+    torch.set_num_threads(args.threads)
+    model, prompts, eos_p = _realistic(args)
+    close = CharTokenizer().encode(">")[0]
+    with torch.no_grad():  # the plain format's call marker as likely as eos: turns end in calls
+        model.lm_head.weight[close] = model.lm_head.weight[2]
+    batch = [p for p in prompts for _ in range(args.samples)]
+    engine = engine_of(model, "cpu", torch.float32)
+    tools = build_tools(["calculator"])
+    fmt = build_format("plain", CharTokenizer(), tools.schemas())
+    budgets = Budgets(args.turn_budget, max_tokens_per_turn=args.new, max_assistant_turns=4)
+    params = SamplingParams(args.new, temperature=1.0, eos_token_id=2, pad_token_id=0,
+                            row_seeds=tuple(range(len(batch))))
+    seen = {}
+
+    def side(continuation):
+        def call():
+            before = engine.prefilled
+            out = AgentLoop(engine, fmt, tools, budgets, continuation=continuation).run(
+                batch, params)
+            seen[continuation] = (engine.prefilled - before, out)
+        return call
+
+    times = _cpu_rounds({"continuation": side(True), "whole contexts": side(False)}, args.rounds)
+    (pre_on, on), (pre_off, off) = seen[True], seen[False]
+    same = bool(torch.equal(on.response_ids, off.response_ids))
+    gap = float((on.logprobs - off.logprobs).abs().max())
+    st = on.stats
+    a, b = (statistics.median(v) for v in times.values())
+    return "\n".join([
+        f"multi-turn cell: llama 12m, cpu fp32, {args.threads} thread(s), {len(batch)} sequences "
+        f"({args.groups} prompts x {args.samples}), plain format + calculator, <= 4 turns, "
+        f"{args.new} tokens per turn, {args.turn_budget} per tail, eos and '>' p~{eos_p:.4f}: "
+        f"{st['turns'] / st['sequences']:.2f} turns and {st['tool_calls'] / st['sequences']:.2f} "
+        f"tool calls per sequence, {st['model_tokens']} model + {st['tool_tokens']} tool tokens; "
+        f"CPU seconds per AgentLoop.run, median of {args.rounds} interleaved rounds",
+        f"{'continuation':<26}{a:>8.3f} s  range {min(times['continuation']):.3f}-"
+        f"{max(times['continuation']):.3f}  prefilled {pre_on} tokens",
+        f"{'whole contexts':<26}{b:>8.3f} s  range {min(times['whole contexts']):.3f}-"
+        f"{max(times['whole contexts']):.3f}  prefilled {pre_off} tokens",
+        f"continuation / whole contexts: {b / a:.2f}x faster, {pre_off / max(pre_on, 1):.2f}x "
+        f"fewer prefilled tokens; tails equal: {same}, log-prob gap {gap:.1e}"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
@@ -196,8 +361,18 @@ def main(argv=None) -> int:
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--eos", choices=("none", "auto"), default="none",
                     help="auto: stop rows at the most frequent greedy token (lengths vary)")
+    ap.add_argument("--cell", choices=("engine", "grpo", "multi_turn"), default="engine",
+                    help="grpo / multi_turn: the realistic cells (module docstring)")
+    ap.add_argument("--groups", type=int, default=12, help="grpo / multi_turn: prompts")
+    ap.add_argument("--samples", type=int, default=8, help="grpo / multi_turn: rows per prompt")
+    ap.add_argument("--turn-budget", type=int, default=192, help="multi_turn: tokens per tail")
     args = ap.parse_args(argv)
-    print(report(args, run(args)))
+    if args.cell == "grpo":
+        print(run_grpo(args))
+    elif args.cell == "multi_turn":
+        print(run_multi_turn(args))
+    else:
+        print(report(args, run(args)))
     return 0
 
 
