@@ -17,6 +17,9 @@ Contract:
     (``packed_seq_params``, THD, cp 1, no padded cu_seqlens; q/k/v [t, 1, heads, hn] from the lean
     attention or [t, heads, hn] from megatron's own): each sequence attends over itself alone
     (``hybridrl.models.packing.varlen_attention``; megatron's DotProductAttention refuses THD).
+    A shared-prompt pack (its ``PackedSeqParams`` carry the segments' parents, set by
+    ``hybridrl.models.forward``) takes ``packing.shared_attention`` instead: each response
+    segment also reads its prompt segment's keys and values.
   * ``LeanColumnParallelLinear`` / ``LeanRowParallelLinear``: ``F.linear`` (native autograd)
     instead of megatron's Python autograd functions, with megatron's TP mappings around it
     (column: backward all-reduce of the input gradient, optional output gather; row: forward
@@ -25,7 +28,10 @@ Contract:
     (megatron's ``q_layernorm`` / ``k_layernorm`` modules, applied to the query and key heads),
     RoPE applied once to the query and key heads together (cos/sin cached per rotary tensor,
     which megatron's RotaryEmbedding itself caches per length), core attention, output
-    projection: megatron's arithmetic, fewer Python calls.
+    projection: megatron's arithmetic, fewer Python calls. A shared-prompt pack's RoPE reads
+    the pack's explicit positions; it runs this forward under sequence parallelism too (the
+    linears then gather and scatter the sequence as megatron's own), and a layer that needs
+    megatron's forward (``lean_shared`` False) refuses such a pack with one ValueError line.
   * ``LeanTransformerLayer``: norm -> attention -> residual add -> norm -> MLP -> residual add,
     with megatron's bias/dropout/residual semantics (dropout skipped when its probability is 0).
   * ``SequenceParallelNorm`` for the layers' two norms (and, via hybridrl.models.cpu_compat, the

@@ -24,6 +24,15 @@ Contract:
   sequence): losses read both layouts alike through ``gather_response``. Rows of one length
   have no padding to remove: ``packed=True`` then returns the padded layout (the same tokens,
   the same budget, no per-sequence bookkeeping: ``pack_pays``).
+  With ``packed=True, share=True`` (``model.share_prompts``) rows of ``idx`` with one prompt
+  (``shared_groups``: 2+ rows, a prompt of 2+ tokens) are laid out as [the prompt but its last
+  token] then, per row, [the prompt's last token, its response]: the prompt is computed once,
+  and each row's first response token is still scored at a position of its own (the repeated
+  last prompt token), so labels stay "the next token". The pack then also carries
+  ``seg_parent`` [n segments] (a response segment's prompt segment, -1 for the prompt and for
+  rows of their own) and ``position_ids`` [S] (prompt 0..P-2, each response segment P-1..);
+  ``resp_index`` of a shared row starts at its segment (clamped to it), ``seq_lens`` stays the
+  rows' own lengths. Micro-batches without such rows are as above.
 - ``batch_metrics(rb, tensors, max_response_length, step_s, world, dp_group, device)``:
   response/prompt lengths, advantage/return means and the |engine - actor| log-prob gap (mean,
   max) over the tokens the losses see (``loss_mask`` when present),
