@@ -57,6 +57,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -85,9 +86,7 @@ from hybridrl.models.packing import (
     pack_cached,
     positions,
     shared_attention,
-    shared_block_mask,
-    shared_path,
-    shared_plan,
+    shared_state,
     varlen_attention,
 )
 
@@ -162,47 +161,30 @@ class SDPACoreAttention(MegatronModule):
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         t, _, heads, hn = query.shape
         cu = host_cu_seqlens(params)  # host bounds: no device read per layer
-        parents = pack_cached(params, "parents", lambda: None)
+        parents = pack_cached(params, "parents", lambda: None)  # a shared-prompt pack's
         if parents is not None:
-            return self._shared(query, key, value, params, cu, parents)
-        path = pack_cached(params, "attention_path", lambda: attention_path(cu))
-        mask = index = None  # built once per pack, shared by the layers
-        if path == "mask":
-            mask = pack_cached(params, ("mask", query.device),
-                               lambda: block_causal_mask(cu, query.device))
-        elif path == "batch":
-            index = pack_cached(params, ("batch_index", query.device),
-                                lambda: batch_index(cu, query.device))
+            path, mask, plan = shared_state(params, cu, parents, query.device)
+            attend = functools.partial(shared_attention, parents=parents, path=path, mask=mask,
+                                       plan=plan)
+        else:
+            path = pack_cached(params, "attention_path", lambda: attention_path(cu))
+            mask = index = None  # built once per pack, shared by the layers
+            if path == "mask":
+                mask = pack_cached(params, ("mask", query.device),
+                                   lambda: block_causal_mask(cu, query.device))
+            elif path == "batch":
+                index = pack_cached(params, ("batch_index", query.device),
+                                    lambda: batch_index(cu, query.device))
+            attend = functools.partial(varlen_attention, mask=mask, path=path, index=index)
         q_BNSD = query.permute(1, 2, 0, 3)
         k_BGSD, v_BGSD = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
         dropout = self.dropout_p if self.training else 0.0
         rng = (tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0.0
                else contextlib.nullcontext())
         with rng:
-            out_BNSD = varlen_attention(q_BNSD, k_BGSD, v_BGSD, cu, self.softmax_scale,
-                                        dropout, mask=mask, path=path, index=index)
+            out_BNSD = attend(q_BNSD, k_BGSD, v_BGSD, cu, scale=self.softmax_scale,
+                              dropout_p=dropout)
         return out_BNSD.permute(2, 0, 1, 3).reshape(t, 1, heads * hn)  # [t, 1, np*hn]
-
-
-    def _shared(self, query, key, value, params, cu, parents):
-        """A shared-prompt pack (``packing.shared_attention``), its state built once a pack."""
-        t, _, heads, hn = query.shape
-        path = pack_cached(params, "attention_path", lambda: shared_path(cu, parents))
-        dev = query.device
-        mask = plan = None
-        if path == "mask":
-            mask = pack_cached(params, ("mask", dev), lambda: shared_block_mask(cu, parents, dev))
-        else:
-            plan = pack_cached(params, ("plan", dev), lambda: shared_plan(cu, parents, dev))
-        dropout = self.dropout_p if self.training else 0.0
-        rng = (tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0.0
-               else contextlib.nullcontext())
-        with rng:
-            out_BNSD = shared_attention(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3),
-                                        value.permute(1, 2, 0, 3), cu, parents,
-                                        self.softmax_scale, dropout, path=path, mask=mask,
-                                        plan=plan)
-        return out_BNSD.permute(2, 0, 1, 3).reshape(t, 1, heads * hn)
 
 
 class LeanColumnParallelLinear(ColumnParallelLinear):

@@ -46,7 +46,8 @@ Contract:
   [S, S]) or ``grouped`` (the roots by ``varlen_attention``; per group one SDPA call: its
   responses as a right-padded batch [k, np, R_max, hn] over cat(prompt K/V expanded to k rows,
   own K/V), bottom-right causal) by the same cost model; ``shared_attention`` runs it,
-  ``shared_plan`` is the grouped path's host/device index state, computed once per pack.
+  ``shared_plan`` is the grouped path's host/device index state; ``shared_state(params, ...)``
+  builds (path, mask, plan) once per pack (``pack_cached``).
 - ``token_counts(micro_batches, multiple)`` -> (real, computed): the real tokens of micro-batches
   (packed: ``cu_seqlens[-1]``; padded: ``seq_lens`` when given, else the non-pad count is
   unknown and every token is real) and the tokens the forward computes (``input_ids.numel()``
@@ -305,6 +306,17 @@ def shared_plan(cu_seqlens: torch.Tensor, parents: list[int], device=None) -> di
     root_cu = torch.tensor([0] + [cu[i + 1] - cu[i] for i in roots]).cumsum(0)
     return dict(root_idx=torch.tensor(root_idx, dtype=torch.long, device=device),
                 root_cu=root_cu, groups=groups, inverse=inverse.to(device))
+
+
+def shared_state(params, cu_seqlens, parents: list[int], device):
+    """(path, mask, plan) of a shared-prompt pack, built once per pack on its
+    ``PackedSeqParams`` (``pack_cached``) and shared by the layers."""
+    path = pack_cached(params, "attention_path", lambda: shared_path(cu_seqlens, parents))
+    if path == "mask":
+        return path, pack_cached(params, ("mask", device),
+                                 lambda: shared_block_mask(cu_seqlens, parents, device)), None
+    return path, None, pack_cached(params, ("plan", device),
+                                   lambda: shared_plan(cu_seqlens, parents, device))
 
 
 def shared_attention(q_BNSD, k_BGSD, v_BGSD, cu_seqlens, parents: list[int], scale: float,

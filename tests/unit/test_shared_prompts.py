@@ -150,7 +150,6 @@ def _spec(shape):
 def _run_mode(groups, spec, share: bool, path: str | None):
     from hybridrl.algos.agg import compute_agg_normalizers
     from hybridrl.config.roles import ActorConfig, CriticConfig
-    from hybridrl.models import local_spec
     from hybridrl.models.build import DDPOptions, build_model
     from hybridrl.models.forward import run_microbatches, shares_prompts
     from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
@@ -162,9 +161,9 @@ def _run_mode(groups, spec, share: bool, path: str | None):
                                    loss_scale_factor=R)
     actor_cfg = dataclasses.replace(ActorConfig(), entropy_coeff=0.01, use_kl_loss=True)
     out = {}
-    saved = local_spec.shared_path
+    saved = packing.shared_path
     if path is not None:  # every layer takes this path
-        local_spec.shared_path = lambda cu, parents: path  # noqa: E731
+        packing.shared_path = lambda cu, parents: path  # noqa: E731
     try:
         for role, keys, loss in (
                 ("actor", ("logprobs", "entropy"), functools.partial(actor_loss_fn, actor_cfg,
@@ -187,7 +186,7 @@ def _run_mode(groups, spec, share: bool, path: str | None):
             out[f"{role}_grads"] = torch.cat([p.main_grad.flatten()
                                               for p in model.module.parameters()])
     finally:
-        local_spec.shared_path = saved
+        packing.shared_path = saved
     return out
 
 
@@ -209,12 +208,43 @@ def _model_cases(rank, world):
             got = _run_mode(groups, spec, True, path)
             results[(shape, path)] = {k: (float((got[k] - base[k]).abs().max()),
                                           float(base[k].abs().max())) for k in base}
+    results["fallback"] = _fallback(groups)
     return results
+
+
+def _fallback(groups):
+    """A model whose layers run megatron's own attention (full recompute): the trainer's
+    switch turns sharing off with one warning, and a shared pack handed to it is one
+    ValueError line."""
+    import types
+
+    from hybridrl.models.build import build_model
+    from hybridrl.models.forward import run_microbatches
+    from hybridrl.trainer.microbatches import share_prompts
+
+    model = build_model(_spec("llama"), groups, "actor", seed=5, recompute_granularity="full",
+                        recompute_method="uniform", recompute_num_layers=1)
+    on = types.SimpleNamespace(pack_sequences=True, share_prompts=True)
+    rb, _ = make_rollout()
+    try:
+        run_microbatches(model, [rb.microbatch(PARTS[0], packed=True, share=True)])
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    able = share_prompts(on, model)
+    return {"able": able, "again": share_prompts(on, model), "refused": refused}
 
 
 @pytest.fixture(scope="module")
 def model_results():
     return run_on_ranks(_model_cases, 1, timeout=300, preload=("megatron.core",))[0]
+
+
+def test_a_model_that_cannot_share_falls_back(model_results):
+    res = model_results["fallback"]
+    assert res["able"] is False and res["again"] is False
+    assert "shared-prompt pack needs the local spec's lean attention" in res["refused"]
+    assert "\n" not in res["refused"]
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
