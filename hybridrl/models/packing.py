@@ -304,8 +304,12 @@ def shared_plan(cu_seqlens: torch.Tensor, parents: list[int], device=None) -> di
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
     root_cu = torch.tensor([0] + [cu[i + 1] - cu[i] for i in roots]).cumsum(0)
+    root_path = attention_path(root_cu) if roots else None
     return dict(root_idx=torch.tensor(root_idx, dtype=torch.long, device=device),
-                root_cu=root_cu, groups=groups, inverse=inverse.to(device))
+                root_cu=root_cu, root_path=root_path,
+                root_mask=block_causal_mask(root_cu, device) if root_path == "mask" else None,
+                root_index=batch_index(root_cu, device) if root_path == "batch" else None,
+                groups=groups, inverse=inverse.to(device))
 
 
 def shared_state(params, cu_seqlens, parents: list[int], device):
@@ -338,7 +342,8 @@ def shared_attention(q_BNSD, k_BGSD, v_BGSD, cu_seqlens, parents: list[int], sca
         ri = plan["root_idx"]
         pieces.append(varlen_attention(q_BNSD.index_select(2, ri), k_BGSD.index_select(2, ri),
                                        v_BGSD.index_select(2, ri), plan["root_cu"], scale,
-                                       dropout_p))
+                                       dropout_p, mask=plan["root_mask"],
+                                       path=plan["root_path"], index=plan["root_index"]))
     for g in plan["groups"]:
         (plo, phi), (lo, hi), n, width = g["prompt"], g["span"], g["n"], g["width"]
 
