@@ -1,7 +1,7 @@
 """``hybridrl plan --time --gpu cpu`` against measured CPU runs: predicted vs measured seconds.
 
     .venv/bin/python benchmarks/plan_time.py [--steps 5] [--warmup 2] [--only NAME ...]
-        [--recalibrate]
+        [--cached]
 
 Runs the CPU demo job (``configs/demo_cpu.yaml``: GRPO, builtin engine, fp32 tiny llama; the
 KL guard off, no checkpoints or validation: the model has no phase for them) in several layouts
@@ -9,13 +9,14 @@ on 1-4 gloo ranks, each for ``--steps`` steps, and reads the mean of the steps a
 ``--warmup`` of ``timing_s/step`` and of every phase the model predicts (gen, reshard,
 old_log_prob, ref, update_actor) on rank 0. For each it then runs the planner's prediction
 (``hybridrl.planning.timecli.time_report`` with ``--gpu cpu``: this machine's calibration from
-``hybridrl plan --calibrate``, measured first when missing or with ``--recalibrate``) on the same
+``hybridrl plan --calibrate``, measured first unless ``--cached``) on the same
 workload: the measured mean prompt and response lengths (``prompt_length/mean``,
 ``response_length/mean``) and the layout's micro-batches. Prints per case and phase predicted,
 measured and predicted / measured; ``other`` is the measured step less the modelled phases
-(rewards, advantages, bookkeeping: not in the model). ``uptime`` before and after: the machine
-is shared, and a rank per core is what the model assumes (a 4-rank case on fewer free cores
-is oversubscribed).
+(rewards, advantages, bookkeeping: not in the model); ``cpu/wall`` is rank 0's process CPU time
+over its wall time in the measured steps (below 1: waiting for peers, or descheduled by other
+work on the machine). ``uptime`` before and after: the machine may be shared; the model knows
+its cores (ranks past them share) and calibrates with the load as it is.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +70,13 @@ def _run(rank: int, world: int, steps: int, overrides: list[str], tmp: str) -> l
                                *overrides], world_size=world)
     train, gen = build_layout(cfg, world)
     torch.manual_seed(cfg.trainer.seed)
+    step = PPOTrainer.train_step
+
+    def timed(self):  # the step's process CPU time next to its wall time
+        c0 = time.process_time()
+        metrics = step(self)
+        return {**metrics, "cpu_s/step": time.process_time() - c0}
+    PPOTrainer.train_step = timed
     quiet = lambda *a, **k: None  # noqa: E731
     if cfg.parallel.split:
         return fit_split(cfg, train, cfg.trainer.collective_timeout_s, print_fn=quiet)
@@ -115,20 +124,27 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", nargs="*", choices=sorted(CASES))
-    ap.add_argument("--recalibrate", action="store_true")
+    ap.add_argument("--cached", action="store_true", help="use the cached calibration (default: "
+                    "calibrate first, so both sides see the machine as it is now)")
     args = ap.parse_args(argv)
     from hybridrl.config import load_config
     from hybridrl.models.spec import LlamaSpec
     from hybridrl.planning.calibrate import cache_path, run_calibration
 
-    if args.recalibrate or not os.path.isfile(cache_path()):
+    if not args.cached or not os.path.isfile(cache_path()):
         run_calibration()
     print("uptime before:", os.popen("uptime").read().strip(), flush=True)
     cal = json.load(open(cache_path()))
     print(f"calibration ({cache_path()}, {cal['measured_at']}, load {cal['load_avg']:.1f}): "
-          f"matmul {cal['flops'] / 1e9:.1f} GFLOP/s, layer call "
-          f"{1e6 * cal['layer_latency_s']:.0f} us, gloo all-reduce "
-          f"{1e6 * cal['collective_latency_s']:.0f} us / {cal['link_bps'] / 1e9:.2f} GB/s")
+          f"matmul {cal['flops'] / 1e9:.1f} GFLOP/s, memory {cal['memory_bps'] / 1e9:.1f} GB/s, "
+          f"layer call {1e6 * cal['layer_latency_s']:.0f} us (training x "
+          f"{cal['train_calls_per_forward']:.2f}), {cal['act_passes']:.1f} activation vectors "
+          f"per token and layer (training x {cal['train_act_ratio']:.2f}), optimizer step "
+          f"{1e3 * cal['optimizer_latency_s']:.1f} ms, sampling "
+          f"{1e6 * cal['sample_latency_s']:.1f} us, gloo all-reduce in a run "
+          f"{1e6 * cal['collective_latency_s']:.0f} us (best {1e6 * cal['collective_min_s']:.0f}"
+          f" us) / {cal['link_bps'] / 1e9:.2f} GB/s, {cal['cores']} cores; two busy ranks "
+          f"{cal['parallel_slowdown']:.2f} x slower each (load; not in the model)")
     rows, ratios = [], []
     with tempfile.TemporaryDirectory() as tmp:
         model_json = os.path.join(tmp, "config.json")
@@ -142,23 +158,27 @@ def main(argv=None) -> int:
             pred = _predict(world, overrides, model_json, hist, args.warmup)
             measured = {k: _mean(hist, f"timing_s/{m}", args.warmup) for k, m in PHASES}
             step = _mean(hist, "timing_s/step", args.warmup)
+            cpu = _mean(hist, "cpu_s/step", args.warmup) / step
             measured["other"] = step - sum(measured.values())
             measured["step"] = step
             predicted = {k: pred["phases_s"][k] for k, _ in PHASES}
             predicted["other"], predicted["step"] = 0.0, pred["step_s"]
             ratios.append(pred["step_s"] / step)
-            rows.append((name, world, overrides, predicted, measured))
+            rows.append((name, world, overrides, predicted, measured, cpu))
             print(f"{name}: predicted {pred['step_s']:.3f} s, measured {step:.3f} s, ratio "
-                  f"{pred['step_s'] / step:.2f}", flush=True)
+                  f"{pred['step_s'] / step:.2f}; rank 0 on a CPU {100 * cpu:.0f} % of its step",
+                  flush=True)
     print("uptime after: ", os.popen("uptime").read().strip())
     print(f"job: configs/demo_cpu.yaml {' '.join(BASE)}; {args.steps} steps, mean of steps "
           f"{args.warmup + 1}..{args.steps}; seconds per step and phase (rank 0)")
     cols = [k for k, _ in PHASES] + ["other", "step"]
-    print(f"{'case':<15} {'W':>1} {'side':<9} " + " ".join(f"{c[:12]:>12}" for c in cols))
-    for name, world, _, pred, meas in rows:
+    print(f"{'case':<15} {'W':>1} {'side':<9} " + " ".join(f"{c[:12]:>12}" for c in cols)
+          + "  cpu/wall")
+    for name, world, _, pred, meas, cpu in rows:
         print(f"{name:<15} {world:>1} {'predicted':<9} "
               + " ".join(f"{pred[c]:>12.3f}" for c in cols))
-        print(f"{'':<15} {'':>1} {'measured':<9} " + " ".join(f"{meas[c]:>12.3f}" for c in cols))
+        print(f"{'':<15} {'':>1} {'measured':<9} " + " ".join(f"{meas[c]:>12.3f}" for c in cols)
+              + f"  {cpu:8.2f}")
         print(f"{'':<15} {'':>1} {'ratio':<9} " + " ".join(
             f"{pred[c] / meas[c]:>12.2f}" if meas[c] > 1e-4 and c != "other" else f"{'':>12}"
             for c in cols))

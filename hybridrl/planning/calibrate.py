@@ -24,8 +24,12 @@ Contract:
   all-reduce), ``link_bps`` (a 4 MiB all-reduce less that latency) and
   ``collective_latency_s``: the mean all-reduce of a micro-batch's activations (64 KiB) after a
   layer's worth of compute on each rank, ``RUN_COLLECTIVES`` times: what a run meets, the wait
-  for the later rank included (it grows with the machine's load). ``cores``: the CPUs this
-  process may run on (ranks past them share). ``memory_bytes`` (MemTotal). Writes them as JSON
+  for the later rank included (it grows with the machine's load). ``parallel_slowdown``: the
+  time of a matmul loop on one rank while both of two ranks run it, over the same alone, in
+  ``SLOWDOWN_ROUNDS`` alternating rounds (at least 1: what a second busy rank costs each on this
+  machine as loaded; 1.0 quiet): a diagnostic of the load, not used by the model (the load
+  comes and goes within seconds).
+  ``cores``: the CPUs this process may run on (ranks past them share). ``memory_bytes`` (MemTotal). Writes them as JSON
   to ``path`` (default ``cache_path()``) with the host, CPU model and load, returns the dict.
 - ``cache_path()``: ``$XDG_CACHE_HOME/hybridrl/plan-calibration-<host>.json`` (``~/.cache`` when
   the variable is unset): per machine, never in the repository.
@@ -44,6 +48,7 @@ import time
 
 SEQ_LEN, SEQS = 72, (2, 8)  # the CPU demo's sequences (69-token prompts, 3-token responses)
 RUN_COLLECTIVES = 40
+SLOWDOWN_ROUNDS = 8
 KEYS = ("flops", "memory_bps", "layer_latency_s", "collective_latency_s", "link_bps",
         "memory_bytes")
 
@@ -61,6 +66,14 @@ def _best(fn, seconds: float = 0.4, at_least: int = 3) -> float:
         fn()
         best, n = min(best, time.perf_counter() - t0), n + 1
     return best
+
+
+def _mean(fn, n: int) -> float:
+    """The mean of ``n`` calls of ``fn``."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
 
 
 def _fixed(fn, n: int) -> float:
@@ -130,6 +143,18 @@ def _allreduce_rank(rank: int, store_path: str, out_path: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank,
                             world_size=2)
     small, big, act = torch.zeros(2), torch.zeros(1 << 20), torch.zeros(1 << 14)
+    # compute alone (rank 1 waits in the barrier) and with both ranks computing at once: the
+    # same matmul loop, rounds of each (the machine's other work comes and goes)
+    y, alone, both = torch.randn(192, 192), 0.0, 0.0
+
+    def work():
+        for _ in range(40):
+            y @ y
+    for _ in range(SLOWDOWN_ROUNDS):
+        alone += _mean(work, 4) if rank == 0 else 0.0
+        dist.barrier()
+        both += _mean(work, 4)
+        dist.barrier()
     for _ in range(5):
         dist.all_reduce(small)
         dist.all_reduce(big)
@@ -149,15 +174,15 @@ def _allreduce_rank(rank: int, store_path: str, out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"lat": lat, "big": t_big, "bytes": big.numel() * 4,
-                       "in_run": spent / RUN_COLLECTIVES}, f)
+                       "in_run": spent / RUN_COLLECTIVES, "slowdown": both / alone}, f)
 
 
-def _collectives() -> tuple[float, float, float]:
-    """(a collective's latency as a run meets it, the best small one, link bytes/s)."""
+def _collectives() -> dict:
     r = _spawn(_allreduce_rank, 2)
     # a 2-rank ring moves 2 (g-1)/g = 1 x the bytes each way
     bps = r["bytes"] / max(r["big"] - r["lat"], 1e-9)
-    return max(r["in_run"], r["lat"]), r["lat"], bps
+    return {"collective_latency_s": max(r["in_run"], r["lat"]), "collective_min_s": r["lat"],
+            "link_bps": bps, "parallel_slowdown": max(r["slowdown"], 1.0)}
 
 
 def _model_rank(rank: int, store_path: str, out_path: str) -> None:
@@ -292,11 +317,8 @@ def run_calibration(path: str | None = None) -> dict:
         sample = _sample_latency()
     finally:
         torch.set_num_threads(threads)
-    lat, best_lat, link = _collectives()
     rep = {"flops": flops, "memory_bps": memory_bps, **_model_latency(flops, memory_bps),
-           "sample_latency_s": sample,
-           "torch_layer_latency_s": op_layer,
-           "collective_latency_s": lat, "collective_min_s": best_lat, "link_bps": link,
+           "sample_latency_s": sample, "torch_layer_latency_s": op_layer, **_collectives(),
            "cores": _cores(), "memory_bytes": _mem_total(),
            "host": socket.gethostname(), "cpu": _cpu_model(),
            "load_avg": os.getloadavg()[0], "seconds": time.perf_counter() - t0,
@@ -342,4 +364,4 @@ def calibrate_text(rep: dict) -> str:
         f"  sampling {1e6 * rep['sample_latency_s']:.1f} us per request per token",
         f"  gloo all-reduce {1e6 * rep['collective_latency_s']:.0f} us in a run (best "
         f"{1e6 * rep['collective_min_s']:.0f} us), {rep['link_bps'] / 1e9:.2f} GB/s; "
-        f"{rep['cores']} cores"])
+        f"{rep['cores']} cores, two busy ranks {rep['parallel_slowdown']:.2f} x slower each"])

@@ -164,9 +164,10 @@ def micro_batches(work: Workload, lay: Layout, budget: int) -> int:
 
 
 def share(hw, lay: Layout) -> float:
-    """How much longer everything runs when the ranks outnumber the cores they share (CPU:
-    ``hw.cores``; every rank of the job runs at once, split placement's two sides included):
-    world / cores, at least 1; 1 with a device per rank."""
+    """How much longer a rank's compute runs when the ranks outnumber the cores they share
+    (CPU: ``hw.cores``; every rank of the job counts, split placement's two sides included; a
+    rank waiting in a collective leaves its core to another): world / cores, at least 1; 1
+    with a device per rank."""
     return max(1.0, lay.world / hw.cores) if hw.cores else 1.0
 
 
@@ -189,6 +190,10 @@ GEN_EXTRA_COLLECTIVES = 3
 # last stage); its backward's: the output layer's input gradient; a critic's value head: none
 TRAIN_EXTRA_FWD = {"actor": 4, "critic": 0}
 TRAIN_EXTRA_BWD = {"actor": 1, "critic": 0}
+# a pipeline hop's messages: megatron's variable_seq_lengths sends the shape first; the last
+# stage's results of each forward_backward call (its outputs, the loss's metrics) go to the
+# other stages the same way: a size, then the payload
+PP_MESSAGES = 2
 
 
 def prompt_rows(work: Workload, lay: Layout, budget: int) -> float:
@@ -209,9 +214,11 @@ def generate_s(work: Workload, lay: Layout, hw, shape, concurrent: int) -> tuple
     unique = math.ceil(per_replica / work.n)  # the n samples of a prompt are prefilled once
     batch = max(min(concurrent, per_replica), 1)
     peak = hw.flops * hw.eff("matmul")
+    busy = share(hw, lay)  # compute stretches when ranks share cores; waiting does not
     calls = (shape.layers + 1) * hw.kernel_latency_s  # one forward's layer calls and the head
-    prefill = unique * F.forward_flops(shape, work.prompt_len) / (g * peak) + calls \
-        + act_s(hw, shape, unique * work.prompt_len, unique, itemsize, shape.layers / lay.gen_pp)
+    prefill = (unique * F.forward_flops(shape, work.prompt_len) / (g * peak) + calls
+               + act_s(hw, shape, unique * work.prompt_len, unique, itemsize,
+                       shape.layers / lay.gen_pp)) * busy
     if per_replica <= batch:
         steps = work.max_response_len
     else:
@@ -222,21 +229,18 @@ def generate_s(work: Workload, lay: Layout, hw, shape, concurrent: int) -> tuple
     kv = batch * context * F.kv_bytes_per_token(shape, itemsize) / g
     bytes_s = (weights + kv) / (hw.hbm_bps * hw.eff("hbm"))
     flops_s = batch * F.decode_token_flops(shape, context) / (g * peak)
-    latency = calls + batch * hw.sample_latency_s \
-        + act_s(hw, shape, batch, batch, itemsize, shape.layers / lay.gen_pp)
+    step = (max(bytes_s, flops_s) + calls + batch * hw.sample_latency_s
+            + act_s(hw, shape, batch, batch, itemsize, shape.layers / lay.gen_pp)) * busy
     if lay.gen_tp > 1:
         link = _link(hw, lay.gen_tp)
         msg = batch / lay.gen_pp * shape.hidden * itemsize
         extra = GEN_EXTRA_COLLECTIVES * hw.collective_latency_s
-        latency += 2 * shape.layers * _ring(msg, lay.gen_tp, link, hw.collective_latency_s) \
-            + extra
+        step += 2 * shape.layers * _ring(msg, lay.gen_tp, link, hw.collective_latency_s) + extra
         prompt_msg = unique * work.prompt_len * shape.hidden * itemsize
         prefill += 2 * shape.layers * _ring(prompt_msg, lay.gen_tp, link,
                                             hw.collective_latency_s) + extra
-    step = max(bytes_s, flops_s) + latency
-    stretch = share(hw, lay)
-    return (prefill + steps * step) * stretch, {
-        "prefill_s": prefill * stretch, "decode_steps": steps, "decode_step_s": step * stretch,
+    return prefill + steps * step, {
+        "prefill_s": prefill, "decode_steps": steps, "decode_step_s": step,
         "batch": batch, "decode_bound": "hbm" if bytes_s >= flops_s else "compute"}
 
 
@@ -276,12 +280,16 @@ def _pass_s(work: Workload, lay: Layout, hw, shape, role: str, train: bool, budg
         tp_comm = micro * (layers * 2 * passes * _ring(msg, lay.tp, _link(hw, lay.tp),
                                                        hw.collective_latency_s)
                            + extra * hw.collective_latency_s)
-    stage = (flops / (n * peak) + act + calls + tp_comm) * stretch
+    busy = share(hw, lay)  # compute stretches when ranks share cores; waiting does not
+    stage = ((flops / (n * peak) + act + calls) * busy + tp_comm) * stretch
     pp_comm = 0.0
     if lay.pp > 1:
         act_bytes = tokens * shape.hidden * itemsize / (lay.tp if lay.sp else 1)
-        hops = micro * (2 if train else 1)
-        pp_comm = hops * (act_bytes / _link(hw, lay.tp * lay.dp * 2) + hw.collective_latency_s)
+        hops = micro * (2 if train else 1)  # activations forward, their gradients back
+        # each hop: the tensor's shape first (packed micro-batches vary in length), then it
+        pp_comm = hops * (act_bytes / _link(hw, lay.tp * lay.dp * 2)
+                          + PP_MESSAGES * hw.collective_latency_s) \
+            + epochs * work.mini_batches * PP_MESSAGES * hw.collective_latency_s
     dp_comm = optimizer = 0.0
     if train:
         from hybridrl.planning.memory import stage_numel
@@ -298,7 +306,7 @@ def _pass_s(work: Workload, lay: Layout, hw, shape, role: str, train: bool, budg
         else:
             sync = _ring(params * 4, lay.dp, link, hw.collective_latency_s)
         dp_comm = work.mini_batches * work.ppo_epochs * sync
-    return (stage + pp_comm + dp_comm + optimizer) * share(hw, lay)
+    return stage + pp_comm + dp_comm + optimizer * busy
 
 
 PHASE_NEEDS = (  # PhaseMemory's phases in a step and the parts each brings to the device
