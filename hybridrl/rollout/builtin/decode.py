@@ -115,19 +115,24 @@ def _keep_row(prompt, out_ids_R, valid_T, W: int, cache, i: int, record, b: int)
                    None if record is None else record.ids[b].index_select(0, cols))
 
 
-def generate_rows(engine, prompts: list[list[int]], params: SamplingParams, resume=None,
-                  keep: bool = False):
-    """Sample responses (see the module docstring); runs under the caller's inference_mode."""
+def _check(spec, prompts, params: SamplingParams, resume) -> None:
     B, P, R = len(prompts), max(len(p) for p in prompts), params.max_new_tokens
-    if P + R > engine.spec.max_seq_len:
+    if P + R > spec.max_seq_len:
         raise ValueError(f"prompt length {P} + max_new_tokens {R} exceeds the engine's "
-                         f"max_seq_len={engine.spec.max_seq_len}")
-    if any(t < 0 or t >= engine.spec.vocab_size for p in prompts for t in p):
-        raise ValueError(f"prompt_ids hold ids outside [0, {engine.spec.vocab_size})")
+                         f"max_seq_len={spec.max_seq_len}")
+    if any(t < 0 or t >= spec.vocab_size for p in prompts for t in p):
+        raise ValueError(f"prompt_ids hold ids outside [0, {spec.vocab_size})")
     if params.row_seeds is not None and len(params.row_seeds) != B:
         raise ValueError(f"row_seeds has {len(params.row_seeds)} seeds for {B} prompts")
     if resume is not None and len(resume) != B:
         raise ValueError(f"resume has {len(resume)} rows for {B} prompts")
+
+
+def generate_rows(engine, prompts: list[list[int]], params: SamplingParams, resume=None,
+                  keep: bool = False):
+    """Sample responses (see the module docstring); runs under the caller's inference_mode."""
+    B, P, R = len(prompts), max(len(p) for p in prompts), params.max_new_tokens
+    _check(engine.spec, prompts, params, resume)
     resume = resume or [None] * B
     reuse = [_reused(r, p) for r, p in zip(resume, prompts)]
     reps, inv = _representatives(prompts, reuse, engine.share_prefill)
