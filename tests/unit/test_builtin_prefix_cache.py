@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from hybridrl.data.tokenizer import CharTokenizer
@@ -172,22 +173,24 @@ def test_a_session_prefills_only_the_appended_tokens_and_matches_a_whole_call():
             contexts.append(batch[b] + resp + seg)
             new.append(1 + len(seg))  # the last sampled token was never forwarded
         assert session.held_tokens() == sum(len(c) - n for c, n in zip(contexts, new))
+        _held = session.rows[stopped[0]]
         seen, before = _counting(kept), kept.prefilled
         second = session.generate(contexts, _params(len(stopped)), keys=stopped)
         _same(second, fresh.generate(contexts, _params(len(stopped))))
         assert seen[0] == (len(stopped), max(new))  # the prefill forward: the new tokens only
         assert kept.prefilled - before == sum(new)
         # a prompt that leaves its kept tokens reuses only the common prefix
-        other = [contexts[0][:len(batch[stopped[0]]) + 1] + [TOK.encode("7")[0]] * 3]
-        key = next(iter(session.rows), None)
-        if key is not None:
-            before = kept.prefilled
-            third = session.generate(other, _params(1), keys=[key])
-            _same(third, fresh.generate(other, _params(1)))
-            assert kept.prefilled - before == len(other[0]) - min(
-                len(batch[stopped[0]]) + 1, len(contexts[0]) - new[0])
+        other = [contexts[0][:len(batch[stopped[0]]) + 1] + TOK.encode("xyz")]  # never sampled
+        session.rows[stopped[0]] = _held  # the first call's kept row of that sequence
+        before = kept.prefilled
+        third = session.generate(other, _params(1), keys=[stopped[0]])
+        _same(third, fresh.generate(other, _params(1)))
+        assert kept.prefilled - before == len(other[0]) - min(len(batch[stopped[0]]) + 1,
+                                                              len(_held))
         session.drop(list(session.rows))
         assert session.held_tokens() == 0
+        with pytest.raises(ValueError, match="one distinct key per prompt"):
+            session.generate(batch[:2], _params(2), keys=[0, 0])
 
 
 BUDGET = 128
