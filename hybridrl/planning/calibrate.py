@@ -35,6 +35,8 @@ Contract:
   the variable is unset): per machine, never in the repository.
 - ``load_calibration(path=None)``: the cached dict; ValueError (one line) when there is none
   or it is unreadable, saying to run ``hybridrl plan --calibrate``.
+- ``fit_model(timings, flops, memory_bps)``: the model's terms from ``_model_rank``'s timings
+  (pure; the straight lines above).
 - ``calibrate_text(rep)``: the human form.
 """
 
@@ -249,14 +251,17 @@ def _spawn(fn, nprocs: int) -> dict:
 
 
 def _model_latency(flops: float, memory_bps: float) -> dict:
-    """The model's costs beyond its FLOPs, from the two micro-batch sizes: a straight line in
-    tokens per pass; its intercept is the layer calls, its slope beyond the FLOPs the
-    activation traffic (see the module docstring)."""
+    return fit_model(_spawn(_model_rank, 1), flops, memory_bps)
+
+
+def fit_model(r: dict, flops: float, memory_bps: float) -> dict:
+    """The model's costs beyond its FLOPs from the timings ``r`` of ``_model_rank`` (the
+    module docstring): each pass a straight line in its tokens; its intercept is the layer
+    calls, its slope beyond the FLOPs the activation traffic."""
     from hybridrl.planning import flops as F
     from hybridrl.planning.timing import OPTIMIZER_BYTES_PER_PARAM
     from hybridrl.reshard.specs import LlamaShape
 
-    r = _spawn(_model_rank, 1)
     shape = LlamaShape(hidden=r["hidden"], ffn=r["ffn"], heads=r["heads"],
                        num_query_groups=r["groups"], layers=r["layers"], vocab=r["vocab"])
     (n1, n2), tok = SEQS, F.forward_flops(shape, SEQ_LEN) / SEQ_LEN / flops

@@ -142,6 +142,39 @@ def test_shared_prompts_by_hand():
         plain["phases_s"]["actor_update"] - 3 * saved)
 
 
+def test_parallel_messages_by_hand():
+    """Each TP collective and pipeline message of a pass pays the collective latency."""
+    work = Workload(prompts=8, n=1, prompt_len=10, response_len=6, max_response_len=6)
+    none = {"intra_node_bytes": 0, "inter_node_bytes": 0}
+    lat = 1e-3
+    free = dataclasses.replace(HW, nvlink_bps=1e30, ib_bps=1e30)  # latency alone
+    slow = dataclasses.replace(free, collective_latency_s=lat)
+
+    def phases(lay, hw):
+        return predict(work, lay, hw, SHAPE, _mem(), none)["phases_s"]
+    # tp 2: 2 micro-batches of 4 sequences; a forward's 2 all-reduces per layer (2 layers) + 5
+    # (embedding; vocab-parallel log-prob: max, sum, target, entropy), a training pass's
+    # backward 2 per layer + 1 (the output layer's input gradient)
+    tp = Layout(world=2, tp=2, tokens_per_gpu=64, ref=False)
+    base, timed = phases(tp, free), phases(tp, slow)
+    assert timed["old_log_prob"] - base["old_log_prob"] == pytest.approx(2 * (2 * 2 + 5) * lat)
+    assert timed["actor_update"] - base["actor_update"] == pytest.approx(
+        2 * ((2 * 2 + 5) + (2 * 2 + 1)) * lat)
+    # pp 2: each micro-batch hop sends its shape, then the tensor (2 messages; training: the
+    # activations forward and their gradients back), and the pass's results leave the last
+    # stage once (2 messages); the 1F1B bubble stretches neither
+    pp = Layout(world=2, pp=2, tokens_per_gpu=64, ref=False)
+    base, timed = phases(pp, free), phases(pp, slow)
+    assert timed["old_log_prob"] - base["old_log_prob"] == pytest.approx((2 * 2 + 2) * lat)
+    assert timed["actor_update"] - base["actor_update"] == pytest.approx((2 * 2 * 2 + 2) * lat)
+    # tp 2 x pp 2: a stage's TP collectives (2 for its 1 layer + the head's 4) are inside its
+    # pipeline slot, so the bubble stretches them: (m + p - 1) / m = 3 / 2
+    both = Layout(world=4, tp=2, pp=2, tokens_per_gpu=64, ref=False)
+    base, timed = phases(both, free), phases(both, slow)
+    assert timed["old_log_prob"] - base["old_log_prob"] == pytest.approx(
+        (2 * (2 + 4) * 3 / 2 + 2 * 2 + 2) * lat)
+
+
 def _mem(actor_params=100, actor_optim=1000, ref_params=0):
     return {"gen_concurrent_seqs": 8,
             "phases": {"train_actor": {"actor/params": actor_params, "actor/optim": actor_optim},
@@ -314,6 +347,35 @@ def test_datasheet_table():
 
 
 @pytest.mark.slow  # ~10 s: two spawned processes (gloo pair, hybridrl's model on one rank)
+def test_calibration_fit_by_hand():
+    """The model's terms from its timings: the forward and the training pass are straight
+    lines in their tokens (2 and 8 sequences of 72 tokens)."""
+    from hybridrl.planning.calibrate import SEQ_LEN, SEQS, fit_model
+
+    assert SEQS == (2, 8) and SEQ_LEN == 72
+    shape = LlamaShape(hidden=64, ffn=128, heads=4, num_query_groups=2, layers=4, vocab=100)
+    flops, bps = 1e11, 5e9
+    tok = F.forward_flops(shape, 72) / 72 / flops  # a token's FLOPs in seconds
+    calls, extra = 2e-3, 5e-6  # 4 layers + the head: 400 us a call; 5 us a token beyond
+    t_calls, t_extra = 5e-3, 12e-6  # training: 2.5 x the calls, 2.4 x the traffic
+
+    def fwd(n):
+        return calls + n * 72 * (tok + extra)
+
+    def train(n):
+        return t_calls + n * 72 * (3 * tok + t_extra)
+    r = {"fwd2": fwd(2), "fwd8": fwd(8), "train2": train(2), "train8": train(8),
+         "step": train(8) + 1e-3 + 1000 * OPTIMIZER_BYTES_PER_PARAM / bps, "params": 1000,
+         "layers": 4, "hidden": 64, "ffn": 128, "heads": 4, "groups": 2, "vocab": 100}
+    fit = fit_model(r, flops, bps)
+    assert fit["layer_latency_s"] == pytest.approx(calls / 5)
+    assert fit["train_calls_per_forward"] == pytest.approx(2.5)
+    # 5 us per token at 5 GB/s is 25 kB: fp32 vectors of 4 x 64 + 100 = 356 floats
+    assert fit["act_passes"] == pytest.approx(extra * bps / ((4 * 64 + 100) * 4))
+    assert fit["train_act_ratio"] == pytest.approx(2.4)
+    assert fit["optimizer_latency_s"] == pytest.approx(1e-3)
+
+
 def test_calibration_measures_this_machine(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert main(["--calibrate", "--json"]) == 0
@@ -327,6 +389,11 @@ def test_calibration_measures_this_machine(tmp_path, monkeypatch, capsys):
     # training pass more than a forward
     assert cached["layer_latency_s"] > cached["torch_layer_latency_s"]
     assert cached["train_calls_per_forward"] > 1
+    # beyond the GEMMs every token moves activations; a run's collective waits at least as
+    # long as the best one; the cores this process may use
+    assert cached["act_passes"] > 0 and cached["train_act_ratio"] > 0
+    assert cached["collective_latency_s"] >= cached["collective_min_s"] > 0
+    assert cached["cores"] >= 1 and cached["parallel_slowdown"] >= 1
     rep = _time(["--model", "llama-3.2-1b", "--gpu", "cpu", "--world", "1", "--gen-tp", "1",
                  "--spec", "local", "--engine", "builtin", "--dtype", "fp32", "--prompts", "2",
                  "--prompt-len", "16", "--max-response-len", "8"], capsys)
