@@ -48,6 +48,7 @@ CASES = {  # name: (world, overrides)
     "split_async": (2, ["parallel.placement=split", "parallel.gen.world=1",
                         "rollout.async_steps=1"]),
     "tp2pp2_4ranks": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.gen.tp=2"]),
+    "demo_4ranks": (4, []),  # dp 4: more ranks than this machine's 2 cores
 }
 PHASES = (("generate", "gen"), ("reshard", "reshard"), ("old_log_prob", "old_log_prob"),
           ("reference", "ref"), ("actor_update", "update_actor"))

@@ -17,23 +17,30 @@ Contract:
   "inter_node_bytes"}`` of the worst rank (colocated, ``planning.traffic``) or
   ``{"busiest_bytes"}`` (split: the weight sync, ``planning.split``). The formulas, each phase a
   physical cost over a peak times one named efficiency (``planning.hardware``):
-  * generate: prefill = the prompts' forward FLOPs over the replica's GPUs (compute-bound);
+  * generate: prefill = each prompt's forward FLOPs once (its n samples share it: the builtin
+    engine's shared prefill, SGLang's radix cache) over the replica's GPUs (compute-bound);
     decode steps = max_response_len when a replica's sequences all fit its batch C, else
     seqs x response_len / C + (max_response_len - response_len) (continuous batching and its
     tail); one decode step = max(bytes, FLOPs) with bytes = weights M / tg (pg pipeline stages
     each stream their share once per micro-batch) + the batch's KV at the mean context over the
-    replica, FLOPs = C tokens' decode FLOPs over the replica; plus 2 collectives per layer when
-    tg > 1 and, on CPU, the per-layer call latency (layers + the head) and the per-request
-    sampling cost (the builtin engine draws each request's token with its own generator).
-  * old_log_prob / reference / values: forward FLOPs of every sequence over the training GPUs,
-    stretched by the 1F1B bubble (m + p - 1) / m, plus tensor-parallel all-reduces (2 per layer
-    and micro-batch of tokens x h, ring 2 (t-1)/t) and pipeline sends.
+    replica, FLOPs = C tokens' decode FLOPs over the replica; when tg > 1, per forward (the
+    prefill's included) 2 all-reduces per layer and ``GEN_EXTRA_COLLECTIVES``; on CPU, per
+    forward the layer calls (layers + the head), per token the activation traffic
+    (``act_s``) and per request and step the sampling cost (the builtin engine draws each
+    request's token with its own generator).
+  * old_log_prob / reference / values: forward FLOPs of every sequence (``share_prompts``: a
+    packed micro-batch's rows of one prompt compute it once, ``prompt_rows``) over the training
+    GPUs, the layer calls and activation traffic (CPU) and the tensor-parallel all-reduces (2
+    per layer and micro-batch of tokens x h, ring 2 (t-1)/t, and ``TRAIN_EXTRA_FWD`` small
+    ones), all stretched by the 1F1B bubble (m + p - 1) / m; plus pipeline sends
+    (``PP_MESSAGES`` per hop and once for the pass's results).
   * actor / critic update: ``ppo_epochs`` x training FLOPs (recompute included), the same
-    bubble and TP traffic (x 3: forward, backward, recompute), plus per mini-batch the
-    distributed optimizer's gradient reduce-scatter (fp32) and parameter all-gather over the
-    DP group (NVLink inside a node, InfiniBand when the group spans nodes; not overlapped) and
-    the optimizer step: ``OPTIMIZER_BYTES_PER_PARAM`` of the rank's shard over HBM (plus a
-    fixed cost per step, measured on CPU).
+    bubble and TP traffic (x 3: forward, backward, recompute; ``TRAIN_EXTRA_BWD`` more), the
+    calls x ``train_calls`` and the activation traffic x ``train_act_ratio`` (CPU), plus per
+    mini-batch the distributed optimizer's gradient reduce-scatter (fp32) and parameter
+    all-gather over the DP group (NVLink inside a node, InfiniBand when the group spans nodes;
+    not overlapped) and the optimizer step: ``OPTIMIZER_BYTES_PER_PARAM`` of the rank's shard
+    over HBM (plus a fixed cost per step, measured on CPU).
   * reshard: the plan's bytes on the worst rank, max(inside the node / NVLink, across nodes /
     InfiniBand) (the two links work at once); split: the busiest rank's sync bytes over
     InfiniBand, once per step, on the critical path.
@@ -42,6 +49,8 @@ Contract:
     dropped, not copied) over PCIe.
   * checkpoint: params + optimizer shard of each trained role per rank, written at
     ``STORAGE_BPS_PER_NODE`` shared by the node's GPUs, divided by ``save_freq``.
+  CPU ranks beyond the machine's cores share them: every compute term x world / cores
+  (``share``; waiting in a collective leaves the core to another rank).
   Step: colocated = the sum; split = max(generate, the training phases) + sync.
   ``tokens_per_s_per_gpu`` = prompts x n x (prompt_len + response_len) / step / world; ``mfu`` =
   the actor update's model FLOPs (no recompute) / (its seconds x training GPUs x peak), as verl's
