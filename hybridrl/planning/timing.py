@@ -50,7 +50,9 @@ Contract:
   * checkpoint: params + optimizer shard of each trained role per rank, written at
     ``STORAGE_BPS_PER_NODE`` shared by the node's GPUs, divided by ``save_freq``.
   CPU ranks beyond the machine's cores share them: every compute term x world / cores
-  (``share``; waiting in a collective leaves the core to another rank).
+  (``share``; waiting in a collective leaves the core to another rank), and so is each
+  collective's latency (it needs every rank on a core). An optimizer step at dp > 1 also
+  pays ``DP_STEP_COLLECTIVES`` small all-reduces.
   Step: colocated = the sum; split = max(generate, the training phases) + sync.
   ``tokens_per_s_per_gpu`` = prompts x n x (prompt_len + response_len) / step / world; ``mfu`` =
   the actor update's model FLOPs (no recompute) / (its seconds x training GPUs x peak), as verl's
@@ -199,6 +201,9 @@ GEN_EXTRA_COLLECTIVES = 3
 # last stage); its backward's: the output layer's input gradient; a critic's value head: none
 TRAIN_EXTRA_FWD = {"actor": 4, "critic": 0}
 TRAIN_EXTRA_BWD = {"actor": 1, "critic": 0}
+# an optimizer step's small DP collectives: the loss normalizers' global token and sequence
+# counts (hybridrl.algos.agg.compute_agg_normalizers: a SUM and a MAX)
+DP_STEP_COLLECTIVES = 2
 # a pipeline hop's messages: megatron's variable_seq_lengths sends the shape first; the last
 # stage's results of each forward_backward call (its outputs, the loss's metrics) go to the
 # other stages the same way: a size, then the payload
@@ -311,9 +316,11 @@ def _pass_s(work: Workload, lay: Layout, hw, shape, role: str, train: bool, budg
     if train and lay.dp > 1:
         link = _link(hw, lay.tp * lay.dp)
         if lay.dist_opt:  # reduce-scatter fp32 grads + all-gather params: one ring each
-            sync = _ring(params * (4 + itemsize) / 2, lay.dp, link, hw.collective_latency_s)
+            sync = _ring(params * (4 + itemsize) / 2, lay.dp, link, hw.collective_latency_s) \
+                + hw.collective_latency_s
         else:
             sync = _ring(params * 4, lay.dp, link, hw.collective_latency_s)
+        sync += DP_STEP_COLLECTIVES * hw.collective_latency_s
         dp_comm = work.mini_batches * work.ppo_epochs * sync
     return stage + pp_comm + dp_comm + optimizer * busy
 
@@ -355,6 +362,9 @@ def predict(work: Workload, lay: Layout, hw, shape, mem: dict, reshard: dict) ->
     """The step's phases in seconds and its throughput (see the module docstring)."""
     if lay.placement == "split" and not 0 < lay.gen_world < lay.world:
         raise ValueError(f"--gen-world must be in 1 .. world-1, got {lay.gen_world}")
+    if share(hw, lay) > 1:  # a collective needs every rank on a core: each waits its turn
+        hw = dataclasses.replace(hw, collective_latency_s=hw.collective_latency_s
+                                 * share(hw, lay))
     gen, gen_detail = generate_s(work, lay, hw, shape, mem["gen_concurrent_seqs"])
     budget_f = lay.forward_tokens_per_gpu or lay.tokens_per_gpu
     budget_c = lay.critic_tokens_per_gpu or lay.tokens_per_gpu

@@ -173,6 +173,18 @@ def test_parallel_messages_by_hand():
     base, timed = phases(both, free), phases(both, slow)
     assert timed["old_log_prob"] - base["old_log_prob"] == pytest.approx(
         (2 * (2 + 4) * 3 / 2 + 2 * 2 + 2) * lat)
+    # dp 2 with the distributed optimizer, per optimizer step: the gradients' reduce-scatter
+    # and the parameters' all-gather, and the loss normalizers' 2 counts
+    dp = Layout(world=2, tokens_per_gpu=64, ref=False)
+    base, timed = phases(dp, free), phases(dp, slow)
+    assert timed["old_log_prob"] == base["old_log_prob"]
+    assert timed["actor_update"] - base["actor_update"] == pytest.approx((2 + 2) * lat)
+    # 2 cores: at world 4 every collective's wait is twice as long (so is the compute)
+    crowded = dataclasses.replace(slow, cores=2)
+    four = Layout(world=4, tp=2, pp=2, tokens_per_gpu=64, ref=False)
+    base = phases(four, dataclasses.replace(free, cores=2))
+    assert phases(four, crowded)["old_log_prob"] - base["old_log_prob"] == pytest.approx(
+        2 * (2 * (2 + 4) * 3 / 2 + 2 * 2 + 2) * lat)
 
 
 def _mem(actor_params=100, actor_optim=1000, ref_params=0):
