@@ -17,7 +17,12 @@ Contract:
   not shrink with the GEMMs' efficiency), and the training slope's (less 3x the FLOPs) over the
   forward's is ``train_act_ratio``. ``optimizer_latency_s``: megatron's optimizer step of that
   model through ``train_step``, less the forward + backward and the bytes Adam streams
-  (``timing.OPTIMIZER_BYTES_PER_PARAM``): its fixed cost per step. ``sample_latency_s``: one
+  (``timing.OPTIMIZER_BYTES_PER_PARAM``): its fixed cost per step. ``dp_step_latency_s``: the
+  same model on 2 ranks (dp 2, megatron's distributed optimizer, ``DP_STEPS`` steps of a
+  ``SEQS[0]``-sequence micro-batch each): ``train_step`` less its forward + backward, less the
+  dp-1 optimizer step and the 2 collectives the model counts (gradients' reduce-scatter,
+  parameters' all-gather): the distributed optimizer's own fixed cost per step at dp > 1
+  (bucket copies, shard bookkeeping). ``sample_latency_s``: one
   request's token drawn with its own generator, as the builtin engine samples (per request per
   decode step). ``torch_layer_latency_s`` (for comparison: the same layer's bare torch ops, 8
   tokens). Gloo between two local processes: ``collective_min_s`` (the fastest 8-byte
@@ -51,6 +56,7 @@ import time
 SEQ_LEN, SEQS = 72, (2, 8)  # the CPU demo's sequences (69-token prompts, 3-token responses)
 RUN_COLLECTIVES = 40
 SLOWDOWN_ROUNDS = 8
+DP_STEPS = 15
 KEYS = ("flops", "memory_bps", "layer_latency_s", "collective_latency_s", "link_bps",
         "memory_bytes")
 
@@ -239,6 +245,53 @@ def _model_rank(rank: int, store_path: str, out_path: str) -> None:
         dist.destroy_process_group()
 
 
+def _dp_rank(rank: int, store_path: str, out_path: str) -> None:
+    """Two ranks (dp 2, the distributed optimizer): the same model's ``train_step`` on one
+    micro-batch of ``SEQS[0]`` sequences per rank, the fastest of repeated runs."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    from hybridrl.config.model import ModelConfig
+    from hybridrl.models.build import build_model
+    from hybridrl.models.packing import pack_sequences
+    from hybridrl.models.spec import LlamaSpec
+    from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
+    from hybridrl.parallel.groups import build_groups
+    from hybridrl.parallel.layout import TrainLayout
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank,
+                            world_size=2)
+    try:
+        spec = LlamaSpec.from_model_config(ModelConfig(vocab_size=100,
+                                                       max_position_embeddings=128))
+        model = build_model(spec, build_groups(TrainLayout(world=2)), "actor", dtype="fp32")
+        opt = ModelOptimizer(model, OptimConfig())
+        ids, cu = pack_sequences([torch.randint(0, 100, (SEQ_LEN,)) for _ in range(SEQS[0])])
+        mb = {"input_ids": ids, "cu_seqlens": cu}
+
+        def loss(out, batch):
+            return out["logprobs"].mean(), {}
+        step = _fixed(lambda: train_step(model, opt, [mb], loss), DP_STEPS)  # both ranks alike
+        one = _fixed(lambda: _run_alone(model, mb, loss), DP_STEPS)
+        dist.barrier()
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump({"step": step, "train": one}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_alone(model, mb, loss) -> None:
+    """The forward + backward of ``train_step`` without its optimizer step."""
+    from hybridrl.models.forward import run_microbatches
+
+    run_microbatches(model, [mb], loss_fn=loss, forward_only=False)
+
+
 def _spawn(fn, nprocs: int) -> dict:
     import torch.multiprocessing as mp
 
@@ -250,8 +303,13 @@ def _spawn(fn, nprocs: int) -> dict:
             return json.load(f)
 
 
-def _model_latency(flops: float, memory_bps: float) -> dict:
-    return fit_model(_spawn(_model_rank, 1), flops, memory_bps)
+def _model_latency(flops: float, memory_bps: float, collective_s: float) -> dict:
+    fit = fit_model(_spawn(_model_rank, 1), flops, memory_bps)
+    # dp 2: the optimizer step beyond the forward + backward, less the same at dp 1 and the two
+    # collectives the model counts itself (gradients' reduce-scatter, parameters' all-gather)
+    r = _spawn(_dp_rank, 2)
+    extra = r["step"] - r["train"] - fit["optimizer_latency_s"] - 2 * collective_s
+    return {**fit, "dp_step_latency_s": max(extra, 0.0)}
 
 
 def fit_model(r: dict, flops: float, memory_bps: float) -> dict:
@@ -322,8 +380,10 @@ def run_calibration(path: str | None = None) -> dict:
         sample = _sample_latency()
     finally:
         torch.set_num_threads(threads)
-    rep = {"flops": flops, "memory_bps": memory_bps, **_model_latency(flops, memory_bps),
-           "sample_latency_s": sample, "torch_layer_latency_s": op_layer, **_collectives(),
+    coll = _collectives()
+    rep = {"flops": flops, "memory_bps": memory_bps,
+           **_model_latency(flops, memory_bps, coll["collective_latency_s"]),
+           "sample_latency_s": sample, "torch_layer_latency_s": op_layer, **coll,
            "cores": _cores(), "memory_bytes": _mem_total(),
            "host": socket.gethostname(), "cpu": _cpu_model(),
            "load_avg": os.getloadavg()[0], "seconds": time.perf_counter() - t0,
@@ -365,7 +425,8 @@ def calibrate_text(rep: dict) -> str:
         f"pass {rep['train_calls_per_forward']:.2f} of them)",
         f"  activation traffic {rep['act_passes']:.1f} vectors per token per layer beyond "
         f"the GEMMs (a training pass {rep['train_act_ratio']:.2f} x)",
-        f"  optimizer step {1e3 * rep['optimizer_latency_s']:.2f} ms beyond its bytes",
+        f"  optimizer step {1e3 * rep['optimizer_latency_s']:.2f} ms beyond its bytes, "
+        f"{1e3 * rep['dp_step_latency_s']:.2f} ms more at dp > 1",
         f"  sampling {1e6 * rep['sample_latency_s']:.1f} us per request per token",
         f"  gloo all-reduce {1e6 * rep['collective_latency_s']:.0f} us in a run (best "
         f"{1e6 * rep['collective_min_s']:.0f} us), {rep['link_bps'] / 1e9:.2f} GB/s; "

@@ -32,7 +32,8 @@ Contract:
   (one collective's fixed cost: 10 us for a small NCCL collective inside a node; CPU: a gloo
   all-reduce as a run meets it), ``kernel_latency_s`` (the fixed cost of one layer call per
   micro-batch: 0 on GPUs, whose kernel launches overlap the previous kernel's work; CPU:
-  measured), ``train_calls``, ``optimizer_latency_s``, ``sample_latency_s``, ``act_passes`` and
+  measured), ``train_calls``, ``optimizer_latency_s``, ``dp_step_latency_s`` (its extra at
+  dp > 1), ``sample_latency_s``, ``act_passes`` and
   ``train_act_ratio`` (activation traffic per token beyond the GEMMs: 0 on GPUs, where fused
   kernels keep it inside the matmul efficiency; CPU: measured), ``cores`` (CPU: the cores the
   ranks share; 0: every rank has its own device).
@@ -64,6 +65,7 @@ class Hardware:
     kernel_latency_s: float = 0.0  # fixed cost per layer call (CPU: measured; GPU: graphs)
     train_calls: float = 3.0  # a training pass's layer-call cost over a forward's
     optimizer_latency_s: float = 0.0  # fixed cost of one optimizer step (CPU: measured)
+    dp_step_latency_s: float = 0.0  # its extra fixed cost at dp > 1 (CPU: measured)
     sample_latency_s: float = 0.0  # per request per decode step (CPU engine: measured)
     # activation vectors a token reads or writes beyond the GEMMs, per layer (hidden-sized) and
     # for the head (vocab-sized), streamed at hbm_bps: unfused elementwise ops, norms, rotary,
@@ -118,6 +120,7 @@ def hardware(kind: str, gpu_gb: float | None = None, calibration: dict | None = 
                       kernel_latency_s=c["layer_latency_s"],
                       train_calls=c.get("train_calls_per_forward", 3.0),
                       optimizer_latency_s=c.get("optimizer_latency_s", 0.0),
+                      dp_step_latency_s=c.get("dp_step_latency_s", 0.0),
                       sample_latency_s=c.get("sample_latency_s", 0.0),
                       act_passes=c.get("act_passes", 0.0),
                       train_act_ratio=c.get("train_act_ratio", 3.0),

@@ -52,7 +52,8 @@ Contract:
   CPU ranks beyond the machine's cores share them: every compute term x world / cores
   (``share``; waiting in a collective leaves the core to another rank), and so is each
   collective's latency (it needs every rank on a core). An optimizer step at dp > 1 also
-  pays ``DP_STEP_COLLECTIVES`` small all-reduces.
+  pays ``DP_STEP_COLLECTIVES`` small all-reduces and (CPU, measured) the distributed
+  optimizer's own fixed cost ``dp_step_latency_s``.
   Step: colocated = the sum; split = max(generate, the training phases) + sync.
   ``tokens_per_s_per_gpu`` = prompts x n x (prompt_len + response_len) / step / world; ``mfu`` =
   the actor update's model FLOPs (no recompute) / (its seconds x training GPUs x peak), as verl's
@@ -320,7 +321,7 @@ def _pass_s(work: Workload, lay: Layout, hw, shape, role: str, train: bool, budg
                 + hw.collective_latency_s
         else:
             sync = _ring(params * 4, lay.dp, link, hw.collective_latency_s)
-        sync += DP_STEP_COLLECTIVES * hw.collective_latency_s
+        sync += DP_STEP_COLLECTIVES * hw.collective_latency_s + hw.dp_step_latency_s * busy
         dp_comm = work.mini_batches * work.ppo_epochs * sync
     return stage + pp_comm + dp_comm + optimizer * busy
 

@@ -179,6 +179,11 @@ def test_parallel_messages_by_hand():
     base, timed = phases(dp, free), phases(dp, slow)
     assert timed["old_log_prob"] == base["old_log_prob"]
     assert timed["actor_update"] - base["actor_update"] == pytest.approx((2 + 2) * lat)
+    # the distributed optimizer's own fixed cost at dp > 1 (CPU: measured), once per step
+    costly = dataclasses.replace(free, dp_step_latency_s=0.25)
+    assert phases(dp, costly)["actor_update"] - base["actor_update"] == pytest.approx(0.25)
+    assert phases(Layout(world=1, tokens_per_gpu=64, ref=False), costly)["actor_update"] == \
+        phases(Layout(world=1, tokens_per_gpu=64, ref=False), free)["actor_update"]
     # 2 cores: at world 4 every collective's wait is twice as long (so is the compute)
     crowded = dataclasses.replace(slow, cores=2)
     four = Layout(world=4, tp=2, pp=2, tokens_per_gpu=64, ref=False)
@@ -406,6 +411,7 @@ def test_calibration_measures_this_machine(tmp_path, monkeypatch, capsys):
     assert cached["act_passes"] > 0 and cached["train_act_ratio"] > 0
     assert cached["collective_latency_s"] >= cached["collective_min_s"] > 0
     assert cached["cores"] >= 1 and cached["parallel_slowdown"] >= 1
+    assert cached["dp_step_latency_s"] >= 0
     rep = _time(["--model", "llama-3.2-1b", "--gpu", "cpu", "--world", "1", "--gen-tp", "1",
                  "--spec", "local", "--engine", "builtin", "--dtype", "fp32", "--prompts", "2",
                  "--prompt-len", "16", "--max-response-len", "8"], capsys)
