@@ -4,7 +4,7 @@
         [--lengths lognormal|uniform]   # uniform: 80 + 3 tokens each, nothing to unpad
     .venv/bin/python benchmarks/packing.py --attention   # the varlen attention's paths
     .venv/bin/python benchmarks/packing.py --pipeline    # pp 2: variable vs fixed pack shapes
-    .venv/bin/python benchmarks/packing.py --shared      # shared prompts: unshared vs shared
+    .venv/bin/python benchmarks/packing.py --shared      # shared prompts (shared_prompts.py)
 
 The workload: ``--seqs`` sequences of a GAE PPO step, prompts 16-64 tokens (uniform), responses
 from a lognormal (median 48 tokens, sigma 0.7: the 5-95 % range spans 10x, 10 to 150 tokens,
@@ -33,14 +33,7 @@ last round (``perf/tokens_per_s``), micro-batches of a log-prob forward, and eve
 to ``packed``. One torch thread per rank. ``--pipeline``: at pp 2 (2 ranks), the 1F1B
 forward-backward over the packs as they are (``variable_seq_lengths``: megatron exchanges each
 activation's shape first) vs the same packs padded at the tail to the longest (one fixed shape).
-``--shared`` (``model.share_prompts``, 1 rank, the realistic 12.6M llama of trl_compare: 8
-layers, hidden 384, FFN 1024, GQA 6/2, vocab 512, fp32): prompt groups of 8 samples, responses
-geometric (mean ~28, cap 64, seeded), micro-batches of consecutive rows (one group's rows);
-cells ``realistic`` (12 prompts of 20-24 tokens, 4 rows a micro-batch, as trl_compare) and
-``512-token prompts`` (4 prompts, 8 rows a micro-batch); per side the process CPU seconds of
-one forward + backward over every micro-batch (the update's work; the forward-only passes
-scale alike) and of one forward-only pass, median over rounds after a warm-up, both sides
-printed with unshared / shared.
+``--shared``: shared prompts, unshared vs shared packs (``benchmarks/shared_prompts.py``).
 """
 
 from __future__ import annotations
@@ -264,92 +257,6 @@ def pipeline_report(args) -> None:
           f"{res['fixed'] / res['variable']:.2f}x")
 
 
-SHARED_MODEL = dict(hidden_size=384, num_layers=8, num_attention_heads=6, num_query_groups=2,
-                    ffn_hidden_size=1024, vocab_size=512, max_position_embeddings=640)
-SHARED_CELLS = (("realistic", 12, (20, 24), 4), ("512-token prompts", 4, (512, 512), 8))
-
-
-def _shared_rollout(prompts: int, plen: tuple[int, int], seed: int = 0):
-    """``prompts`` groups of 8 rows: one prompt each, geometric responses (mean ~28, cap 64)."""
-    import random
-
-    import torch
-
-    from hybridrl.rollout.batch import RolloutBatch
-
-    g, n, width = random.Random(seed), prompts * 8, 64
-    p_ids = []
-    for _ in range(prompts):
-        p = [g.randint(3, 511) for _ in range(g.randint(*plen))]
-        p_ids += [p] * 8
-    lens = [min(1 + int(math.log(1 - g.random()) / math.log(1 - 1 / 28)), width)
-            for _ in range(n)]
-    gen = torch.Generator().manual_seed(seed)
-    mask = (torch.arange(width)[None, :] < torch.tensor(lens)[:, None]).long()
-    ids = torch.randint(3, 511, (n, width), generator=gen) * mask
-    return RolloutBatch(p_ids, ids, mask, torch.zeros(n, width), [i // 8 for i in range(n)],
-                        [None] * n, ["x"] * n, [{}] * n)
-
-
-def shared_rank(rank, world, args):
-    import warnings
-
-    import torch
-
-    from hybridrl.config.model import ModelConfig
-    from hybridrl.models.forward import run_microbatches
-    from hybridrl.models.hf_io import build_from_config
-    from hybridrl.parallel.groups import build_groups
-    from hybridrl.parallel.layout import TrainLayout
-
-    warnings.filterwarnings("ignore")
-    groups = build_groups(TrainLayout(world=world, tp=1, pp=1))
-    model = build_from_config(ModelConfig(**SHARED_MODEL), groups, "actor", seed=3)
-
-    def loss(out, batch):
-        return -out["logprobs"].mean(), {}
-
-    out = {}
-    for name, prompts, plen, micro in SHARED_CELLS:
-        rb = _shared_rollout(prompts, plen)
-        rows = list(range(len(rb)))
-        sides = {share: [rb.microbatch(rows[s:s + micro], packed=True, share=share)
-                         for s in range(0, len(rows), micro)] for share in (False, True)}
-        times = {(share, kind): [] for share in (False, True) for kind in ("train", "fwd")}
-        for r in range(args.rounds + 1):
-            for share in ((False, True) if r % 2 == 0 else (True, False)):
-                for kind in ("train", "fwd"):
-                    torch.manual_seed(0)
-                    c0 = time.process_time()
-                    run_microbatches(model, sides[share], loss if kind == "train" else None,
-                                     forward_only=kind == "fwd")
-                    if r:
-                        times[(share, kind)].append(time.process_time() - c0)
-        out[name] = {"tokens": {share: sum(mb["input_ids"].shape[1] for mb in mbs)
-                                for share, mbs in sides.items()},
-                     "rows": len(rb), "micro": micro, "plen": plen,
-                     "resp_mean": float(rb.response_lengths.float().mean()),
-                     **{f"{k[1]}_{k[0]}": statistics.median(v) for k, v in times.items()}}
-    return out
-
-
-def shared_report(args) -> None:
-    from hybridrl.testing.dist import run_on_ranks
-
-    print(f"shared prompts (model.share_prompts), 1 rank, 12.6M llama fp32, one thread; load "
-          f"{os.getloadavg()[0]:.1f}; process CPU s, median of {args.rounds} rounds")
-    res = run_on_ranks(shared_rank, 1, args, timeout=1800, preload=("megatron.core",))[0]
-    print(f"{'cell':<20} {'rows':>4} {'mb':>3} {'prompt':>8} {'resp':>5} {'tokens un/sh':>13} "
-          f"{'fwd+bwd un':>10} {'sh':>6} {'x':>6} {'fwd un':>7} {'sh':>6} {'x':>6}")
-    for name, c in res.items():
-        t = c["tokens"]
-        print(f"{name:<20} {c['rows']:>4} {c['micro']:>3} {c['plen'][0]:>3}-{c['plen'][1]:<4} "
-              f"{c['resp_mean']:>5.1f} {t[False]:>6}/{t[True]:<6} "
-              f"{c['train_False']:>10.2f} {c['train_True']:>6.2f} "
-              f"{c['train_False'] / c['train_True']:>5.2f}x {c['fwd_False']:>7.2f} "
-              f"{c['fwd_True']:>6.2f} {c['fwd_False'] / c['fwd_True']:>5.2f}x")
-
-
 def attention_table() -> None:
     """Fwd + bwd ms of ``varlen_attention`` on each exact path, and the path the model picks."""
     import random
@@ -407,6 +314,8 @@ def main(argv=None):
     if args.pipeline:
         return pipeline_report(args)
     if args.shared:
+        from benchmarks.shared_prompts import shared_report
+
         return shared_report(args)
     from hybridrl.testing.dist import run_on_ranks
 
