@@ -1,13 +1,13 @@
 """Shared prompts through the whole trainer, on 2 gloo ranks (``model.share_prompts``).
 
-One launch runs the tiny PPO run of ``test_trainer_cases`` (2 steps, rollout.n 2, micro-batches
-of one prompt group) with sharing on and off at dp 2 (rollout.n 4, KL loss and entropy
-bonus, token-budget micro-batches) and at tp 2 with sequence parallelism (PPO with a critic: the pack
-padded to a multiple of tp at its tail, megatron's linears gather and scatter the sequence
-around the lean attention). Every logged number of the two runs agrees (losses, grad norms,
-KL, log-prob gaps, values, rewards: 2e-5), the shared runs did share (``perf/
-shared_prompt_frac`` > 0) and the unshared ones did not.
-"""
+One launch runs the tiny PPO run of ``test_trainer_cases`` (2 steps) with sharing on and off at
+dp 2 (rollout.n 4, KL loss and entropy bonus, token-budget micro-batches) and at tp 2 with
+sequence parallelism (PPO with a critic, rollout.n 3 in micro-batches of 3: each group's pack
+has an odd length, padded to a multiple of tp at its tail, the pad continuing the last
+response's positions; megatron's linears gather and scatter the sequence around the lean
+attention). Every logged number of the two runs agrees (losses, grad norms, KL, log-prob gaps,
+values, rewards: 2e-5), the shared runs did share (``perf/shared_prompt_frac`` > 0) and the
+unshared ones did not."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ from tests.distributed import test_trainer_cases as cases_mod
 DP2 = ["actor.use_kl_loss=true", "actor.entropy_coeff=0.01", "rollout.temperature=1.0",
        "rollout.n=4", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=320",
        "ref.log_prob_micro_batch_size_per_gpu=4"]
-SP = ["parallel.tp=2", "parallel.gen.tp=2", "model.sequence_parallel=true"]
+SP = ["parallel.tp=2", "parallel.gen.tp=2", "model.sequence_parallel=true", "rollout.n=3",
+      "actor.ppo_micro_batch_size_per_gpu=3", "critic.ppo_micro_batch_size_per_gpu=3",
+      "ref.log_prob_micro_batch_size_per_gpu=3"]  # a group's pack: odd S, a tail pad of one
 CASES = {"dp2_n4": DP2, "tp2_sp": SP}
 SKIP = ("timing_s/", "reshard/", "rollout/handoff", "perf/throughput", "perf/tokens_per_s",
         "perf/pad_fraction", "perf/shared_prompt_frac", "actor/lr", "critic/lr")
@@ -62,4 +64,6 @@ def test_sharing_on_equals_off(results, name):
                     k, m_on[k], m_off[k])
             assert m_on["perf/shared_prompt_frac"] > 0.1 and m_off[
                 "perf/shared_prompt_frac"] == 0.0
+            if name == "tp2_sp":  # the shared packs were padded at their tail (SP)
+                assert m_on["perf/pad_fraction"] > 0
         assert all(m["actor/grad_norm"] > 1e-3 for m in off)  # a real update compared
