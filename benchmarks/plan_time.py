@@ -142,9 +142,12 @@ def main(argv=None) -> int:
           f"{cal['train_calls_per_forward']:.2f}), {cal['act_passes']:.1f} activation vectors "
           f"per token and layer (training x {cal['train_act_ratio']:.2f}), optimizer step "
           f"{1e3 * cal['optimizer_latency_s']:.1f} ms, sampling "
-          f"{1e6 * cal['sample_latency_s']:.1f} us, gloo all-reduce in a run "
-          f"{1e6 * cal['collective_latency_s']:.0f} us (best {1e6 * cal['collective_min_s']:.0f}"
-          f" us) / {cal['link_bps'] / 1e9:.2f} GB/s, {cal['cores']} cores; two busy ranks "
+          f"{1e6 * cal['sample_latency_s']:.1f} us, gloo collective in the model at tp 2 "
+          f"{1e6 * cal['collective_latency_s']:.0f} us (an all-reduce alone: best "
+          f"{1e6 * cal['collective_min_s']:.0f} us, after compute "
+          f"{1e6 * cal['collective_bench_s']:.0f} us) / {cal['link_bps'] / 1e9:.2f} GB/s, "
+          f"dp > 1 optimizer step +{1e3 * cal['dp_step_latency_s']:.1f} ms, "
+          f"{cal['cores']} cores; two busy ranks "
           f"{cal['parallel_slowdown']:.2f} x slower each (load; not in the model)")
     rows, ratios = [], []
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,7 +8,8 @@ Contract:
   child process, on packed micro-batches of ``SEQS`` = 2 and 8 sequences of ``SEQ_LEN`` = 72
   tokens (as the trainer packs them) through ``run_microbatches``: forward-only and forward +
   backward with the trainer's GRPO actor loss (``algos.losses.actor_loss``: clipped ratio and
-  low-var KL). Each pass is a straight line in its tokens: the forward's intercept over
+  low-var KL), the fastest of each in ``FIT_ROUNDS`` rounds over the sizes in turn. Each pass
+  is a straight line in its tokens: the forward's intercept over
   layers + 1 (the head and log-prob) is ``layer_latency_s`` (the fixed cost of one layer call
   per micro-batch), the training pass's intercept over the forward's is
   ``train_calls_per_forward``; the forward's slope less its FLOPs at ``flops`` is the
@@ -26,22 +27,25 @@ Contract:
   request's token drawn with its own generator, as the builtin engine samples (per request per
   decode step). ``torch_layer_latency_s`` (for comparison: the same layer's bare torch ops, 8
   tokens). Gloo between two local processes: ``collective_min_s`` (the fastest 8-byte
-  all-reduce), ``link_bps`` (a 4 MiB all-reduce less that latency) and
-  ``collective_latency_s``: the mean all-reduce of a micro-batch's activations (64 KiB) after a
-  layer's worth of compute on each rank, ``RUN_COLLECTIVES`` times: what a run meets, the wait
-  for the later rank included (it grows with the machine's load). ``parallel_slowdown``: the
-  time of a matmul loop on one rank while both of two ranks run it, over the same alone, in
-  ``SLOWDOWN_ROUNDS`` alternating rounds (at least 1: what a second busy rank costs each on this
-  machine as loaded; 1.0 quiet): a diagnostic of the load, not used by the model (the load
-  comes and goes within seconds).
-  ``cores``: the CPUs this process may run on (ranks past them share). ``memory_bytes`` (MemTotal). Writes them as JSON
+  all-reduce), ``link_bps`` (a 4 MiB all-reduce less that latency), ``collective_bench_s`` (for
+  comparison: the mean all-reduce of 64 KiB after a little compute on each rank,
+  ``RUN_COLLECTIVES`` times) and ``collective_latency_s``, one collective as a run meets it:
+  the same model at tp 2 on the two ranks, the mean forward of ``SEQS[1]`` sequences
+  (``DP_STEPS`` times) less what it computes as the model counts it (the layer calls, half the
+  FLOPs, the activation traffic), over its 2 x layers + 5 collectives (``tp_collective_s``; at
+  least the fastest): the waits for the other rank included, it grows with the machine's load.
+  ``parallel_slowdown``: the time of a matmul loop on one rank while both of two ranks run it,
+  over the same alone, in ``SLOWDOWN_ROUNDS`` alternating rounds (at least 1: what a second busy
+  rank costs each on this machine as loaded; 1.0 quiet): a diagnostic of the load, not used by
+  the model (the load comes and goes within seconds). ``cores``: the CPUs this process may run on (ranks past them share). ``memory_bytes`` (MemTotal). Writes them as JSON
   to ``path`` (default ``cache_path()``) with the host, CPU model and load, returns the dict.
 - ``cache_path()``: ``$XDG_CACHE_HOME/hybridrl/plan-calibration-<host>.json`` (``~/.cache`` when
   the variable is unset): per machine, never in the repository.
 - ``load_calibration(path=None)``: the cached dict; ValueError (one line) when there is none
   or it is unreadable, saying to run ``hybridrl plan --calibrate``.
 - ``fit_model(timings, flops, memory_bps)``: the model's terms from ``_model_rank``'s timings
-  (pure; the straight lines above).
+  (pure; the straight lines above); ``tp_collective_s(timings, fit, tp_forward_s, flops,
+  memory_bps)``: the collective latency from the tp-2 forward (pure).
 - ``calibrate_text(rep)``: the human form.
 """
 
@@ -57,6 +61,7 @@ SEQ_LEN, SEQS = 72, (2, 8)  # the CPU demo's sequences (69-token prompts, 3-toke
 RUN_COLLECTIVES = 40
 SLOWDOWN_ROUNDS = 8
 DP_STEPS = 15
+FIT_ROUNDS = 5
 KEYS = ("flops", "memory_bps", "layer_latency_s", "collective_latency_s", "link_bps",
         "memory_bytes")
 
@@ -189,7 +194,7 @@ def _collectives() -> dict:
     r = _spawn(_allreduce_rank, 2)
     # a 2-rank ring moves 2 (g-1)/g = 1 x the bytes each way
     bps = r["bytes"] / max(r["big"] - r["lat"], 1e-9)
-    return {"collective_latency_s": max(r["in_run"], r["lat"]), "collective_min_s": r["lat"],
+    return {"collective_bench_s": max(r["in_run"], r["lat"]), "collective_min_s": r["lat"],
             "link_bps": bps, "parallel_slowdown": max(r["slowdown"], 1.0)}
 
 
@@ -227,13 +232,17 @@ def _model_rank(rank: int, store_path: str, out_path: str) -> None:
             return actor_loss(old, logp, torch.ones_like(old), torch.ones_like(old),
                               ref_log_prob=old - 0.01, use_kl_loss=True)
         opt = ModelOptimizer(model, OptimConfig())
-        rep = {}
+        rep, mbs = {}, {}
         for n in SEQS:
             ids, cu = pack_sequences([torch.randint(0, 100, (SEQ_LEN,)) for _ in range(n)])
-            mb = {"input_ids": ids, "cu_seqlens": cu}
-            rep[f"fwd{n}"] = _best(lambda b=mb: run_microbatches(model, [b]), 0.5, 5)
-            rep[f"train{n}"] = _best(lambda b=mb: run_microbatches(
-                model, [b], loss_fn=loss, forward_only=False), 0.5, 5)
+            mbs[n] = mb = {"input_ids": ids, "cu_seqlens": cu}
+            rep[f"fwd{n}"] = rep[f"train{n}"] = float("inf")
+        for _ in range(FIT_ROUNDS):  # the sizes in turn: a load that comes and goes hits each
+            for n, b in mbs.items():
+                rep[f"fwd{n}"] = min(rep[f"fwd{n}"], _best(
+                    lambda b=b: run_microbatches(model, [b]), 0.1, 2))
+                rep[f"train{n}"] = min(rep[f"train{n}"], _best(lambda b=b: run_microbatches(
+                    model, [b], loss_fn=loss, forward_only=False), 0.1, 2))
         rep["step"] = _best(lambda: train_step(model, opt, [mb], loss), 0.5, 5)
         rep.update(params=sum(p.numel() for p in model.module.parameters()),
                    layers=spec.num_layers, hidden=spec.hidden_size, ffn=spec.ffn_hidden_size,
@@ -277,10 +286,19 @@ def _dp_rank(rank: int, store_path: str, out_path: str) -> None:
             return out["logprobs"].mean(), {}
         step = _fixed(lambda: train_step(model, opt, [mb], loss), DP_STEPS)  # both ranks alike
         one = _fixed(lambda: _run_alone(model, mb, loss), DP_STEPS)
+        # tp 2: forwards of a micro-batch of SEQS[1] sequences, the mean (waits included)
+        from hybridrl.models.forward import run_microbatches
+
+        tp = build_model(spec, build_groups(TrainLayout(world=2, tp=2)), "actor", dtype="fp32")
+        ids, cu = pack_sequences([torch.randint(0, 100, (SEQ_LEN,)) for _ in range(SEQS[1])])
+        big = {"input_ids": ids, "cu_seqlens": cu}
+        for _ in range(3):
+            run_microbatches(tp, [big])
+        tp_fwd = _mean(lambda: run_microbatches(tp, [big]), DP_STEPS)
         dist.barrier()
         if rank == 0:
             with open(out_path, "w") as f:
-                json.dump({"step": step, "train": one}, f)
+                json.dump({"step": step, "train": one, "tp_fwd": tp_fwd}, f)
     finally:
         dist.destroy_process_group()
 
@@ -303,13 +321,34 @@ def _spawn(fn, nprocs: int) -> dict:
             return json.load(f)
 
 
-def _model_latency(flops: float, memory_bps: float, collective_s: float) -> dict:
-    fit = fit_model(_spawn(_model_rank, 1), flops, memory_bps)
+def _model_latency(flops: float, memory_bps: float, best_collective_s: float) -> dict:
+    r1 = _spawn(_model_rank, 1)
+    fit = fit_model(r1, flops, memory_bps)
+    r = _spawn(_dp_rank, 2)
+    lat = max(tp_collective_s(r1, fit, r["tp_fwd"], flops, memory_bps), best_collective_s)
     # dp 2: the optimizer step beyond the forward + backward, less the same at dp 1 and the two
     # collectives the model counts itself (gradients' reduce-scatter, parameters' all-gather)
-    r = _spawn(_dp_rank, 2)
-    extra = r["step"] - r["train"] - fit["optimizer_latency_s"] - 2 * collective_s
-    return {**fit, "dp_step_latency_s": max(extra, 0.0)}
+    extra = r["step"] - r["train"] - fit["optimizer_latency_s"] - 2 * lat
+    return {**fit, "collective_latency_s": lat, "dp_step_latency_s": max(extra, 0.0)}
+
+
+def tp_collective_s(r: dict, fit: dict, tp_fwd: float, flops: float,
+                    memory_bps: float) -> float:
+    """One collective as a run meets it: the tp-2 forward of ``SEQS[1]`` sequences less what
+    it computes (the layer calls, half the FLOPs, the activation traffic, as the model counts
+    them), over its collectives (2 per layer, 5 more: embedding and vocab-parallel log-prob)."""
+    from hybridrl.planning import flops as F
+    from hybridrl.planning.timing import TRAIN_EXTRA_FWD
+    from hybridrl.reshard.specs import LlamaShape
+
+    shape = LlamaShape(hidden=r["hidden"], ffn=r["ffn"], heads=r["heads"],
+                       num_query_groups=r["groups"], layers=r["layers"], vocab=r["vocab"])
+    tokens = SEQS[1] * SEQ_LEN
+    compute = (shape.layers + 1) * fit["layer_latency_s"] \
+        + SEQS[1] * F.forward_flops(shape, SEQ_LEN) / (2 * flops) \
+        + fit["act_passes"] * tokens * (shape.layers * shape.hidden + shape.vocab) * 4 \
+        / memory_bps
+    return (tp_fwd - compute) / (2 * shape.layers + 1 + TRAIN_EXTRA_FWD["actor"])
 
 
 def fit_model(r: dict, flops: float, memory_bps: float) -> dict:
@@ -381,9 +420,9 @@ def run_calibration(path: str | None = None) -> dict:
     finally:
         torch.set_num_threads(threads)
     coll = _collectives()
-    rep = {"flops": flops, "memory_bps": memory_bps,
-           **_model_latency(flops, memory_bps, coll["collective_latency_s"]),
-           "sample_latency_s": sample, "torch_layer_latency_s": op_layer, **coll,
+    rep = {"flops": flops, "memory_bps": memory_bps, **coll,
+           **_model_latency(flops, memory_bps, coll["collective_min_s"]),
+           "sample_latency_s": sample, "torch_layer_latency_s": op_layer,
            "cores": _cores(), "memory_bytes": _mem_total(),
            "host": socket.gethostname(), "cpu": _cpu_model(),
            "load_avg": os.getloadavg()[0], "seconds": time.perf_counter() - t0,
@@ -428,6 +467,7 @@ def calibrate_text(rep: dict) -> str:
         f"  optimizer step {1e3 * rep['optimizer_latency_s']:.2f} ms beyond its bytes, "
         f"{1e3 * rep['dp_step_latency_s']:.2f} ms more at dp > 1",
         f"  sampling {1e6 * rep['sample_latency_s']:.1f} us per request per token",
-        f"  gloo all-reduce {1e6 * rep['collective_latency_s']:.0f} us in a run (best "
-        f"{1e6 * rep['collective_min_s']:.0f} us), {rep['link_bps'] / 1e9:.2f} GB/s; "
+        f"  gloo collective {1e6 * rep['collective_latency_s']:.0f} us in the model at tp 2 "
+        f"(an all-reduce alone: best {1e6 * rep['collective_min_s']:.0f} us, after compute "
+        f"{1e6 * rep['collective_bench_s']:.0f} us), {rep['link_bps'] / 1e9:.2f} GB/s; "
         f"{rep['cores']} cores, two busy ranks {rep['parallel_slowdown']:.2f} x slower each"])

@@ -391,6 +391,12 @@ def test_calibration_fit_by_hand():
     assert fit["act_passes"] == pytest.approx(extra * bps / ((4 * 64 + 100) * 4))
     assert fit["train_act_ratio"] == pytest.approx(2.4)
     assert fit["optimizer_latency_s"] == pytest.approx(1e-3)
+    # the tp-2 forward of 8 sequences: the layer calls, half the FLOPs, the activation
+    # traffic, and 2 x 4 + 5 collectives of 300 us each
+    from hybridrl.planning.calibrate import tp_collective_s
+
+    compute = calls + 8 * 72 * (tok / 2 + extra)
+    assert tp_collective_s(r, fit, compute + 13 * 3e-4, flops, bps) == pytest.approx(3e-4)
 
 
 def test_calibration_measures_this_machine(tmp_path, monkeypatch, capsys):
@@ -410,6 +416,7 @@ def test_calibration_measures_this_machine(tmp_path, monkeypatch, capsys):
     # long as the best one; the cores this process may use
     assert cached["act_passes"] > 0 and cached["train_act_ratio"] > 0
     assert cached["collective_latency_s"] >= cached["collective_min_s"] > 0
+    assert cached["collective_bench_s"] >= cached["collective_min_s"]
     assert cached["cores"] >= 1 and cached["parallel_slowdown"] >= 1
     assert cached["dp_step_latency_s"] >= 0
     rep = _time(["--model", "llama-3.2-1b", "--gpu", "cpu", "--world", "1", "--gen-tp", "1",
