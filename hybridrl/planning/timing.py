@@ -50,8 +50,8 @@ Contract:
   * checkpoint: params + optimizer shard of each trained role per rank, written at
     ``STORAGE_BPS_PER_NODE`` shared by the node's GPUs, divided by ``save_freq``.
   CPU ranks beyond the machine's cores share them: every compute term x world / cores
-  (``share``; waiting in a collective leaves the core to another rank), and so is each
-  collective's latency (it needs every rank on a core). An optimizer step at dp > 1 also
+  (``share``; waiting in a collective leaves the core to another rank; the calibrated
+  collective latency already holds the waits for other ranks). An optimizer step at dp > 1 also
   pays ``DP_STEP_COLLECTIVES`` small all-reduces and (CPU, measured) the distributed
   optimizer's own fixed cost ``dp_step_latency_s``.
   Step: colocated = the sum; split = max(generate, the training phases) + sync.
@@ -363,9 +363,6 @@ def predict(work: Workload, lay: Layout, hw, shape, mem: dict, reshard: dict) ->
     """The step's phases in seconds and its throughput (see the module docstring)."""
     if lay.placement == "split" and not 0 < lay.gen_world < lay.world:
         raise ValueError(f"--gen-world must be in 1 .. world-1, got {lay.gen_world}")
-    if share(hw, lay) > 1:  # a collective needs every rank on a core: each waits its turn
-        hw = dataclasses.replace(hw, collective_latency_s=hw.collective_latency_s
-                                 * share(hw, lay))
     gen, gen_detail = generate_s(work, lay, hw, shape, mem["gen_concurrent_seqs"])
     budget_f = lay.forward_tokens_per_gpu or lay.tokens_per_gpu
     budget_c = lay.critic_tokens_per_gpu or lay.tokens_per_gpu
