@@ -5,7 +5,9 @@ dp 2 (rollout.n 4, KL loss and entropy bonus, token-budget micro-batches) and at
 sequence parallelism (PPO with a critic, rollout.n 3 in micro-batches of 3: each group's pack
 has an odd length, padded to a multiple of tp at its tail, the pad continuing the last
 response's positions; megatron's linears gather and scatter the sequence around the lean
-attention). Every logged number of the two runs agrees (losses, grad norms, KL, log-prob gaps,
+attention) and at pp 2 (the layout read on both stages). Token budgets keep a group in one pack only
+with sharing on, so the dp 2 case's budget (320) is one that fits whole groups either way: the
+per-micro-batch mean metrics (ppo_kl, clip fractions) depend on the packs' composition. Every logged number of the two runs agrees (losses, grad norms, KL, log-prob gaps,
 values, rewards: 2e-5), the shared runs did share (``perf/shared_prompt_frac`` > 0) and the
 unshared ones did not."""
 
@@ -24,7 +26,8 @@ DP2 = ["actor.use_kl_loss=true", "actor.entropy_coeff=0.01", "rollout.temperatur
 SP = ["parallel.tp=2", "parallel.gen.tp=2", "model.sequence_parallel=true", "rollout.n=3",
       "actor.ppo_micro_batch_size_per_gpu=3", "critic.ppo_micro_batch_size_per_gpu=3",
       "ref.log_prob_micro_batch_size_per_gpu=3"]  # a group's pack: odd S, a tail pad of one
-CASES = {"dp2_n4": DP2, "tp2_sp": SP}
+PP2 = ["parallel.pp=2"]  # micro-batches of 2 rows: one group each, 2 a pipeline
+CASES = {"dp2_n4": DP2, "tp2_sp": SP, "pp2": PP2}
 SKIP = ("timing_s/", "reshard/", "rollout/handoff", "perf/throughput", "perf/tokens_per_s",
         "perf/pad_fraction", "perf/shared_prompt_frac", "actor/lr", "critic/lr")
 
