@@ -1,15 +1,15 @@
 """Shared prompts through the whole trainer, on 2 gloo ranks (``model.share_prompts``).
 
-One launch runs the tiny PPO run of ``test_trainer_cases`` (2 steps) with sharing on and off at
-dp 2 (rollout.n 4, KL loss and entropy bonus, token-budget micro-batches) and at tp 2 with
+One launch runs the tiny PPO run of ``test_trainer_cases`` (2 steps) with sharing on and off:
+at dp 2 (rollout.n 4, KL loss and entropy bonus, token-budget micro-batches); at tp 2 with
 sequence parallelism (PPO with a critic, rollout.n 3 in micro-batches of 3: each group's pack
 has an odd length, padded to a multiple of tp at its tail, the pad continuing the last
 response's positions; megatron's linears gather and scatter the sequence around the lean
-attention) and at pp 2 (the layout read on both stages). Token budgets keep a group in one pack only
-with sharing on, so the dp 2 case's budget (320) is one that fits whole groups either way: the
-per-micro-batch mean metrics (ppo_kl, clip fractions) depend on the packs' composition. Every logged number of the two runs agrees (losses, grad norms, KL, log-prob gaps,
-values, rewards: 2e-5), the shared runs did share (``perf/shared_prompt_frac`` > 0) and the
-unshared ones did not."""
+attention); at pp 2 (both stages read the layout). Every logged number of the two runs agrees
+(losses, grad norms, KL, log-prob gaps, values, rewards: 2e-5), the shared runs did share
+(``perf/shared_prompt_frac`` > 0) and the unshared ones did not. Token budgets keep a group in
+one pack only with sharing on, and per-micro-batch mean metrics (ppo_kl, clip fractions)
+follow the packs' composition, so the dp 2 case's budget (320) fits whole groups either way."""
 
 from __future__ import annotations
 
