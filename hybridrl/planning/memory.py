@@ -148,6 +148,10 @@ class MemoryJob:
         for name in ("max_tokens_per_gpu", "seq_len", "rollout_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("critic_tokens_per_gpu", "forward_tokens_per_gpu"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: as "
+                                 f"--max-tokens-per-gpu), got {getattr(self, name)}")
         if self.seq_len > self.max_tokens_per_gpu:
             raise ValueError(f"--seq-len {self.seq_len} exceeds --max-tokens-per-gpu "
                              f"{self.max_tokens_per_gpu}: one sequence must fit a micro-batch")

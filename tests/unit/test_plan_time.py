@@ -364,6 +364,21 @@ def test_datasheet_table():
 
 
 @pytest.mark.slow  # ~10 s: two spawned processes (gloo pair, hybridrl's model on one rank)
+def test_forward_budget_flag(capsys):
+    """--forward-tokens-per-gpu sets the forward passes' micro-batches; negative is one line."""
+    base = ["--model", "llama-3.2-1b", "--world", "2", "--tp", "2", "--gen-tp", "2",
+            "--prompts", "64",
+            "--prompt-len", "100", "--max-response-len", "28", "--max-tokens-per-gpu", "512",
+            "--gpu-gb", "1000"]
+    same = _time(base, capsys)
+    small = _time([*base, "--forward-tokens-per-gpu", "128"], capsys)
+    # one 128-token sequence per forward micro-batch instead of four: 4x the TP collectives
+    assert small["phases_s"]["old_log_prob"] > same["phases_s"]["old_log_prob"]
+    assert small["phases_s"]["actor_update"] == same["phases_s"]["actor_update"]
+    assert main(["--time", *base, "--forward-tokens-per-gpu", "-5"]) == 2
+    assert "--forward-tokens-per-gpu must be >= 0" in capsys.readouterr().err
+
+
 def test_calibration_fit_by_hand():
     """The model's terms from its timings: the forward and the training pass are straight
     lines in their tokens (2 and 8 sequences of 72 tokens)."""
