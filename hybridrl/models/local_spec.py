@@ -299,13 +299,20 @@ class LeanSelfAttention(SelfAttention):
         if shared and not self.lean_shared:
             raise ValueError("a shared-prompt pack needs the local spec's lean attention (RoPE "
                              "at its explicit positions); use forward.shares_prompts first")
-        if (not (self.lean or shared) or key_value_states is not None or inference_context is not None
-                or inference_params is not None or rotary_pos_cos is not None
-                or rotary_pos_sin is not None or rotary_pos_cos_sin is not None
-                or attention_bias is not None or not _lean_packing(packed_seq_params)
-                or sequence_len_offset is not None or isinstance(rotary_pos_emb, tuple)
-                or (rotary_pos_emb is not None and rotary_pos_emb.shape[-1] != hn)
-                or self.config._cpu_offloading_context is not None):
+        megatron_only = (
+            not (self.lean or shared) or key_value_states is not None
+            or inference_context is not None or inference_params is not None
+            or rotary_pos_cos is not None or rotary_pos_sin is not None
+            or rotary_pos_cos_sin is not None or attention_bias is not None
+            or not _lean_packing(packed_seq_params) or sequence_len_offset is not None
+            or isinstance(rotary_pos_emb, tuple)
+            or (rotary_pos_emb is not None and rotary_pos_emb.shape[-1] != hn)
+            or self.config._cpu_offloading_context is not None)
+        if megatron_only and shared:  # megatron's THD RoPE would restart at every segment
+            raise ValueError("a shared-prompt pack reached an attention call only megatron's "
+                             "forward runs (RoPE tables given, an attention bias, offloading or a "
+                             "KV offset); set model.share_prompts=false for this model")
+        if megatron_only:
             return super().forward(
                 hidden_states, attention_mask, key_value_states, inference_context,
                 rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,

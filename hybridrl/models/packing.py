@@ -312,6 +312,19 @@ def shared_plan(cu_seqlens: torch.Tensor, parents: list[int], device=None) -> di
                 groups=groups, inverse=inverse.to(device))
 
 
+def group_mask(group: dict, device: torch.device):
+    """A group's bottom-right causal mask [width, P + width]: the plan's bool tensor on CPU; on
+    CUDA torch's ``causal_lower_right`` bias (the same mask, never materialized), which SDPA
+    runs in its flash kernel with GQA (fp16 / bf16): a bool mask with GQA leaves it only the
+    math kernel, whose scores every layer keeps for the backward (tens of GB per layer at a
+    1k-token prompt with 16 responses of 4k)."""
+    if device.type != "cuda":
+        return group["mask"]
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(group["width"], group["mask"].shape[1])
+
+
 def shared_state(params, cu_seqlens, parents: list[int], device):
     """(path, mask, plan) of a shared-prompt pack, built once per pack on its
     ``PackedSeqParams`` (``pack_cached``) and shared by the layers."""
@@ -360,7 +373,7 @@ def shared_attention(q_BNSD, k_BGSD, v_BGSD, cu_seqlens, parents: list[int], sca
 
         out_BNLD = F.scaled_dot_product_attention(
             to_batch(q_BNSD[:, :, lo:hi]), with_prompt(k_BGSD), with_prompt(v_BGSD),
-            attn_mask=g["mask"], **kwargs)
+            attn_mask=group_mask(g, q_BNSD.device), **kwargs)
         out_NSD = out_BNLD.transpose(0, 1).reshape(out_BNLD.shape[1], n * width, -1)
         if g["index"] is not None:
             out_NSD = out_NSD.index_select(1, g["index"])

@@ -18,7 +18,9 @@ Contract:
   shared prompt once (``RolloutBatch.microbatch(share=True)``): ``model.pack_sequences`` and
   ``model.share_prompts``, no routing replay (MoE ids are per row), and a forward that takes it
   (``hybridrl.models.forward.shares_prompts``: not the TE spec, recompute or megatron's own
-  attention); when the model cannot, a line says so once per model and packing goes on without.
+  attention) and no MoE load-balancing / z loss (``moe_token_losses``: megatron means them over
+  a micro-batch's tokens); when the model cannot, a line says why once per model and packing
+  goes on without.
 - ``TokenTally``: ``with tally.count(mbs, multiple):`` around a forward (or forward-backward)
   over micro-batches adds their real and computed tokens (``hybridrl.models.packing.
   token_counts``) and the seconds it took. ``pop_metrics(dp_group)`` returns the step's
@@ -72,12 +74,18 @@ def share_prompts(model_cfg, model, replay=None) -> bool:
         return False
     able = model.__dict__.get("_hybridrl_shares_prompts")
     if able is None:
-        able = model.__dict__["_hybridrl_shares_prompts"] = shares_prompts(model)
+        why = None
+        if not shares_prompts(model):
+            why = ("its attention is not the local spec's lean forward (TE spec, recompute or "
+                   "another megatron-only option)")
+        elif moe_token_losses(model):
+            why = ("its MoE load-balancing / z loss is a mean over a micro-batch's tokens, which "
+                   "a shared prompt would enter once instead of once per row")
+        able = model.__dict__["_hybridrl_shares_prompts"] = why is None
         if not able:
             logging.getLogger(__name__).warning(
-                "hybridrl: model.share_prompts is off for the %s: its attention is not the local "
-                "spec's lean forward (TE spec, recompute or another megatron-only option); "
-                "packs compute each row's prompt", getattr(model, "role", "model"))
+                "hybridrl: model.share_prompts is off for the %s: %s; packs compute each row's "
+                "prompt", getattr(model, "role", "model"), why)
     return able
 
 
@@ -121,3 +129,15 @@ class TokenTally:
         return {"perf/pad_fraction": 1.0 - real / computed,
                 "perf/shared_prompt_frac": max(0.0, 1.0 - real / max(rows, 1.0)),
                 "perf/tokens_per_s": real / max(float(peak[0]), 1e-9)}
+
+
+def moe_token_losses(model) -> bool:
+    """True when ``model`` is a MoE with an auxiliary load-balancing or z loss: megatron takes
+    them over each micro-batch's tokens, so a shared prompt's tokens would count once, not once
+    per row, and the gradients would differ from the unshared pack's."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "num_moe_experts", None):
+        return False
+    aux = getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0
+    z = getattr(config, "moe_z_loss_coeff", None) or 0.0
+    return any(float(c) > 0 for c in (aux if isinstance(aux, (list, tuple)) else [aux])) or z > 0

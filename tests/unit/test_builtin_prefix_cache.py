@@ -233,3 +233,29 @@ def test_agent_loop_continuation_equals_resending_whole_contexts():
     unique = sum(len(p) for p in {tuple(p) for p in prompts})
     assert cont_engine.prefilled == unique + s["tool_tokens"] + s["turns"] - s["sequences"]
     assert resend_engine.prefilled > 2 * cont_engine.prefilled
+
+
+def test_a_continued_call_frees_the_kept_kv_once_prefilled():
+    # the kept K/V is copied into the new cache by the prefill; holding it through the decode
+    # too would keep ~3x the context's K/V alive where a whole-context call needs 1x
+    import gc
+    import weakref
+
+    engine = engine_from_hf(bigram_llama())
+    session = engine.open_session()
+    out = session.generate(PROMPTS, _params(3), [0, 1, 2])
+    kept = [weakref.ref(row.kv[0][0]) for row in session.rows.values()]
+    assert kept
+    ctx = [PROMPTS[b] + out.response_ids[b][out.response_mask[b].bool()].tolist()
+           + TOK.encode(" 7>") for b in range(3)]
+    alive, forward = [], engine.forward
+
+    def counted(ids, *args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in kept))
+        return forward(ids, *args, **kwargs)
+
+    engine.forward = counted
+    session.generate(ctx, _params(3), [0, 1, 2])
+    assert len(alive) >= 2 and alive[0] == len(kept)  # the prefill still reads them
+    assert alive[1:] == [0] * (len(alive) - 1), alive  # freed for every decode step

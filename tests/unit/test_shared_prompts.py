@@ -136,9 +136,14 @@ SHAPES = {
 }
 
 
-def _spec(shape):
+def _spec(shape, **extra):
     from hybridrl.models.spec import LlamaSpec, RopeScaling
 
+    if shape == "qwen3_moe":
+        return LlamaSpec(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                         ffn_hidden_size=48, vocab_size=100, max_position_embeddings=64,
+                         architecture="Qwen3MoeForCausalLM", qk_norm=True, num_experts=4,
+                         moe_topk=2, moe_ffn_hidden_size=16, **extra)
     kw = dict(SHAPES[shape])
     if kw.pop("rope", None):
         kw["rope_scaling"] = RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -220,6 +225,7 @@ def _fallback(groups):
 
     from hybridrl.models.build import build_model
     from hybridrl.models.forward import run_microbatches
+    from hybridrl.models.local_spec import LeanSelfAttention
     from hybridrl.trainer.microbatches import share_prompts
 
     model = build_model(_spec("llama"), groups, "actor", seed=5, recompute_granularity="full",
@@ -232,7 +238,23 @@ def _fallback(groups):
     except ValueError as err:
         refused = str(err)
     able = share_prompts(on, model)
-    return {"able": able, "again": share_prompts(on, model), "refused": refused}
+    # a shared pack never falls through to megatron's forward (its THD RoPE restarts at every
+    # segment): a lean layer given an input only megatron runs refuses it in one line
+    lean = build_model(_spec("llama"), groups, "actor", seed=5)
+    layer = next(m for m in lean.module.modules() if isinstance(m, LeanSelfAttention))
+    params = packing.packed_seq_params(torch.tensor([0, 3, 5], dtype=torch.int32))
+    packing.pack_cached(params, "parents", lambda: [-1, 0])
+    try:
+        layer(torch.zeros(5, 1, 32), None, attention_bias=torch.zeros(1), packed_seq_params=params)
+        megatron_only = ""
+    except ValueError as err:
+        megatron_only = str(err)
+    # a MoE whose load-balancing loss is a mean over the micro-batch's tokens does not share
+    moe = {coef: share_prompts(on, build_model(_spec("qwen3_moe", moe_aux_loss_coef=coef), groups,
+                                               "actor", seed=5))
+           for coef in (0.0, 0.1)}
+    return {"able": able, "again": share_prompts(on, model), "refused": refused,
+            "megatron_only": megatron_only, "moe": moe}
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +267,8 @@ def test_a_model_that_cannot_share_falls_back(model_results):
     assert res["able"] is False and res["again"] is False
     assert "shared-prompt pack needs the local spec's lean attention" in res["refused"]
     assert "\n" not in res["refused"]
+    assert "only megatron's forward runs" in res["megatron_only"], res["megatron_only"]
+    assert res["moe"] == {0.0: True, 0.1: False}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -295,3 +319,17 @@ def test_token_budget_plan_keeps_prompt_groups_in_one_pack():
     assert all(len({groups[i] for i in p}) * 4 == len(p) for r in dp for p in r.micro_batches)
     parts = forward_parts(lens, 4, True, 400, True, groups=groups)
     assert all(len({groups[i] for i in p}) * 4 == len(p) for p in parts)
+
+
+def test_grouped_mask_on_cuda_is_the_same_bottom_right_causal_mask():
+    # on CUDA the grouped path passes torch's causal_lower_right bias (flash kernel with GQA,
+    # nothing materialized) instead of the plan's bool mask: the two must be the same mask
+    from torch.nn.attention.bias import causal_lower_right
+
+    cu = torch.tensor([0, 4, 7, 9, 14, 15, 17])
+    plan = packing.shared_plan(cu, [-1, 0, 0, 0, -1, 4])
+    assert plan["groups"]
+    for g in plan["groups"]:
+        bias = packing.group_mask(g, torch.device("cuda"))
+        assert torch.equal(bias._materialize(), g["mask"]), g
+        assert packing.group_mask(g, torch.device("cpu")) is g["mask"]

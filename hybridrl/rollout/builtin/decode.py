@@ -138,6 +138,7 @@ def generate_rows(engine, prompts: list[list[int]], params: SamplingParams, resu
     reps, inv = _representatives(prompts, reuse, engine.share_prefill)
     cache, valid_BT, record, h, next_pos_b, W = _prefill(engine, prompts, resume, reuse, reps, R,
                                                          params.pad_token_id)
+    resume[:] = [None] * B  # the kept K/V now lives in the new cache: freed during the decode
     dev = engine.device
     if len(reps) < B:  # copy the shared rows' K/V, routing and last state to their duplicates
         idx = torch.tensor(inv, device=dev)
