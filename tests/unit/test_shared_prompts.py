@@ -324,7 +324,6 @@ def test_token_budget_plan_keeps_prompt_groups_in_one_pack():
 def test_grouped_mask_on_cuda_is_the_same_bottom_right_causal_mask():
     # on CUDA the grouped path passes torch's causal_lower_right bias (flash kernel with GQA,
     # nothing materialized) instead of the plan's bool mask: the two must be the same mask
-    from torch.nn.attention.bias import causal_lower_right
 
     cu = torch.tensor([0, 4, 7, 9, 14, 15, 17])
     plan = packing.shared_plan(cu, [-1, 0, 0, 0, -1, 4])
