@@ -60,8 +60,7 @@ STAGES = (
           "on CPU: gae_cuda.cu 71 s, kl_cuda.cu 68 s, kl_cpu.cpp 19 s); fails unless every "
           "hybridrl op has a CUDA kernel (an extension load error fails it, with the error)"),
     Stage("tests", 65, True, True, "pytest tests/gpu/test_kernels_cuda.py (each kernel vs its "
-          "reference and the GAE emulation) and test_shared_attention_gpu.py (shared-prompt "
-          "attention in the flash kernel); every test skipped = NOT RUN"),
+          "reference and the GAE emulation); every test skipped = NOT RUN"),
     Stage("sanitize", 100, True, True, "probe (timed; UNAVAILABLE only on the tool's own "
           "message); then compute-sanitizer memcheck, racecheck, synccheck, initcheck on "
           "scripts/kernel_sanitizer_cases.py while each tool's share of the time left is >= "
@@ -71,7 +70,8 @@ STAGES = (
     Stage("models", 65, False, False, "pytest -s tests/gpu/test_models_gpu.py, "
           "test_models_families_gpu.py: NCCL vs transformers (llama, llama 3, qwen3, qwen2.5); "
           "~1B llama step: tokens/s, MFU, peak vs plan --memory; test_packing_gpu.py: packed "
-          "= padded (megatron's THD path on TE: skipped on an image without it)",
+          "= padded (megatron's THD path on TE: skipped on an image without it); "
+          "test_shared_attention_gpu.py: shared-prompt attention in the flash kernel with GQA",
           needs=WHEELS),
     Stage("engine", 30, False, False, "benchmarks/rollout_engine.py: builtin engine vs "
           "transformers generate, ~30M llama bf16, batch 32, 128 + 128 tokens", needs=WHEELS),

@@ -269,13 +269,13 @@ def _pytest(ctx: Context, paths: list[str], show: bool) -> Result:
 
 
 def stage_tests(ctx: Context) -> Result:
-    return _pytest(ctx, ["tests/gpu/test_kernels_cuda.py", "tests/gpu/test_shared_attention_gpu.py"],
-                   show=False)
+    return _pytest(ctx, ["tests/gpu/test_kernels_cuda.py"], show=False)
 
 
 def stage_models(ctx: Context) -> Result:
     return _pytest(ctx, ["tests/gpu/test_models_gpu.py", "tests/gpu/test_models_families_gpu.py",
-                         "tests/gpu/test_packing_gpu.py"], show=True)
+                         "tests/gpu/test_packing_gpu.py", "tests/gpu/test_shared_attention_gpu.py"],
+                   show=True)
 
 
 def find_sanitizer() -> str | None:
