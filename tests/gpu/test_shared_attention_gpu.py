@@ -1,4 +1,4 @@
-"""Shared-prompt attention on CUDA (skipped without CUDA; torch only, no megatron): the grouped
+"""Shared-prompt attention on CUDA (skipped without CUDA; hybridrl.models, no megatron): the grouped
 path's ``causal_lower_right`` bias runs in SDPA's flash kernel with GQA in bf16 (the math kernel
 is disabled for the call, so a fallback to it fails the test) and equals the fp32 CPU result,
 forward and the gradients of q/k/v, within bf16 tolerance."""
