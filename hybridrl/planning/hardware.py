@@ -30,9 +30,7 @@ Contract:
   their factors are 1.0).
 - Per-call and per-token costs beyond the peaks (``Hardware`` fields): ``collective_latency_s``
   (one collective's fixed cost: 10 us for a small NCCL collective inside a node; CPU: a gloo
-  all-reduce as a run meets it), ``p2p_latency_s`` (a pipeline hop's message: None = the
-  collective latency; CPU: gloo's best small all-reduce, as the wait for the other stage is
-  the bubble's), ``kernel_latency_s`` (the fixed cost of one layer call per
+  all-reduce as a run meets it), ``kernel_latency_s`` (the fixed cost of one layer call per
   micro-batch: 0 on GPUs, whose kernel launches overlap the previous kernel's work; CPU:
   measured), ``train_calls``, ``optimizer_latency_s``, ``dp_step_latency_s`` (its extra at
   dp > 1), ``sample_latency_s``, ``act_passes`` and
@@ -64,9 +62,6 @@ class Hardware:
     pcie_bps: float  # host <-> device, one direction
     gpus_per_node: int = 8
     collective_latency_s: float = 10e-6  # one small NCCL collective (ring, inside a node)
-    # one point-to-point message (a pipeline hop: waiting for the other stage is the bubble's,
-    # not the message's); None: collective_latency_s (GPUs). CPU: gloo's best latency measured
-    p2p_latency_s: float | None = None
     kernel_latency_s: float = 0.0  # fixed cost per layer call (CPU: measured; GPU: graphs)
     train_calls: float = 3.0  # a training pass's layer-call cost over a forward's
     optimizer_latency_s: float = 0.0  # fixed cost of one optimizer step (CPU: measured)
@@ -122,7 +117,6 @@ def hardware(kind: str, gpu_gb: float | None = None, calibration: dict | None = 
                       hbm_bps=c["memory_bps"], nvlink_bps=c["link_bps"], ib_bps=c["link_bps"],
                       pcie_bps=c["memory_bps"], gpus_per_node=c.get("ranks_per_node", 64),
                       collective_latency_s=c["collective_latency_s"],
-                      p2p_latency_s=c.get("collective_min_s"),
                       kernel_latency_s=c["layer_latency_s"],
                       train_calls=c.get("train_calls_per_forward", 3.0),
                       optimizer_latency_s=c.get("optimizer_latency_s", 0.0),

@@ -302,9 +302,9 @@ def _pass_s(work: Workload, lay: Layout, hw, shape, role: str, train: bool, budg
         act_bytes = tokens * shape.hidden * itemsize / (lay.tp if lay.sp else 1)
         hops = micro * (2 if train else 1)  # activations forward, their gradients back
         # each hop: the tensor's shape first (packed micro-batches vary in length), then it
-        p2p = hw.collective_latency_s if hw.p2p_latency_s is None else hw.p2p_latency_s
-        pp_comm = hops * (act_bytes / _link(hw, lay.tp * lay.dp * 2) + PP_MESSAGES * p2p) \
-            + epochs * work.mini_batches * PP_MESSAGES * p2p
+        pp_comm = hops * (act_bytes / _link(hw, lay.tp * lay.dp * 2)
+                          + PP_MESSAGES * hw.collective_latency_s) \
+            + epochs * work.mini_batches * PP_MESSAGES * hw.collective_latency_s
     dp_comm = optimizer = 0.0
     if train:
         from hybridrl.planning.memory import stage_numel
