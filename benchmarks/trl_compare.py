@@ -21,7 +21,9 @@ overrides (to measure one knob). TRL at 2 processes runs under ``torchrun --npro
 (gloo); hybridrl on 2 gloo ranks (data parallel); one torch thread per process on both sides.
 
 Per (processes, prompt) cell, ``--rounds`` runs of each side, alternating which goes first (the
-machine may be shared: the load average is printed per cell). Seconds per step are the mean over
+machine may be shared: the load average is printed per cell); round r samples with seed r + 1
+on both sides (``trainer.seed``, TRL's ``seed``), so over rounds each side's response lengths
+average over draws of the same law instead of repeating one draw. Seconds per step are the mean over
 the steps after the first (warm-up) of each run, as wall time (``wall``) and as the process CPU
 time of rank 0 (``cpu``: what the step cost the process, much less sensitive to other jobs on a
 shared machine than wall time); for each: the mean over rounds with the range of the round
@@ -173,7 +175,7 @@ def _time_phases(trainer, phases: dict) -> None:
 
 
 def trl_worker(folder: str, long: bool, steps: int, world: int, out: str, new: int,
-               lr: float) -> None:
+               lr: float, seed: int = 1) -> None:
     """One TRL process (under torchrun when world > 1): writes per-step seconds to ``out``."""
     import warnings
 
@@ -208,7 +210,7 @@ def trl_worker(folder: str, long: bool, steps: int, world: int, out: str, new: i
     # every option that changes the work, set to hybridrl's value (TRL 1.16 defaults to bf16
     # autocast and gradient checkpointing, a linear lr decay and no weight decay)
     args = GRPOConfig(
-        output_dir=os.path.join(os.path.dirname(out), "trl"), use_cpu=True, seed=0,
+        output_dir=os.path.join(os.path.dirname(out), "trl"), use_cpu=True, seed=seed,
         bf16=False, fp16=False, gradient_checkpointing=False,
         per_device_train_batch_size=MICRO, gradient_accumulation_steps=seqs // MICRO,
         generation_batch_size=PROMPTS * N, num_generations=N, max_completion_length=new,
@@ -234,10 +236,10 @@ def trl_worker(folder: str, long: bool, steps: int, world: int, out: str, new: i
                        "mean_length": tokens, "settings": settings}, f)
 
 
-def run_trl(world, folder, long, steps, tmp, new, lr) -> dict:
+def run_trl(world, folder, long, steps, tmp, new, lr, seed=1) -> dict:
     out = os.path.join(tmp, f"trl_{world}_{int(long)}_{new}.json")
     me = [str(Path(__file__).resolve()), "--trl-worker", str(folder), str(int(long)), str(steps),
-          str(world), out, str(new), repr(lr)]
+          str(world), out, str(new), repr(lr), str(seed)]
     if world == 1:
         cmd = [sys.executable, *me]
     else:
@@ -295,19 +297,22 @@ def _cell(world, kind, folder, data, args, tmp) -> tuple[list[dict], list[dict]]
     for r in range(args.rounds):
         sides = [("h", ours), ("t", theirs)]
         for side, out in (sides if r % 2 == 0 else sides[::-1]):
+            seed = r + 1  # each round its own sampling seed, the same number on both sides
             if side == "h":
                 out.append(run_hybridrl(world, folder, data, args.steps,
-                                        f"{tmp}/h{world}{kind}{r}", new, lr, args.set))
+                                        f"{tmp}/h{world}{kind}{r}", new, lr,
+                                        [f"trainer.seed={seed}", *args.set]))
             else:
-                out.append(run_trl(world, folder, long, args.steps, tmp, new, lr))
+                out.append(run_trl(world, folder, long, args.steps, tmp, new, lr, seed))
     return ours, theirs
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--trl-worker"]:
-        folder, long, steps, world, out, new, lr = argv[1:8]
-        trl_worker(folder, long == "1", int(steps), int(world), out, int(new), float(lr))
+        folder, long, steps, world, out, new, lr, seed = argv[1:9]
+        trl_worker(folder, long == "1", int(steps), int(world), out, int(new), float(lr),
+                   int(seed))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
