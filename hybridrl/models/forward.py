@@ -146,9 +146,9 @@ def _forward_step(model, loss_fn, options, data_iterator, module):
     if "cu_seqlens" in batch:  # a pack [1, S]: positions restart at every sequence (THD)
         cu = extend_tail(batch["cu_seqlens"], t).cpu()  # host copy: no device sync per pack
         params = packed_seq_params(cu, input_ids_BT.device)
-        host_pos = positions(cu)
-        if "seg_parent" in batch:  # shared prompts: each response continues its prompt
-            host_pos = shared_positions(batch["position_ids"], t)
+        shared = "seg_parent" in batch  # shared prompts: each response continues its prompt
+        host_pos = shared_positions(batch["position_ids"], t) if shared else positions(cu)
+        if shared:
             pack_cached(params, "parents", lambda: [int(x) for x in batch["seg_parent"]])
             pack_cached(params, "positions", lambda: host_pos)
             # megatron's RoPE table holds max_seqlen positions: the furthest response's
