@@ -187,9 +187,13 @@ def _train(groups, tied, fused):
             if isinstance(m, (local_spec.LeanColumnParallelLinear,
                               local_spec.LeanRowParallelLinear)) and m.lean]
     opt = ModelOptimizer(model, OptimConfig(lr=1e-2, grad_clip=0.0))
-    saved = local_spec.F
-    if fused:  # the lean linears' F.linear call, for this test only
-        local_spec.F = types.SimpleNamespace(**{**vars(F), "linear": wgrad.linear})
+    # route the lean linears' call (F.linear today; wgrad.linear once local_spec calls it as
+    # ``wgrad.linear``) to the function under test or to plain F.linear, for this test only
+    use = wgrad.linear if fused else F.linear
+    saved = local_spec.F, getattr(local_spec, "wgrad", None)
+    local_spec.F = types.SimpleNamespace(**{**vars(F), "linear": use})
+    if saved[1] is not None:
+        local_spec.wgrad = types.SimpleNamespace(linear=use)
     out = {"grads": [], "flags": []}
     try:
         for _ in range(2):
@@ -198,7 +202,9 @@ def _train(groups, tied, fused):
                                  for n, p in model.module.named_parameters()})
             out["flags"].append([bool(w.grad_added_to_main_grad) for w in lean])
     finally:
-        local_spec.F = saved
+        local_spec.F = saved[0]
+        if saved[1] is not None:
+            local_spec.wgrad = saved[1]
     out["params"] = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     out["n_lean"] = len(lean)
     out["zero_out"] = bool(getattr(shared, "zero_out_wgrad", False))
