@@ -173,15 +173,17 @@ def _loss(outputs, batch):
     return loss, {}
 
 
-def _train(groups, tied, fused):
+def _train(groups, tied, fused, ddp_options=None):
+    """Two optimizer steps of two micro-batches (this DP rank's own data): ``main_grad`` after
+    each step, the flags of the lean linears' weights, the final parameters."""
     from hybridrl.models import local_spec
     from hybridrl.models.build import build_model
     from hybridrl.models.train_step import ModelOptimizer, OptimConfig, train_step
 
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(3 + groups.dp_rank)
     mbs = [{"input_ids": torch.randint(0, 96, (2, 12), generator=g),
             "advantages": torch.randn(2, 12, generator=g)} for _ in range(2)]
-    model = build_model(_spec(tied), groups, "actor", seed=5)
+    model = build_model(_spec(tied), groups, "actor", seed=5, ddp_options=ddp_options)
     shared = model.module.shared_embedding_or_output_weight()
     lean = [shared if m.weight is None else m.weight for m in model.module.modules()
             if isinstance(m, (local_spec.LeanColumnParallelLinear,
@@ -198,6 +200,7 @@ def _train(groups, tied, fused):
     try:
         for _ in range(2):
             train_step(model, opt, mbs, _loss)
+            opt.gather_params()  # overlap_param_gather defers it to the next forward
             out["grads"].append({n: p.main_grad.clone()
                                  for n, p in model.module.named_parameters()})
             out["flags"].append([bool(w.grad_added_to_main_grad) for w in lean])
@@ -219,18 +222,20 @@ def _model_cases(rank, world):
 
     warnings.filterwarnings("ignore")
     groups = build_groups(TrainLayout(world=1, tp=1, pp=1))
-    res = {}
-    for tied in (False, True):
-        base, got = _train(groups, tied, False), _train(groups, tied, True)
-        res[tied] = {
-            "grad_err": [max(float((a[n] - b[n]).abs().max()) / max(float(b[n].abs().max()),
-                                                                     1e-30) for n in b)
-                         for a, b in zip(got["grads"], base["grads"])],
-            "param_err": max(float((got["params"][n] - p).abs().max())
-                             for n, p in base["params"].items()),
-            "flags": (got["flags"], base["flags"]), "n_lean": got["n_lean"],
-            "zero_out": got["zero_out"]}
-    return res
+    return {tied: compare(groups, tied) for tied in (False, True)}
+
+
+def compare(groups, tied, ddp_options=None) -> dict:
+    """The fused run against the unfused one, as plain numbers."""
+    base = _train(groups, tied, False, ddp_options)
+    got = _train(groups, tied, True, ddp_options)
+    return {
+        "grad_err": [max(float((a[n] - b[n]).abs().max()) / max(float(b[n].abs().max()), 1e-30)
+                         for n in b) for a, b in zip(got["grads"], base["grads"])],
+        "param_err": max(float((got["params"][n] - p).abs().max())
+                         for n, p in base["params"].items()),
+        "flags": (got["flags"], base["flags"]), "n_lean": got["n_lean"],
+        "zero_out": got["zero_out"]}
 
 
 @pytest.fixture(scope="module")
