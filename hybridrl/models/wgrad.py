@@ -13,7 +13,9 @@ Contract:
     with fp32 ``main_grad`` (megatron's ``grad_reduce_in_fp32``) would need a mixed-precision
     GEMM (apex's ``wgrad_gemm_accum_fp32``); plain torch has none, so they fall back.
   Otherwise it is ``F.linear`` itself (native autograd; the DDP hook adds ``weight.grad``).
-- Fused backward: ``grad_input = grad_out @ weight`` (only when the input needs a gradient);
+- Fused path, on 2-D [tokens, features] views of the input and gradients (one GEMM per product,
+  whatever the strides of the leading dims): forward ``F.linear(input_2d, weight)``; backward
+  ``grad_input = grad_out_2d @ weight`` (only when the input needs a gradient) and
   ``weight.main_grad.addmm_(grad_out_2d.t(), input_2d)`` in place (no weight-gradient
   temporary, no separate add pass); then megatron's gradient-accumulation-fusion contract
   (``LinearWithGradAccumulationAndAsyncCommunication.backward``): ``weight.grad_added_to_main_grad``
@@ -51,18 +53,23 @@ def fusable(input_: torch.Tensor, weight: torch.Tensor) -> bool:
 class _LinearMainGrad(torch.autograd.Function):
     """``F.linear`` whose backward accumulates the weight gradient into ``weight.main_grad``."""
 
+    # all three products on 2-D [tokens, features] views: one GEMM each, whatever the strides of
+    # the leading dims (F.linear on a transposed [s, 1, h] runs one product per token)
+
     @staticmethod
     def forward(ctx, input_, weight):
-        ctx.save_for_backward(input_, weight)
-        return F.linear(input_, weight)
+        x2d = input_.reshape(-1, input_.shape[-1])
+        ctx.save_for_backward(x2d, weight)
+        ctx.input_shape = input_.shape
+        return F.linear(x2d, weight).view(*input_.shape[:-1], weight.shape[0])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        input_, weight = ctx.saved_tensors
-        grad_input = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        weight.main_grad.addmm_(grad_out.reshape(-1, grad_out.shape[-1]).t(),
-                                input_.reshape(-1, input_.shape[-1]))
+        x2d, weight = ctx.saved_tensors
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_input = g2d.mm(weight).view(ctx.input_shape) if ctx.needs_input_grad[0] else None
+        weight.main_grad.addmm_(g2d.t(), x2d)
         dummy = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
         weight.grad_added_to_main_grad = True
         return grad_input, dummy(weight.shape, dtype=weight.dtype, device=weight.device)

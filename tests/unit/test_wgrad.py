@@ -51,6 +51,7 @@ def _close(got, want):
 @pytest.mark.parametrize("shape,out_f,dtype,transpose", [
     ((5, 3, 16), 24, torch.float32, False),   # [s, b, h]
     ((3, 5, 16), 24, torch.float32, True),    # non-contiguous input
+    ((1, 7, 16), 24, torch.float32, True),    # [s, 1, h] from megatron's [1, s, h] embedding
     ((7, 16), 40, torch.float32, False),      # [t, h]
     ((16,), 8, torch.float32, False),         # no leading dim
     ((4, 2, 12), 10, torch.float64, False),   # any one floating dtype
