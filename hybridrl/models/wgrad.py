@@ -27,7 +27,8 @@ Contract:
 - Hence every use of a fused weight inside a backward must go through ``linear``, unless the
   weight has ``zero_out_wgrad`` (megatron sets it on a pipeline-stage-local tied
   embedding/output weight, whose embedding lookup adds a real gradient to the zero dummy that
-  the hook then adds). ``main_grad`` is read at backward time.
+  the hook then adds), and ``torch.autograd.grad`` with respect to a fused weight gives the
+  dummy (its gradient is in ``main_grad``). ``main_grad`` is read at backward time.
 - Numerics: equal to ``F.linear`` + autograd + ``main_grad.add_`` up to the rounding of one
   fused multiply-add instead of a product rounded before the add (fp32: ~1e-7 relative).
 """
