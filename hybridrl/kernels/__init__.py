@@ -6,6 +6,8 @@ Public API (numerically verl's; see shared DESIGN.md "Semantics to match" and do
 - ``gae(token_level_rewards, values, response_mask, gamma, lam) -> (advantages, returns)``:
   [B, T] each, no whitening, no grad.
 - ``masked_whiten(values, mask) -> Tensor``: whitened [*shape] over the masked elements.
+- ``rms_norm(x, weight, eps)``, ``FusedRMSNorm``: RMSNorm over the last dim, the fused CPU
+  kernel with its backward (``hybridrl.kernels.norm``; ``F.rms_norm`` elsewhere).
 
 Each call runs the compiled ``hybridrl::*`` op when it is built for the tensors' device, else the
 pure-torch reference (``hybridrl.kernels.reference``) after a single RuntimeWarning.
@@ -23,9 +25,10 @@ from __future__ import annotations
 import torch
 
 from hybridrl.kernels import ops, reference
+from hybridrl.kernels.norm import FusedRMSNorm, rms_norm
 from hybridrl.kernels.reference import KL_KINDS, parse_kl_kind
 
-__all__ = ["KL_KINDS", "gae", "kl_penalty", "masked_whiten"]
+__all__ = ["KL_KINDS", "FusedRMSNorm", "gae", "kl_penalty", "masked_whiten", "rms_norm"]
 
 
 def _use_compiled(op: str, tensor: torch.Tensor) -> bool:

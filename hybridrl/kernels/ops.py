@@ -33,6 +33,10 @@ Op schemas (see csrc/ops.cpp):
   gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam) -> (Tensor, Tensor)
   masked_whiten(Tensor values, Tensor mask) -> Tensor
   kl_cpu_isa() -> str
+  rms_norm_fwd(Tensor x, Tensor? weight, float eps, str isa="auto") -> (Tensor, Tensor),
+  rms_norm_bwd(Tensor grad, Tensor x, Tensor rstd, Tensor? weight, str isa="auto")
+      -> (Tensor, Tensor?), rms_norm_cpu_isa() -> str
+      (csrc/cpu/rmsnorm_cpu.cpp, CPU only; wrapped by hybridrl/kernels/norm.py)
 """
 
 from __future__ import annotations
@@ -83,7 +87,25 @@ def load() -> bool:
         return False
     _import_extension("_C_cuda")  # registers CUDA kernels (absent on a CPU-only build)
     _register_fake_kernels()  # the autograd kernel of kl_forward is C++ (csrc/cpu/kl_autograd.cpp)
+    _register_norm_fake_kernels()
     return True
+
+
+def _register_norm_fake_kernels() -> None:
+    """Fake kernels of the RMSNorm ops (csrc/cpu/rmsnorm_cpu.cpp; hybridrl/kernels/norm.py), when
+    the built extension has them (an older build lacks them: rms_norm then runs F.rms_norm)."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("hybridrl::rms_norm_fwd", "CPU"):
+        return
+
+    @torch.library.register_fake("hybridrl::rms_norm_fwd")
+    def _rms_norm_fwd_fake(x, weight, eps, isa="auto"):
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        return out, x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+    @torch.library.register_fake("hybridrl::rms_norm_bwd")
+    def _rms_norm_bwd_fake(grad, x, rstd, weight, isa="auto"):
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+        return dx, None if weight is None else torch.empty_like(weight)
 
 
 def compiled_available(op: str, device_type: str) -> bool:
