@@ -9,6 +9,14 @@ prints the machine's load average, since a shared machine skews timings, and on 
 path the KL kernels took ("avx512", "avx2" or "baseline"; HYBRIDRL_CPU_ISA forces one). The compiled ops must be
 built (``pip install --no-build-isolation -e .``); otherwise the script says so and exits.
 
+The swiglu and rope cells (cpu, fixed shapes: SwiGLU x [1000, 2048] = gate|up of FFN 1024, RoPE
+on q+k heads [1000, 1, 10, 64] with a per-token table) time eager autograd (chunk/silu/mul,
+rotate_half) against hybridrl.kernels.swiglu's fused ops, forward and forward + backward, in
+process CPU time (time.process_time: steadier than wall time on a loaded machine), with the
+SIMD path they took.
+
+    python -m benchmarks.kernels --only swiglu,rope --dtype float32
+
     python -m benchmarks.kernels --sizes 256x512,1024x1024 --device cpu
 """
 
@@ -31,7 +39,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_pair(fast, slow, device: str, repeat: int) -> tuple[float, float]:
+def _time_pair(fast, slow, device: str, repeat: int,
+               clock=time.perf_counter) -> tuple[float, float]:
     """Minimum seconds of fast() and slow() over up to repeat alternating runs (after a warm-up).
 
     Alternating the two sides exposes both to the same background load; the slow side stops
@@ -44,10 +53,10 @@ def _time_pair(fast, slow, device: str, repeat: int) -> tuple[float, float]:
             if side == 1 and spent_slow > 2.0:
                 continue
             _sync(device)
-            start = time.perf_counter()
+            start = clock()
             fn()
             _sync(device)
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if side == 1:
                 spent_slow += elapsed
             if rep > 0 or (side == 1 and spent_slow > 2.0):  # rep 0 warms up (unless too slow)
@@ -104,6 +113,73 @@ def bench_whiten(B: int, T: int, device: str, dtype, repeat: int) -> str:
     return _row("whiten", B, T, fast, slow, nbytes)
 
 
+def _act_row(name: str, fast: float, slow: float) -> str:
+    return (f"{name:<24} fused {fast * 1e3:8.3f} ms   eager {slow * 1e3:8.3f} ms   "
+            f"ratio {slow / fast:5.2f}x")
+
+
+def bench_swiglu(dtype, repeat: int) -> list[str]:
+    """SwiGLU on x [1000, 2048]: forward, and forward + backward (CPU seconds, min of repeat)."""
+    from hybridrl.kernels.swiglu import swiglu
+
+    x = torch.randn(1000, 2048, generator=torch.Generator().manual_seed(3)).to(dtype)
+    xg = x.clone().requires_grad_()
+    grad = torch.randn(1000, 1024, dtype=dtype)
+
+    def eager(t):
+        gate, up = torch.chunk(t, 2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def step(fn):
+        def run():
+            xg.grad = None
+            fn(xg).backward(grad)
+        return run
+
+    rows = []
+    with torch.no_grad():
+        fast, slow = _time_pair(lambda: swiglu(x), lambda: eager(x), "cpu", repeat,
+                                time.process_time)
+    rows.append(_act_row("swiglu [1000,2048] fwd", fast, slow))
+    fast, slow = _time_pair(step(swiglu), step(eager), "cpu", repeat, time.process_time)
+    rows.append(_act_row("swiglu [1000,2048] f+b", fast, slow))
+    return rows
+
+
+def bench_rope(dtype, repeat: int) -> list[str]:
+    """RoPE on the q+k heads [1000, 1, 10, 64] (a strided view of a QKV projection, as the
+    local spec rotates them) with a per-token cos/sin [1000, 1, 1, 64]."""
+    from hybridrl.kernels.swiglu import apply_rope
+
+    gen = torch.Generator().manual_seed(4)
+    mixed = torch.randn(1000, 1, 12, 64, generator=gen).to(dtype)  # q 8 + k 2 + v 2 heads
+    qk = mixed[:, :, :10]
+    ang = torch.rand(1000, 1, 1, 64, generator=gen) * 100
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    mg = mixed.clone().requires_grad_()
+    grad = torch.randn(1000, 1, 10, 64, dtype=dtype)
+
+    def eager(t):
+        x1, x2 = torch.chunk(t, 2, dim=-1)
+        return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def step(fn):
+        def run():
+            mg.grad = None
+            fn(mg[:, :, :10]).backward(grad)
+        return run
+
+    rows = []
+    with torch.no_grad():
+        fast, slow = _time_pair(lambda: apply_rope(qk, cos, sin), lambda: eager(qk), "cpu",
+                                repeat, time.process_time)
+    rows.append(_act_row("rope q+k [1000,1,10,64] fwd", fast, slow))
+    fast, slow = _time_pair(step(lambda t: apply_rope(t, cos, sin)), step(eager), "cpu", repeat,
+                            time.process_time)
+    rows.append(_act_row("rope q+k [1000,1,10,64] f+b", fast, slow))
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma list of BxT")
@@ -111,7 +187,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--kinds", default="low_var_kl", help="comma list of KL kinds")
-    parser.add_argument("--only", default="gae,kl,whiten", help="comma list of gae,kl,whiten")
+    parser.add_argument("--only", default="gae,kl,whiten,swiglu,rope",
+                        help="comma list of gae,kl,whiten,swiglu,rope")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--peak-gbs", type=float, default=None,
                         help="memory bandwidth (GB/s) to print each op's fraction of; default "
@@ -141,6 +218,14 @@ def main(argv=None) -> None:
                 print(bench_kl(B, T, args.device, dtype, args.repeat, kind), flush=True)
         if "whiten" in only:
             print(bench_whiten(B, T, args.device, dtype, args.repeat), flush=True)
+    if args.device == "cpu" and only & {"swiglu", "rope"}:
+        from hybridrl.kernels.swiglu import swiglu_cpu_isa
+
+        print(f"swiglu/rope: process CPU time, SIMD path {swiglu_cpu_isa()}", flush=True)
+        for name, bench in (("swiglu", bench_swiglu), ("rope", bench_rope)):
+            if name in only:
+                for row in bench(dtype, args.repeat):
+                    print(row, flush=True)
 
 
 if __name__ == "__main__":

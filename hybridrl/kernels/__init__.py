@@ -9,6 +9,10 @@ Public API (numerically verl's; see shared DESIGN.md "Semantics to match" and do
 - ``rms_norm(x, weight, eps)``, ``FusedRMSNorm``: RMSNorm over the last dim, the fused CPU
   kernel with its backward (``hybridrl.kernels.norm``; ``F.rms_norm`` elsewhere).
 
+The fused CPU gated-MLP activation and rotary embedding, ``swiglu(x)`` and
+``apply_rope(x, cos, sin)``, live in ``hybridrl.kernels.swiglu`` (not re-exported here: the name
+``swiglu`` would shadow that submodule).
+
 Each call runs the compiled ``hybridrl::*`` op when it is built for the tensors' device, else the
 pure-torch reference (``hybridrl.kernels.reference``) after a single RuntimeWarning.
 

@@ -37,6 +37,10 @@ Op schemas (see csrc/ops.cpp):
   rms_norm_bwd(Tensor grad, Tensor x, Tensor rstd, Tensor? weight, str isa="auto")
       -> (Tensor, Tensor?), rms_norm_cpu_isa() -> str
       (csrc/cpu/rmsnorm_cpu.cpp, CPU only; wrapped by hybridrl/kernels/norm.py)
+  swiglu_fwd(Tensor x) -> Tensor, swiglu_bwd(Tensor grad, Tensor x) -> Tensor,
+  rope_fwd(Tensor x, Tensor cos, Tensor sin) -> Tensor,
+  rope_bwd(Tensor grad, Tensor cos, Tensor sin) -> Tensor, swiglu_cpu_isa() -> str
+      (csrc/cpu/swiglu_cpu.cpp, CPU only; wrapped by hybridrl/kernels/swiglu.py)
 """
 
 from __future__ import annotations
@@ -169,3 +173,20 @@ def _register_fake_kernels() -> None:
     @torch.library.register_fake("hybridrl::masked_whiten")
     def _masked_whiten_fake(values, mask):
         return torch.empty_like(values, memory_format=torch.contiguous_format)
+
+    # fused SwiGLU / RoPE (csrc/cpu/swiglu_cpu.cpp; hybridrl/kernels/swiglu.py): contiguous outputs
+    @torch.library.register_fake("hybridrl::swiglu_fwd")
+    def _swiglu_fwd_fake(x):
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+    @torch.library.register_fake("hybridrl::swiglu_bwd")
+    def _swiglu_bwd_fake(grad, x):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("hybridrl::rope_fwd")
+    def _rope_fwd_fake(x, cos, sin):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("hybridrl::rope_bwd")
+    def _rope_bwd_fake(grad, cos, sin):
+        return torch.empty_like(grad, memory_format=torch.contiguous_format)
