@@ -2,9 +2,10 @@
 
 - ``rms_norm``'s output and both gradients equal ``F.rms_norm``'s autograd: fp32 within 1e-6
   (output) / 1e-5 (gradients), bf16 and fp16 equal to the fp32 formula on the same inputs rounded
-  once; shapes [t, h], [t, 1, h] and [t, heads, 64] (Qwen3's q/k norm), hidden sizes 1, 37, 64,
-  384, 1000 (tails of the 4/8/16-lane loops and of the 32-lane sums), a transposed x and a
-  transposed upstream gradient, weight None.
+  once (within torch's tolerance, and bit-equal in >= 99.5 % of the elements); shapes [t, h],
+  [t, 1, h] and [t, heads, 64] (Qwen3's q/k norm), hidden sizes 1, 37, 64, 384, 1000 (tails of
+  the 4/8/16-lane loops and of the 32-lane sums), a transposed x and a transposed upstream
+  gradient, weight None, 700 rows (11 weight-gradient blocks).
 - Every SIMD path this CPU runs (the ops' ``isa`` argument) gives the same bits as every other.
 - The weight gradient's bits do not depend on the thread count.
 - ``eps=None`` is ``F.rms_norm``'s default; fp64, mixed dtypes and a wrong weight go to
@@ -69,7 +70,7 @@ def _layout(t: torch.Tensor, like: torch.Tensor, dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_matches_torch_autograd(dtype):
-    eps = 1e-6
+    eps, counts = 1e-6, [0, 0]  # bf16/fp16: elements unequal to the rounded oracle, all elements
     for name, x, go, has_w in _cases():
         xv, gv = _layout(x, x, dtype), _layout(go, go, dtype)
         w = _weight(x.shape[-1]).to(dtype) if has_w else None
@@ -86,6 +87,10 @@ def test_matches_torch_autograd(dtype):
             tol = TOL[dtype][min(k, 1)] if dtype in TOL else {}
             torch.testing.assert_close(a, b.to(dtype), **tol,
                                        msg=lambda m, k=k, name=name: f"{name} [{k}]: {m}")
+            counts[0] += (a != b.to(dtype)).sum().item()
+            counts[1] += a.numel()
+    if dtype not in TOL:  # rounded once from the same fp32 values, but for rounding-edge cases
+        assert counts[0] <= 0.005 * counts[1], counts
 
 
 def test_every_path_gives_the_same_bits():
