@@ -17,6 +17,13 @@ SIMD path they took.
 
     python -m benchmarks.kernels --only swiglu,rope --dtype float32
 
+The rmsnorm cell (cpu, fp32, x [1000, 384] and [800, 6, 64]; benchmarks/kernels_rmsnorm.py) times
+eager F.rms_norm autograd, a torch-level fused Function (ATen's fused forward + the closed-form
+backward in eager ops) and hybridrl.kernels.norm's C++ ops, no-grad forward, forward and
+forward + backward, in process CPU time, with the SIMD path:
+
+    OMP_NUM_THREADS=1 python -m benchmarks.kernels --only rmsnorm --threads 1
+
     python -m benchmarks.kernels --sizes 256x512,1024x1024 --device cpu
 """
 
@@ -187,8 +194,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--kinds", default="low_var_kl", help="comma list of KL kinds")
-    parser.add_argument("--only", default="gae,kl,whiten,swiglu,rope",
-                        help="comma list of gae,kl,whiten,swiglu,rope")
+    parser.add_argument("--only", default="gae,kl,whiten,swiglu,rope,rmsnorm",
+                        help="comma list of gae,kl,whiten,swiglu,rope,rmsnorm")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--peak-gbs", type=float, default=None,
                         help="memory bandwidth (GB/s) to print each op's fraction of; default "
@@ -226,6 +233,12 @@ def main(argv=None) -> None:
             if name in only:
                 for row in bench(dtype, args.repeat):
                     print(row, flush=True)
+
+    if args.device == "cpu" and "rmsnorm" in only:
+        from benchmarks.kernels_rmsnorm import bench_rmsnorm
+
+        for row in bench_rmsnorm(args.repeat):
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

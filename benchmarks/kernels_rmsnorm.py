@@ -103,7 +103,7 @@ def _shape_rows(shape: tuple[int, ...], gen: torch.Generator, repeat: int,
             for label, wrap in (("fwd no-grad", nograd), ("fwd", fwd), ("fwd+bwd", step))]
 
 
-def bench_rmsnorm(repeat: int, inner: int = 10) -> list[str]:
+def bench_rmsnorm(repeat: int, inner: int = 20) -> list[str]:
     """The cell's rows (module doc), fp32 on CPU."""
     from hybridrl.kernels import ops
 
