@@ -174,7 +174,11 @@ def _register_fake_kernels() -> None:
     def _masked_whiten_fake(values, mask):
         return torch.empty_like(values, memory_format=torch.contiguous_format)
 
-    # fused SwiGLU / RoPE (csrc/cpu/swiglu_cpu.cpp; hybridrl/kernels/swiglu.py): contiguous outputs
+    # fused SwiGLU / RoPE (csrc/cpu/swiglu_cpu.cpp; hybridrl/kernels/swiglu.py): contiguous
+    # outputs; an older build lacks the ops (the wrappers then run eager torch)
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("hybridrl::swiglu_fwd", "CPU"):
+        return
+
     @torch.library.register_fake("hybridrl::swiglu_fwd")
     def _swiglu_fwd_fake(x):
         return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))

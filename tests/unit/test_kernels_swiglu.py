@@ -2,20 +2,23 @@
 against the eager formulas' autograd.
 
 - swiglu(x) = silu(x[..., :f]) * x[..., f:] and its gradient: fp32 within 1e-6 (value) / 1e-5
-  (gradient, whose 1 + g (1 - sig) cancels near g = -1.28) of eager torch; bf16/fp16 equal to the
-  fp32 eager result rounded once, within one unit of the dtype. Shapes [t, 2f], [t, 1, 2f], odd f
-  (tails of the 4/8/16-lane loops), f = 1, transposed and sliced views, |gate| = 30, 88.7, 90,
-  1000 (sigmoid saturation and exp overflow: no NaN or inf where eager has none).
+  (gradient, whose 1 + g (1 - sig) cancels near g = -1.28) of eager torch; bf16/fp16 within one
+  unit of the fp32 eager result rounded once, and equal to it in all but 0.5 % of the elements.
+  Shapes [t, 2f], [t, 1, 2f], odd f (tails of the 4/8/16-lane loops), f = 1, transposed and
+  sliced views, |gate| = 30, 88.7, 90, 1000 (sigmoid saturation and exp overflow: no NaN or inf
+  where eager has none).
 - apply_rope(x, cos, sin) = x * cos + rotate_half(x) * sin and its gradient in x: fp32 bit for
-  bit; x [t, heads, d], [t, 1, heads, d] and the local spec's strided [s, b, groups, heads + 1,
-  d] view of the QKV projection, d = 64, 128 and 74 (half 37: a tail), cos/sin per token (as
-  local_spec builds them, incl. a pack's gathered positions) or one row broadcast.
+  bit, bf16/fp16 the fp32 eager result rounded once; x [t, heads, d], [t, 1, heads, d] and the
+  local spec's strided [s, b, groups, heads + 1, d] view of the QKV projection, d = 64, 128, 74
+  (half 37: a tail) and 2, cos/sin per token (as local_spec builds them, incl. a pack's
+  gathered positions) or one row broadcast.
 - Every SIMD path (HYBRIDRL_CPU_ISA forced in a fresh process) gives the same bits.
 - The fallbacks (float64, cos/sin needing a gradient or broadcast otherwise) are the eager
   formula itself; an odd last dim is a ValueError; the ops pass torch.library.opcheck.
 """
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -140,6 +143,9 @@ def _check_swiglu(results, dtype, where=""):
             tol = (TOL32 if i == 0 else TOL32_GRAD) if dtype == torch.float32 else {}
             torch.testing.assert_close(o, w.to(dtype), **tol,
                                        msg=lambda m, n=name, i=i: f"{where} swiglu {n} [{i}]: {m}")
+            if dtype != torch.float32:  # rounded once: off the rounded fp32 value only where
+                # the fp32 results (~1e-6 apart) straddle a rounding edge of the dtype
+                assert (o != w.to(dtype)).sum() <= max(2, o.numel() // 200), (where, name, i)
 
 
 def _check_rope(results, dtype, where=""):
@@ -149,10 +155,8 @@ def _check_rope(results, dtype, where=""):
         got = results[("rope", name, str(dtype))]
         for i, (o, w) in enumerate(zip(got, want)):
             assert o.dtype == dtype and o.shape == w.shape
-            if dtype == torch.float32:  # the same products and sums as eager: the same bits
-                assert torch.equal(o, w), (where, name, i, (o - w).abs().max())
-            else:
-                torch.testing.assert_close(o, w.to(dtype), msg=lambda m, n=name: f"{where} {n}: {m}")
+            # the same products and sums as eager fp32: the same bits (bf16/fp16: rounded once)
+            assert torch.equal(o, w.to(dtype)), (where, name, i, (o - w).abs().max())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -225,8 +229,20 @@ def test_opcheck():
 # ---- every SIMD path, forced in a fresh process ----
 
 def _expected_paths() -> list[str]:
-    from tests.unit.test_kernels_cpu_isa import _expected_paths as kl_paths
-    return kl_paths()  # the same rule: avx512 > avx2 > baseline, as the CPU has them
+    """The paths this CPU can run, best first (the kernel's rule, kl_cpu.cpp's too)."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")),
+                         set())
+    except OSError:
+        cap = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT"...
+        flags = {"avx2", "fma", "f16c"} if cap in ("AVX2", "AVX512") else set()
+        flags |= {"avx512f"} if cap == "AVX512" else set()
+    paths = []
+    if platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma", "f16c"} <= flags:
+        paths += (["avx512"] if "avx512f" in flags else []) + ["avx2"]
+    return paths + ["baseline"]
 
 
 def _in_process(isa: str, out: str) -> subprocess.CompletedProcess:
