@@ -11,7 +11,8 @@
 - ``eps=None`` is ``F.rms_norm``'s default; fp64, mixed dtypes and a wrong weight go to
   ``F.rms_norm`` itself; no_grad calls make no autograd node; second derivatives (create_graph=True) are torch's.
 - ``FusedRMSNorm`` is ``nn.RMSNorm`` (state_dict both ways, init, extra_repr, multi-dim
-  ``normalized_shape``, no affine) with the same numbers; the fake kernels pass opcheck.
+  ``normalized_shape``, no affine) with the same numbers; the fake kernels pass opcheck, and
+  torch.compile(fullgraph=True) traces both ops into its forward and backward graphs.
 """
 
 from __future__ import annotations
@@ -215,3 +216,23 @@ def test_fake_kernels_pass_opcheck():
     for weight in (w, None):
         torch.library.opcheck(torch.ops.hybridrl.rms_norm_bwd, (torch.randn_like(x), x, rstd, weight),
                               test_utils=("test_schema", "test_faketensor"))
+
+
+def test_traces_under_torch_compile():
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    x0, w0 = torch.randn(8, 3, 37), torch.rand(37) + 0.5
+    compiled = torch.compile(lambda a, b: norm.rms_norm(a, b, 1e-6), fullgraph=True,
+                             backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    got = _grads(compiled, x0, w0, torch.ones_like(x0))
+    want = _grads(lambda a, b: F.rms_norm(a, (37,), b, 1e-6), x0, w0, torch.ones_like(x0))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(graphs) == 2 and "hybridrl.rms_norm_fwd" in graphs[0]
+    assert "hybridrl.rms_norm_bwd" in graphs[1]
