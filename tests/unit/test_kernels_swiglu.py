@@ -14,7 +14,8 @@ against the eager formulas' autograd.
   gathered positions) or one row broadcast.
 - Every SIMD path (HYBRIDRL_CPU_ISA forced in a fresh process) gives the same bits.
 - The fallbacks (float64, cos/sin needing a gradient or broadcast otherwise) are the eager
-  formula itself; an odd last dim is a ValueError; the ops pass torch.library.opcheck.
+  formula itself; an odd last dim is a ValueError; the ops pass torch.library.opcheck
+  and trace under torch.compile(fullgraph=True).
 """
 
 import os
@@ -224,6 +225,23 @@ def test_opcheck():
     q, cos, sin = torch.randn(5, 3, 12), torch.randn(5, 1, 12), torch.randn(5, 1, 12)
     torch.library.opcheck(torch.ops.hybridrl.rope_fwd.default, (q, cos, sin))
     torch.library.opcheck(torch.ops.hybridrl.rope_bwd.default, (q, cos, sin))
+
+
+def test_traces_under_torch_compile_fullgraph():
+    def loss(x, q, cos, sin):
+        return swiglu(x).sum() + apply_rope(q, cos, sin).square().sum()
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(8, 1, 36, generator=g, requires_grad=True)
+    q = torch.randn(8, 2, 3, 16, generator=g, requires_grad=True)
+    cos, sin = torch.rand(8, 1, 1, 16, generator=g), torch.rand(8, 1, 1, 16, generator=g)
+    out = torch.compile(loss, backend="aot_eager", fullgraph=True)(x, q, cos, sin)
+    out.backward()
+    grads = x.grad.clone(), q.grad.clone()
+    x.grad = q.grad = None
+    want = loss(x, q, cos, sin)
+    want.backward()
+    assert torch.equal(out, want) and torch.equal(grads[0], x.grad) and torch.equal(grads[1], q.grad)
 
 
 # ---- every SIMD path, forced in a fresh process ----
