@@ -6,7 +6,8 @@
   [t, 1, h] and [t, heads, 64] (Qwen3's q/k norm), hidden sizes 1, 37, 64, 384, 1000 (tails of
   the 4/8/16-lane loops and of the 32-lane sums), a transposed x and a transposed upstream
   gradient, weight None, 700 rows (11 weight-gradient blocks).
-- Every SIMD path this CPU runs (the ops' ``isa`` argument) gives the same bits as every other.
+- Every SIMD path this CPU runs (the ops' ``isa`` argument) gives the same bits as every other;
+  the default path is the best one, or the one HYBRIDRL_CPU_ISA names (a fresh process).
 - The weight gradient's bits do not depend on the thread count.
 - ``eps=None`` is ``F.rms_norm``'s default; fp64, mixed dtypes and a wrong weight go to
   ``F.rms_norm`` itself; no_grad calls make no autograd node; second derivatives (create_graph=True) are torch's.
@@ -16,6 +17,10 @@
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -109,6 +114,17 @@ def test_every_path_gives_the_same_bits():
             for isa in paths[1:]:
                 for a, b in zip(outs[isa], first):
                     assert torch.equal(a, b), (name, dtype, isa, paths[0])
+
+
+def test_default_path_is_the_best_or_the_forced_one():
+    if os.environ.get("HYBRIDRL_CPU_ISA", "auto") == "auto":
+        assert torch.ops.hybridrl.rms_norm_cpu_isa() == _expected_paths()[0]
+    forced = _expected_paths()[-1]  # "baseline"; in a fresh process: read at the first call
+    code = ("import torch; from hybridrl.kernels import norm; x = torch.randn(3, 8); "
+            "norm.rms_norm(x); print(torch.ops.hybridrl.rms_norm_cpu_isa())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, HYBRIDRL_CPU_ISA=forced), timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == forced, proc.stderr[-2000:]
 
 
 def test_unknown_path_and_bad_inputs_raise_value_errors():
