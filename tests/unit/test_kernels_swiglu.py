@@ -6,7 +6,7 @@ against the eager formulas' autograd.
   unit of the fp32 eager result rounded once, and equal to it in all but 0.5 % of the elements.
   Shapes [t, 2f], [t, 1, 2f], odd f (tails of the 4/8/16-lane loops), f = 1, transposed and
   sliced views, |gate| = 30, 88.7, 90, 1000 (sigmoid saturation and exp overflow: no NaN or inf
-  where eager has none).
+  where eager has none); NaN and ±inf where eager has them.
 - apply_rope(x, cos, sin) = x * cos + rotate_half(x) * sin and its gradient in x: fp32 bit for
   bit, bf16/fp16 the fp32 eager result rounded once; x [t, heads, d], [t, 1, heads, d] and the
   local spec's strided [s, b, groups, heads + 1, d] view of the QKV projection, d = 64, 128, 74
@@ -180,6 +180,19 @@ def test_saturated_gates_are_finite_and_match():
     eager_swiglu(xe).backward(torch.ones_like(out))
     torch.testing.assert_close(out, eager_swiglu(x), **TOL32)
     torch.testing.assert_close(xr.grad, xe.grad, **TOL32_GRAD)
+
+
+def test_nan_and_inf_propagate_as_in_eager():
+    nan, inf = float("nan"), float("inf")
+    vals = [nan, inf, -inf, 1.0, 2.0, nan, inf, -3.0]
+    x = torch.tensor([vals + [1.0] * 8, [2.0] * 8 + vals])  # non-finite gates, then ups
+    for xx in (x, x.flip(-1)):
+        a, b = xx.clone().requires_grad_(), xx.clone().requires_grad_()
+        out, want = swiglu(a), eager_swiglu(b)
+        out.backward(torch.ones_like(out))
+        want.backward(torch.ones_like(want))
+        torch.testing.assert_close(out, want, equal_nan=True, **TOL32)
+        torch.testing.assert_close(a.grad, b.grad, equal_nan=True, **TOL32_GRAD)
 
 
 def test_fallbacks_are_the_eager_formula():
