@@ -195,6 +195,18 @@ def test_nan_and_inf_propagate_as_in_eager():
         torch.testing.assert_close(a.grad, b.grad, equal_nan=True, **TOL32_GRAD)
 
 
+def test_rope_backward_takes_expanded_and_sliced_gradients():
+    g = torch.Generator().manual_seed(9)
+    mixed = torch.randn(5, 1, 2, 5, 64, generator=g)  # [s, b, groups, q 3 + k + v, hn]
+    cos, sin = torch.rand(5, 1, 1, 1, 64, generator=g), torch.rand(5, 1, 1, 1, 64, generator=g)
+    for reduce in (lambda o: o.sum(),  # an all-stride-0 gradient
+                   lambda o: o[:, :, :, 3].sum()):  # zeros but for the key head
+        a, b = mixed.clone().requires_grad_(), mixed.clone().requires_grad_()
+        reduce(apply_rope(a[:, :, :, :4], cos, sin)).backward()
+        reduce(eager_rope(b[:, :, :, :4], cos, sin)).backward()
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_fallbacks_are_the_eager_formula():
     g = torch.Generator().manual_seed(7)
     x = torch.randn(6, 20, generator=g, dtype=torch.float64)
