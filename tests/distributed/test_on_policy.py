@@ -47,7 +47,8 @@ def _rank(rank, world, tmp):
         tr = trainer_mod.PPOTrainer(cfg, build_groups(train, gen), print_fn=lambda *a, **k: None)
         hist = tr.fit()
         weights = {n: p.detach().clone() for n, p in tr.actor.module.named_parameters()}
-        out[name] = {"on_policy": tr.on_policy, "hist": hist, "weights": weights}
+        out[name] = {"on_policy": tr.on_policy, "hist": hist, "weights": weights,
+                     "lr": float(cfg.actor.lr)}
     return out
 
 
@@ -65,5 +66,11 @@ def test_skipping_the_old_forward_trains_the_same(tmp_path):
             assert a["actor/ppo_kl"] == 0.0 and abs(b["actor/ppo_kl"]) < 1e-6
             assert "training/rollout_logprob_diff" not in a
             assert "training/rollout_logprob_diff" in b
+        # Adam's first steps move each weight by about lr * sign(grad): a weight whose gradient is
+        # near zero may turn on fp32 rounding of the separate forward, so the bound is 1 % of one
+        # step for any element, and all but 0.1 % of elements agree within 1e-6.
+        lr = skip["lr"]
         for name, w in skip["weights"].items():
-            torch.testing.assert_close(w, fwd["weights"][name], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(w, fwd["weights"][name], atol=0.01 * lr, rtol=1e-5)
+            off = (w - fwd["weights"][name]).abs() > 1e-6
+            assert off.sum().item() <= max(1, off.numel() // 1000), (name, off.sum().item())
