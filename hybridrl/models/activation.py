@@ -10,7 +10,7 @@ Contract:
     layers; ``block``: the first ``recompute_num_layers`` layers of each stage);
   * ``sequence_parallel``: activations outside TP regions split over the TP group along the
     sequence; needs tp > 1; on the local spec (the CPU path) its norms carry megatron's
-    ``sequence_parallel`` attribute (hybridrl.models.local_spec.SequenceParallelNorm);
+    ``sequence_parallel`` attribute (hybridrl.models.local_fused.SequenceParallelNorm);
   * fusions (RoPE, bias-activation, masked softmax, persistent layer norm, gradient-accumulation
     fusion) are on exactly when the TE spec is used (GPU), off on the local spec;
   * ``deallocate_pipeline_outputs`` is always on: a stage frees the data of the activations it

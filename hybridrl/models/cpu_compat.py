@@ -42,7 +42,7 @@ What megatron-core assumes and what is patched (see docs/models.md):
    modules get the CPU proxy and flattening wrappers of the two collectives (``_flat``: a
    contiguous tensor gathered or scattered along dim 0 is the same bytes as its flat view). The
    block's final norm (``transformer_block.LayerNormImpl``, megatron's torch norm on CPU, which
-   refuses sequence parallelism) becomes ``local_spec.SequenceParallelNorm``: the same torch
+   refuses sequence parallelism) becomes ``local_fused.SequenceParallelNorm``: the same torch
    norm, its weight marked ``sequence_parallel`` when the config says so.
 """
 
@@ -303,7 +303,7 @@ def install() -> bool:
             setattr(moe_utils, name, None)
     from megatron.core.transformer import transformer_block
 
-    from hybridrl.models.local_spec import SequenceParallelNorm
+    from hybridrl.models.local_fused import SequenceParallelNorm
 
     transformer_block.LayerNormImpl = SequenceParallelNorm
     _install_rng_tracker()

@@ -34,14 +34,12 @@ Contract:
     megatron's forward (``lean_shared`` False) refuses such a pack with one ValueError line.
   * ``LeanTransformerLayer``: norm -> attention -> residual add -> norm -> MLP -> residual add,
     with megatron's bias/dropout/residual semantics (dropout skipped when its probability is 0).
-  * ``SequenceParallelNorm`` for the layers' two norms (and, via hybridrl.models.cpu_compat, the
-    block's final norm): megatron's torch RMSNorm, whose weight carries megatron's
-    ``sequence_parallel`` attribute when ``config.sequence_parallel`` (megatron's
-    ``finalize_model_grads`` then all-reduces its gradient over TP, each rank having seen only
-    its slice of the sequence); megatron's ``WrappedTorchNorm`` itself refuses sequence
-    parallelism. With it off the module is ``WrappedTorchNorm``'s, unchanged.
-  * ``QKNorm`` for Qwen3's q/k norms: megatron's torch RMSNorm, allowed under sequence
-    parallelism too.
+  * ``SequenceParallelNorm`` (the layers' two norms and, via hybridrl.models.cpu_compat, the
+    block's final norm), ``QKNorm`` (Qwen3's q/k norms) and ``LeanMLP`` (the dense MLP, given by
+    ``LeanTransformerLayer``: fc1 -> fused SwiGLU -> fc2) from ``hybridrl.models.local_fused``: megatron's torch norms, allowed
+    under sequence parallelism, as ``hybridrl.kernels.norm.FusedRMSNorm`` (the fused CPU RMSNorm,
+    same parameters and state dict). RoPE runs ``hybridrl.kernels.swiglu.apply_rope`` (one fused
+    pass each way on CPU, bit for bit the eager formula in fp32).
   ``make_output_layer_lean(gpt_model)`` gives the output layer (built by GPTModel, not by the
   spec) the lean linear forward. Each lean forward runs only when nothing needs megatron's own
   (no sequence parallelism, recompute, offloading, fp8/fp4, CUDA graphs, gradient-accumulation
@@ -78,6 +76,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
+from hybridrl.kernels.swiglu import apply_rope
+from hybridrl.models.local_fused import QKNorm, SequenceParallelNorm, make_mlp_lean
 from hybridrl.models.packing import (
     attention_path,
     batch_index,
@@ -255,11 +255,6 @@ def _shared(params) -> bool:
     return params is not None and pack_cached(params, "parents", lambda: None) is not None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class LeanSelfAttention(SelfAttention):
     """megatron's SelfAttention; the plain forward rotates q and k heads in one pass."""
 
@@ -337,7 +332,7 @@ class LeanSelfAttention(SelfAttention):
                                   self.k_layernorm(qk_SBGKD[:, :, :, per_group:])], dim=3)
         if rotary_pos_emb is not None:
             cos, sin = self._cos_sin(rotary_pos_emb, qk_SBGKD.dtype, packed_seq_params)
-            qk_SBGKD = qk_SBGKD * cos + _rotate_half(qk_SBGKD) * sin
+            qk_SBGKD = apply_rope(qk_SBGKD, cos, sin)  # one fused pass on CPU
         query = qk_SBGKD[:, :, :, :per_group].reshape(s, b, groups * per_group, hn)
         key, value = qk_SBGKD[:, :, :, per_group], mixed_SBGKD[:, :, :, per_group + 1]
         context = self.core_attention(query, key, value, attention_mask,
@@ -351,6 +346,7 @@ class LeanTransformerLayer(TransformerLayer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        make_mlp_lean(self.mlp)  # the dense MLP's forward: fc1 -> fused SwiGLU -> fc2
         self.lean = not (
             _needs_megatron(self.config) or self.is_moe_layer or self.recompute_input_layernorm
             or self.recompute_pre_mlp_layernorm or self.recompute_mlp or self.offload_attn_norm
@@ -400,40 +396,6 @@ def make_output_layer_lean(gpt_model) -> bool:
     layer.__class__ = LeanColumnParallelLinear
     layer._set_lean()
     return True
-
-
-class SequenceParallelNorm:
-    """megatron's torch RMSNorm that allows sequence parallelism (see the module docstring)."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        if not config.sequence_parallel:
-            return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
-        if config.normalization != "RMSNorm":
-            raise ValueError("model.sequence_parallel on the local spec needs RMSNorm, got "
-                             f"{config.normalization}")
-        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
-        for param in norm.parameters():
-            param.sequence_parallel = True  # grads all-reduced over TP (finalize_model_grads)
-        return norm
-
-
-class QKNorm:
-    """Qwen3's per-head q/k RMSNorm on the local spec: megatron's torch norm, also under
-    sequence parallelism (it normalizes heads, not the sequence; megatron's
-    ``finalize_model_grads`` all-reduces q/k norm gradients over TP by name either way), which
-    megatron's ``WrappedTorchNorm`` refuses."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        if not config.sequence_parallel:
-            return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
-        if config.normalization != "RMSNorm":
-            raise ValueError("q/k norms with model.sequence_parallel on the local spec need "
-                             f"RMSNorm, got {config.normalization}")
-        return torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
 
 
 def local_layer_spec(qk_layernorm: bool = False, num_experts: int = 0):

@@ -160,7 +160,7 @@ def results():
 def test_lean_spec_equals_megatron_local_spec(results, world):
     for r in results[world]:
         assert r["same_weights"]
-        assert r["lean_flags"] == ["LeanColumnParallelLinear", "LeanRowParallelLinear",
+        assert r["lean_flags"] == ["LeanColumnParallelLinear", "LeanMLP", "LeanRowParallelLinear",
                                    "LeanSelfAttention", "LeanTransformerLayer"]
         assert r["lean_output_layer"] and r["megatron_output_layer"] == "ColumnParallelLinear"
         assert r["fp32_logits"] < 2e-6 and r["fp32_grads"] < 2e-6, r

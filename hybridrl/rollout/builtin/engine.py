@@ -59,8 +59,9 @@ Contract:
   tables and the attention mask are built once per forward and shared by every layer, q and k
   are rotated together, attention is one fused ``scaled_dot_product_attention`` call (GQA
   without repeating K/V: SDPA's ``enable_gqa`` on CPU, a KV head's query heads stacked against
-  it elsewhere, ``native_gqa``),
-  and ``generate`` runs under ``inference_mode`` (it returns ordinary tensors).
+  it elsewhere, ``native_gqa``); on CPU the fp32 norms, the SwiGLU and a decode step's RoPE are
+  hybridrl's fused kernels (``hybridrl.kernels.norm`` / ``swiglu``: one pass each, the eager
+  formula where they do not apply), and ``generate`` runs under ``inference_mode`` (it returns ordinary tensors).
   benchmarks/rollout_engine.py measures it against transformers' ``generate``.
 """
 
@@ -72,6 +73,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hybridrl.kernels.norm import rms_norm
+from hybridrl.kernels.swiglu import apply_rope, swiglu
 from hybridrl.models.rope import inv_freq
 from hybridrl.rollout.base import GenerationOutput, SamplingParams, as_prompt_lists
 from hybridrl.rollout.builtin.decode import generate_rows
@@ -84,13 +87,8 @@ from hybridrl.rollout.builtin.weights import EngineWeights
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / sqrt(mean(x^2) + eps)), computed in fp32 and cast back first (HF llama)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, x.shape[-1:], weight, eps)  # the same product, one op
+        return rms_norm(x, weight, eps)  # the same product, one fused op on CPU
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class BuiltinEngine:
@@ -221,8 +219,8 @@ class BuiltinEngine:
 
     @staticmethod
     def _rope(x_BNSD: torch.Tensor, rope) -> torch.Tensor:
-        cos, sin = rope
-        return x_BNSD * cos + _rotate_half(x_BNSD) * sin
+        cos, sin = rope  # [B, 1, S, D]: the fused CPU op when S == 1 (decode), else eager
+        return apply_rope(x_BNSD, cos, sin)
 
     def _attention(self, L: int, h_BSH, rope, cache, start: int, allowed_BSK):
         hd = self.spec.head_dim
@@ -267,8 +265,7 @@ class BuiltinEngine:
         out = None
         for gate_up, down in zip(self._parts(p + "mlp.gate_up_proj.weight"),
                                  self._parts(p + "mlp.down_proj.weight")):
-            gate, up = (h_BSH @ gate_up.T).chunk(2, dim=-1)  # each part: [gate_k; up_k]
-            y = (F.silu(gate) * up) @ down.T
+            y = swiglu(h_BSH @ gate_up.T) @ down.T  # each part: [gate_k; up_k]
             out = y if out is None else out.add_(y)
         return self._all_reduce(out)
 

@@ -1,0 +1,105 @@
+"""The local spec's norms and gated MLP on hybridrl's fused kernels (``hybridrl.kernels``).
+
+Contract:
+- ``SequenceParallelNorm(config, hidden_size, eps)`` (the layers' two norms and, through
+  ``hybridrl.models.cpu_compat``, the block's final norm) and ``QKNorm`` (Qwen3's per-head q/k
+  norms) build megatron's torch norm: ``WrappedTorchNorm``'s module and checks when sequence
+  parallelism is off, a ``torch.nn.RMSNorm`` otherwise (``WrappedTorchNorm`` refuses SP; the
+  layer norms' weights then carry megatron's ``sequence_parallel`` attribute, so
+  ``finalize_model_grads`` all-reduces their gradients over TP; q/k norms normalize heads, not
+  the sequence, and megatron reduces their gradients by name). Every RMSNorm is a
+  ``hybridrl.kernels.norm.FusedRMSNorm``: a ``torch.nn.RMSNorm`` subclass with the same
+  parameter, init and state dict whose forward runs the fused CPU op (one pass forward, one
+  backward) on CPU tensors and ``F.rms_norm`` elsewhere. LayerNorm configs are megatron's,
+  unchanged.
+- ``LeanMLP`` (``make_mlp_lean(mlp)`` swaps a built ``MLP``'s class, as the lean transformer
+  layer does for its dense MLP): megatron's ``MLP``; in the plain case (gated SiLU, no fused bias-activation, no
+  TE activation, no clamp or GLU offset, no per-token scale) the forward is fc1 -> (+ bias) ->
+  ``hybridrl.kernels.swiglu.swiglu`` (silu of the first half times the second, one fused op
+  with its backward on CPU) -> fc2: megatron's products in one pass. Anything else calls
+  megatron's forward unchanged.
+- Numerics: tests/distributed/test_models_local_spec.py (whole models against megatron's own
+  local spec, fp32 and bf16) and the kernels' own tests (tests/unit/test_kernels_*.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.mlp import MLP
+
+from hybridrl.kernels.norm import FusedRMSNorm
+from hybridrl.kernels.swiglu import swiglu
+
+
+def _fused(norm: torch.nn.Module) -> torch.nn.Module:
+    """``norm`` as a ``FusedRMSNorm`` when it is a plain ``torch.nn.RMSNorm`` (same args)."""
+    if type(norm) is not torch.nn.RMSNorm:
+        return norm
+    return FusedRMSNorm(normalized_shape=norm.normalized_shape, eps=norm.eps,
+                        elementwise_affine=norm.elementwise_affine)
+
+
+class SequenceParallelNorm:
+    """megatron's torch RMSNorm that allows sequence parallelism (see the module docstring)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        if not config.sequence_parallel:
+            return _fused(WrappedTorchNorm(config, hidden_size, eps, **kwargs))
+        if config.normalization != "RMSNorm":
+            raise ValueError("model.sequence_parallel on the local spec needs RMSNorm, got "
+                             f"{config.normalization}")
+        norm = FusedRMSNorm(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True  # grads all-reduced over TP (finalize_model_grads)
+        return norm
+
+
+class QKNorm:
+    """Qwen3's per-head q/k RMSNorm on the local spec (see the module docstring)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        if not config.sequence_parallel:
+            return _fused(WrappedTorchNorm(config, hidden_size, eps, **kwargs))
+        if config.normalization != "RMSNorm":
+            raise ValueError("q/k norms with model.sequence_parallel on the local spec need "
+                             f"RMSNorm, got {config.normalization}")
+        return FusedRMSNorm(normalized_shape=hidden_size, eps=eps)
+
+
+class LeanMLP(MLP):
+    """megatron's MLP; the plain gated-SiLU forward calls the fused SwiGLU op.
+
+    Not put in the spec (megatron's TransformerLayer hands its TP group only to ``MLP`` itself):
+    ``make_mlp_lean`` turns a built ``MLP`` into this class, which adds no parameter, buffer or
+    hook."""
+
+    def _set_lean(self) -> None:
+        cfg = self.config
+        self.lean = (cfg.gated_linear_unit and self.activation_func is F.silu
+                     and cfg.activation_func is F.silu
+                     and not getattr(cfg, "use_te_activation_func", False)
+                     and not cfg.bias_activation_fusion
+                     and getattr(cfg, "activation_func_clamp_value", None) is None
+                     and not getattr(cfg, "glu_linear_offset", 0.0))
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if not self.lean or per_token_scale is not None or kwargs:
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        intermediate, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            intermediate = intermediate + bias
+        return self.linear_fc2(swiglu(intermediate))
+
+
+def make_mlp_lean(mlp: torch.nn.Module) -> bool:
+    """Give a megatron ``MLP`` (exactly that class) ``LeanMLP``'s forward; True when it did."""
+    if type(mlp) is not MLP:
+        return False
+    mlp.__class__ = LeanMLP
+    mlp._set_lean()
+    return True
