@@ -307,6 +307,19 @@ def _cell(world, kind, folder, data, args, tmp) -> tuple[list[dict], list[dict]]
     return ours, theirs
 
 
+def _kernel_paths() -> str:
+    """The SIMD path hybridrl's fused CPU ops take here (RMSNorm, SwiGLU/RoPE, KL), or why none."""
+    import torch
+
+    from hybridrl.kernels import ops
+    from hybridrl.kernels.swiglu import swiglu_cpu_isa
+
+    if not ops.compiled_available("rms_norm_fwd", "cpu"):
+        return "not built (eager torch ops run: python setup.py build_ext --inplace)"
+    return (f"RMSNorm {torch.ops.hybridrl.rms_norm_cpu_isa()}, SwiGLU/RoPE {swiglu_cpu_isa()}, "
+            f"KL {ops.kl_cpu_isa()}")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--trl-worker"]:
@@ -337,6 +350,7 @@ def main(argv=None) -> int:
           f"out), {args.rounds} rounds per side{' ' + ' '.join(args.set) if args.set else ''}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
           f"{os.getloadavg()[0]:.1f}")
+    print(f"hybridrl's CPU kernels: {_kernel_paths()}")
     print(f"{'':>16} {'hybridrl s/step':>27} {'TRL s/step':>27} {'TRL / hybridrl':>24}")
     print(f"{'procs':>5} {'prompt':>6} {'':>4} {'mean (range)':>20} {'min':>6} "
           f"{'mean (range)':>20} {'min':>6} {'mean (range)':>17} {'min':>6} "
