@@ -230,9 +230,11 @@ def _layer_elements_per_token(job: MemoryJob) -> tuple[float, float]:
     if getattr(s, "num_experts", 0):  # the MLP's terms are moe_activation_parts'
         f = 0
     if job.spec == "local":  # hybridrl.models.local_spec, as the layers' saved tensors show
-        # norms (input, rstd, normalized, output) x 2; roped q+k heads, the qkv output (v is a
-        # view of it), attention output; SwiGLU (fc1 output, gate + offset, silu, product)
-        act = 6 * rep + 2 + (3 * ad + 3 * gd + 5 * f) / t + 2 * qk_norm
+        # norms x 2: input, rstd and output (the fused CPU RMSNorm keeps no normalized copy;
+        # the output is the next linear's saved input); roped q+k heads, the qkv output (v is a
+        # view of it), attention output; the fused SwiGLU keeps fc1's output, its product is
+        # fc2's saved input (hybridrl.kernels: the eager ops kept 2 more [tokens, f] tensors)
+        act = 4 * rep + 2 + (3 * ad + 3 * gd + 3 * f) / t + 2 * qk_norm
         if job.recompute == "selective":  # core attention recomputed from q, k, v: no lse
             return act, 0.0
         if s.num_query_groups > t and s.heads > s.num_query_groups:
