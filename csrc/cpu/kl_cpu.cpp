@@ -21,6 +21,7 @@
 #endif
 
 #include "../common.h"
+#include "isa_select.h"
 
 namespace hybridrl {
 #if defined(__x86_64__) || defined(__i386__)
@@ -96,13 +97,9 @@ struct IsaPath {
 std::vector<IsaPath> available_paths() {
   std::vector<IsaPath> paths;
 #ifdef HR_X86
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  if (avx2 && __builtin_cpu_supports("avx512f")) {
-    paths.push_back(HR_ISA_PATH("avx512", isa_avx512));
-  }
-  if (avx2) paths.push_back(HR_ISA_PATH("avx2", isa_avx2));
+  const isa_select::SimdLevels cpu = isa_select::cpu_simd_levels();
+  if (cpu.avx512) paths.push_back(HR_ISA_PATH("avx512", isa_avx512));
+  if (cpu.avx2) paths.push_back(HR_ISA_PATH("avx2", isa_avx2));
 #endif
   paths.push_back(HR_ISA_PATH("baseline", isa_base));
   return paths;
@@ -111,17 +108,8 @@ std::vector<IsaPath> available_paths() {
 // HYBRIDRL_CPU_ISA (read once, at the first KL call): unset/"auto" takes the best path, a
 // path's name forces it; a name this CPU cannot run raises ValueError naming the ones it can.
 IsaPath choose_path() {
-  const std::vector<IsaPath> paths = available_paths();
-  const char* env = std::getenv("HYBRIDRL_CPU_ISA");
-  const std::string want = env ? env : "";
-  if (want.empty() || want == "auto") return paths.front();
-  std::string names = "auto";
-  for (const IsaPath& p : paths) {
-    if (want == p.name) return p;
-    names += std::string(", ") + p.name;
-  }
-  TORCH_CHECK_VALUE(false, "HYBRIDRL_CPU_ISA=", want, " is not a KL kernel path this CPU can "
-                    "run; choose one of ", names);
+  return isa_select::pick_isa_path(available_paths(), isa_select::isa_env(), "HYBRIDRL_CPU_ISA=",
+                                   "a KL");
 }
 
 const IsaPath& isa_path() {

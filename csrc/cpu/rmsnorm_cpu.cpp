@@ -31,6 +31,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "isa_select.h"
+
 namespace hybridrl {
 constexpr int64_t kSumLanes = 32;  // virtual lanes of a row's sums (rmsnorm_rows.h)
 
@@ -72,11 +74,9 @@ struct RmsPath {
 std::vector<RmsPath> available_paths() {
   std::vector<RmsPath> paths;
 #ifdef HR_RMS_X86
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  if (avx2 && __builtin_cpu_supports("avx512f")) paths.push_back(HR_RMS_PATH("avx512", rms_avx512));
-  if (avx2) paths.push_back(HR_RMS_PATH("avx2", rms_avx2));
+  const isa_select::SimdLevels cpu = isa_select::cpu_simd_levels();
+  if (cpu.avx512) paths.push_back(HR_RMS_PATH("avx512", rms_avx512));
+  if (cpu.avx2) paths.push_back(HR_RMS_PATH("avx2", rms_avx2));
 #endif
   paths.push_back(HR_RMS_PATH("baseline", rms_base));
   return paths;
@@ -84,23 +84,12 @@ std::vector<RmsPath> available_paths() {
 
 // The path named `want` ("" or "auto": the best); `source` names where the name came from.
 RmsPath find_path(const std::string& want, const char* source) {
-  const std::vector<RmsPath> paths = available_paths();
-  if (want.empty() || want == "auto") return paths.front();
-  std::string names = "auto";
-  for (const RmsPath& p : paths) {
-    if (want == p.name) return p;
-    names += std::string(", ") + p.name;
-  }
-  TORCH_CHECK_VALUE(false, source, want, " is not an RMSNorm kernel path this CPU can run; "
-                    "choose one of ", names);
+  return isa_select::pick_isa_path(available_paths(), want, source, "an RMSNorm");
 }
 
 // The default path: HYBRIDRL_CPU_ISA (read once, at the first call) or the best.
 const RmsPath& default_path() {
-  static const RmsPath path = [] {
-    const char* env = std::getenv("HYBRIDRL_CPU_ISA");
-    return find_path(env ? env : "", "HYBRIDRL_CPU_ISA=");
-  }();
+  static const RmsPath path = find_path(isa_select::isa_env(), "HYBRIDRL_CPU_ISA=");
   return path;
 }
 

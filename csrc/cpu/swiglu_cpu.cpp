@@ -30,6 +30,7 @@
 #endif
 
 #include "../common.h"
+#include "isa_select.h"
 
 namespace hybridrl {
 namespace {  // internal linkage: no symbol shared with kl_cpu.cpp's ISA namespaces
@@ -103,11 +104,9 @@ struct IsaPath {  // one ISA's loops
 std::vector<IsaPath> available_paths() {
   std::vector<IsaPath> paths;
 #ifdef HR_ACT_X86
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  if (avx2 && __builtin_cpu_supports("avx512f")) paths.push_back(HR_ACT_PATH("avx512", act_avx512));
-  if (avx2) paths.push_back(HR_ACT_PATH("avx2", act_avx2));
+  const isa_select::SimdLevels cpu = isa_select::cpu_simd_levels();
+  if (cpu.avx512) paths.push_back(HR_ACT_PATH("avx512", act_avx512));
+  if (cpu.avx2) paths.push_back(HR_ACT_PATH("avx2", act_avx2));
 #endif
   paths.push_back(HR_ACT_PATH("baseline", act_base));
   return paths;
@@ -116,17 +115,8 @@ std::vector<IsaPath> available_paths() {
 // HYBRIDRL_CPU_ISA (read once, at the first call): unset/"auto" takes the best path, a path's
 // name forces it; a name this CPU cannot run raises ValueError naming the ones it can.
 IsaPath choose_path() {
-  const std::vector<IsaPath> paths = available_paths();
-  const char* env = std::getenv("HYBRIDRL_CPU_ISA");
-  const std::string want = env ? env : "";
-  if (want.empty() || want == "auto") return paths.front();
-  std::string names = "auto";
-  for (const IsaPath& p : paths) {
-    if (want == p.name) return p;
-    names += std::string(", ") + p.name;
-  }
-  TORCH_CHECK_VALUE(false, "HYBRIDRL_CPU_ISA=", want, " is not a SwiGLU/RoPE kernel path this "
-                    "CPU can run; choose one of ", names);
+  return isa_select::pick_isa_path(available_paths(), isa_select::isa_env(), "HYBRIDRL_CPU_ISA=",
+                                   "a SwiGLU/RoPE");
 }
 
 const IsaPath& isa_path() {
