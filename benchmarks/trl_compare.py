@@ -314,6 +314,8 @@ def _kernel_paths() -> str:
     from hybridrl.kernels import ops
     from hybridrl.kernels.swiglu import swiglu_cpu_isa
 
+    if os.environ.get(ops.FORCE_REFERENCE_ENV) == "reference":
+        return f"off ({ops.FORCE_REFERENCE_ENV}=reference: eager torch ops run)"
     if not ops.compiled_available("rms_norm_fwd", "cpu"):
         return "not built (eager torch ops run: python setup.py build_ext --inplace)"
     return (f"RMSNorm {torch.ops.hybridrl.rms_norm_cpu_isa()}, SwiGLU/RoPE {swiglu_cpu_isa()}, "

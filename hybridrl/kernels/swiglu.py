@@ -16,7 +16,7 @@ Contract:
   SwiGLU saves only x for the backward. Otherwise (CUDA, float64, cos/sin that need a gradient
   or broadcast another way, the extension not built or ``HYBRIDRL_KERNELS=reference``) the
   eager formula above runs unchanged. fp32 results equal eager torch's within ~1e-6 relative
-  (SwiGLU: its own exp; RoPE: bit for bit); docs/kernels.md.
+  (SwiGLU: its own exp; RoPE: bit for bit); docs/kernels_layers.md.
 """
 
 from __future__ import annotations
