@@ -13,8 +13,9 @@ Contract:
   backward) on CPU tensors and ``F.rms_norm`` elsewhere. LayerNorm configs are megatron's,
   unchanged.
 - ``LeanMLP`` (``make_mlp_lean(mlp)`` swaps a built ``MLP``'s class, as the lean transformer
-  layer does for its dense MLP): megatron's ``MLP``; in the plain case (gated SiLU, no fused bias-activation, no
-  TE activation, no clamp or GLU offset, no per-token scale) the forward is fc1 -> (+ bias) ->
+  layer does for its dense MLP): megatron's ``MLP``; in the plain case (gated SiLU, no fused
+  bias-activation, no TE activation, no clamp or GLU offset, no per-token scale) the forward
+  is fc1 -> (+ bias) ->
   ``hybridrl.kernels.swiglu.swiglu`` (silu of the first half times the second, one fused op
   with its backward on CPU) -> fc2: megatron's products in one pass. Anything else calls
   megatron's forward unchanged.

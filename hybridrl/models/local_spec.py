@@ -34,12 +34,13 @@ Contract:
     megatron's forward (``lean_shared`` False) refuses such a pack with one ValueError line.
   * ``LeanTransformerLayer``: norm -> attention -> residual add -> norm -> MLP -> residual add,
     with megatron's bias/dropout/residual semantics (dropout skipped when its probability is 0).
-  * ``SequenceParallelNorm`` (the layers' two norms and, via hybridrl.models.cpu_compat, the
-    block's final norm), ``QKNorm`` (Qwen3's q/k norms) and ``LeanMLP`` (the dense MLP, given by
-    ``LeanTransformerLayer``: fc1 -> fused SwiGLU -> fc2) from ``hybridrl.models.local_fused``: megatron's torch norms, allowed
-    under sequence parallelism, as ``hybridrl.kernels.norm.FusedRMSNorm`` (the fused CPU RMSNorm,
-    same parameters and state dict). RoPE runs ``hybridrl.kernels.swiglu.apply_rope`` (one fused
-    pass each way on CPU, bit for bit the eager formula in fp32).
+  * From ``hybridrl.models.local_fused``: ``SequenceParallelNorm`` (the layers' two norms and,
+    via hybridrl.models.cpu_compat, the block's final norm) and ``QKNorm`` (Qwen3's q/k norms),
+    megatron's torch norms allowed under sequence parallelism, built as
+    ``hybridrl.kernels.norm.FusedRMSNorm`` (the fused CPU RMSNorm, same parameters and state
+    dict); ``LeanMLP``, which ``LeanTransformerLayer`` makes of its dense MLP (fc1 -> fused
+    SwiGLU -> fc2). RoPE runs ``hybridrl.kernels.swiglu.apply_rope`` (one fused pass each way on
+    CPU, bit for bit the eager formula in fp32).
   ``make_output_layer_lean(gpt_model)`` gives the output layer (built by GPTModel, not by the
   spec) the lean linear forward. Each lean forward runs only when nothing needs megatron's own
   (no sequence parallelism, recompute, offloading, fp8/fp4, CUDA graphs, gradient-accumulation

@@ -61,7 +61,8 @@ Contract:
   without repeating K/V: SDPA's ``enable_gqa`` on CPU, a KV head's query heads stacked against
   it elsewhere, ``native_gqa``); on CPU the fp32 norms, the SwiGLU and a decode step's RoPE are
   hybridrl's fused kernels (``hybridrl.kernels.norm`` / ``swiglu``: one pass each, the eager
-  formula where they do not apply), and ``generate`` runs under ``inference_mode`` (it returns ordinary tensors).
+  formula where they do not apply), and ``generate`` runs under ``inference_mode`` (it returns
+  ordinary tensors).
   benchmarks/rollout_engine.py measures it against transformers' ``generate``.
 """
 
