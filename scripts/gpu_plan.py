@@ -60,7 +60,8 @@ STAGES = (
           "on CPU: gae_cuda.cu 71 s, kl_cuda.cu 68 s, kl_cpu.cpp 19 s); fails unless every "
           "hybridrl op has a CUDA kernel (an extension load error fails it, with the error)"),
     Stage("tests", 65, True, True, "pytest tests/gpu/test_kernels_cuda.py (each kernel vs its "
-          "reference and the GAE emulation); every test skipped = NOT RUN"),
+          "reference and the GAE emulation) and test_layer_kernels_gpu.py (RMSNorm, SwiGLU, "
+          "RoPE take torch's ops on CUDA); every test skipped = NOT RUN"),
     Stage("sanitize", 100, True, True, "probe (timed; UNAVAILABLE only on the tool's own "
           "message); then compute-sanitizer memcheck, racecheck, synccheck, initcheck on "
           "scripts/kernel_sanitizer_cases.py while each tool's share of the time left is >= "

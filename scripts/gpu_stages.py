@@ -269,7 +269,8 @@ def _pytest(ctx: Context, paths: list[str], show: bool) -> Result:
 
 
 def stage_tests(ctx: Context) -> Result:
-    return _pytest(ctx, ["tests/gpu/test_kernels_cuda.py"], show=False)
+    return _pytest(ctx, ["tests/gpu/test_kernels_cuda.py", "tests/gpu/test_layer_kernels_gpu.py"],
+                   show=False)
 
 
 def stage_models(ctx: Context) -> Result:
