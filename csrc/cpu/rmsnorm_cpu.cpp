@@ -129,8 +129,11 @@ void check_x(const at::Tensor& x, const c10::optional<at::Tensor>& weight, const
     TORCH_CHECK_VALUE(weight->dim() == 1 && weight->size(0) == x.size(-1), op,
                       ": weight must have shape [", x.size(-1), "] (the last dim of x), got ",
                       weight->sizes());
-    TORCH_CHECK_VALUE(weight->scalar_type() == t, op, ": weight must have the dtype of x (", t,
-                      "), got ", weight->scalar_type());
+    // fp32 with 16-bit x is megatron's local spec (norm weights kept in fp32): the math is fp32
+    // either way, dw comes back in the weight's dtype
+    TORCH_CHECK_VALUE(weight->scalar_type() == t || weight->scalar_type() == at::kFloat, op,
+                      ": weight must have the dtype of x (", t, ") or float32, got ",
+                      weight->scalar_type());
     TORCH_CHECK_VALUE(weight->device() == x.device(), op, ": weight must be on x's device");
   }
 }

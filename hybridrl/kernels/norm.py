@@ -7,10 +7,14 @@ Contract:
   of the math dtype (fp32 for fp32/bf16/fp16 inputs, fp64 for fp64).
 - It runs the compiled ops ``hybridrl::rms_norm_fwd`` / ``rms_norm_bwd`` (csrc/cpu/rmsnorm_cpu.cpp:
   one fused pass per row forward, one fused backward; fp32 math, bf16/fp16 widened per row) when
-  ``x`` is a CPU tensor of fp32/bf16/fp16, ``weight`` is None or a CPU tensor of ``x``'s dtype and
-  the extension is built (and not turned off by ``HYBRIDRL_KERNELS=reference``). Otherwise (CUDA,
-  fp64, mixed dtypes, no extension) it is ``F.rms_norm(x, (x.shape[-1],), weight, eps)`` itself,
-  without a warning: that is the full-speed path there.
+  ``x`` is a CPU tensor of fp32/bf16/fp16, ``weight`` is None or a CPU tensor of ``x``'s dtype or
+  fp32 (megatron's local spec keeps norm weights in fp32 under bf16 activations; the weight
+  gradient then comes back in fp32) and the extension is built (and not turned off by
+  ``HYBRIDRL_KERNELS=reference``). The output is ``(x * rstd) * weight`` in fp32, rounded once to
+  ``x``'s dtype (torch's mixed-dtype path rounds ``x * rstd`` to ``x``'s dtype before the weight:
+  at most one ulp of that dtype apart). Otherwise (CUDA, fp64, other dtype mixes, no extension)
+  it is ``F.rms_norm(x, (x.shape[-1],), weight, eps)`` itself, without a warning: that is the
+  full-speed path there.
 - Gradients flow to ``x`` and ``weight`` through a ``torch.autograd.Function``; under no_grad (or
   when neither input requires grad) the forward op is called directly, with no autograd node.
   A backward with ``create_graph=True`` (for a second derivative) runs torch's differentiable
@@ -43,7 +47,8 @@ def default_eps(dtype: torch.dtype) -> float:
 def _fused_ok(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     if x.device.type != "cpu" or x.dtype not in _FUSED_DTYPES or x.dim() == 0:
         return False
-    if weight is not None and (weight.device.type != "cpu" or weight.dtype != x.dtype
+    if weight is not None and (weight.device.type != "cpu"
+                               or weight.dtype not in (x.dtype, torch.float32)
                                or weight.shape != x.shape[-1:]):
         return False
     return ops.compiled_available("rms_norm_fwd", "cpu")

@@ -230,15 +230,13 @@ def _layer_elements_per_token(job: MemoryJob) -> tuple[float, float]:
     if getattr(s, "num_experts", 0):  # the MLP's terms are moe_activation_parts'
         f = 0
     if job.spec == "local":  # hybridrl.models.local_spec, as the layers' saved tensors show
-        # norms x 2: fp32: input, rstd and output (the fused CPU RMSNorm keeps no normalized
-        # copy; the output is the next linear's saved input); 16-bit: the fp32 weight sends it
-        # to F.rms_norm, which keeps x, its fp32 copy and the fp32 normalized copy (4 elements
-        # at the activation dtype, measured) + the output. Roped q+k heads, the qkv output (v is
-        # a view of it), attention output; the fused SwiGLU keeps fc1's output, its product is
-        # fc2's saved input (hybridrl.kernels: the eager ops kept 2 more [tokens, f] tensors);
-        # q/k norms: counted as their input and fp32 output (an upper bound when fused)
-        norms = 4 * rep + 2 if job.itemsize == 4 else 10 * rep + 2
-        act = norms + (3 * ad + 3 * gd + 3 * f) / t + 2 * qk_norm
+        # norms x 2: input, fp32 rstd and output (the fused CPU RMSNorm, also with its fp32
+        # weight under 16-bit activations, keeps no normalized copy; the output is the next
+        # linear's saved input); roped q+k heads, the qkv output (v is a view of it), attention
+        # output; the fused SwiGLU keeps fc1's output, its product is fc2's saved input
+        # (hybridrl.kernels: the eager ops kept 2 more [tokens, f] tensors); q/k norms: counted
+        # as their input and fp32 output (an upper bound when fused)
+        act = 4 * rep + 8 / job.itemsize + (3 * ad + 3 * gd + 3 * f) / t + 2 * qk_norm
         if job.recompute == "selective":  # core attention recomputed from q, k, v: no lse
             return act, 0.0
         if s.num_query_groups > t and s.heads > s.num_query_groups:

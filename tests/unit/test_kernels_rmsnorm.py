@@ -9,7 +9,9 @@
 - Every SIMD path this CPU runs (the ops' ``isa`` argument) gives the same bits as every other;
   the default path is the best one, or the one HYBRIDRL_CPU_ISA names (a fresh process).
 - The weight gradient's bits do not depend on the thread count.
-- ``eps=None`` is ``F.rms_norm``'s default; fp64, mixed dtypes and a wrong weight go to
+- An fp32 weight with bf16/fp16 x (megatron's local spec) runs the fused op: the fp32 formula
+  rounded once, dw in fp32, within 2 ulps of torch's mixed-dtype path.
+- ``eps=None`` is ``F.rms_norm``'s default; fp64, other dtype mixes and a wrong weight go to
   ``F.rms_norm`` itself; no_grad calls make no autograd node; second derivatives (create_graph=True) are torch's.
 - ``FusedRMSNorm`` is ``nn.RMSNorm`` (state_dict both ways, init, extra_repr, multi-dim
   ``normalized_shape``, no affine) with the same numbers; the fake kernels pass opcheck, and
@@ -181,6 +183,31 @@ def test_other_inputs_run_torch_and_no_grad_makes_no_node():
     assert out.grad_fn is None
     torch.testing.assert_close(out, F.rms_norm(xf.detach(), (16,), w.detach().float(), 1e-6),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp32_weight_with_16_bit_x_is_fused(dtype):
+    """megatron's local spec: fp32 norm weights under bf16 activations run the fused op; output
+    and dx are the fp32 formula rounded once, dw comes back in fp32; against torch's mixed-dtype
+    path (which rounds x * rstd before the weight) the output is at most 2 ulps off and equal
+    in >= 95 % of the elements."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(300, 384, generator=g) * 2 + 0.3).to(dtype)
+    go = torch.randn(300, 384, generator=g).to(dtype)
+    w = 1 + 0.5 * torch.randn(384, generator=g)
+    got = _grads(lambda a, b: norm.rms_norm(a, b, 1e-6), x, w, go)
+    want = _grads(lambda a, b: F.rms_norm(a, (384,), b, 1e-6), x.float(), w, go.float())
+    assert [t.dtype for t in got] == [dtype, dtype, torch.float32]
+    for k in (0, 1):  # output, dx: the oracle rounded once, but for rounding-edge cases
+        torch.testing.assert_close(got[k], want[k].to(dtype))
+        assert (got[k] != want[k].to(dtype)).float().mean() <= 0.005, k
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-4)  # fp32 sums, other order
+    xl = x.clone().requires_grad_()
+    assert "RMSNormFunction" in type(norm.rms_norm(xl, w, 1e-6).grad_fn).__name__
+    mixed = F.rms_norm(x, (384,), w, 1e-6)  # torch's own mixed-dtype path
+    ulp = (torch.finfo(dtype).eps * mixed.float().abs()).clamp_min(torch.finfo(dtype).tiny)
+    assert ((got[0].float() - mixed.float()).abs() <= 2 * ulp).all()
+    assert (got[0] == mixed).float().mean() >= 0.95
 
 
 def test_second_derivatives_are_torchs():
