@@ -8,7 +8,9 @@ milliseconds of each side and the ratios eager / C++ and torch-fn / C++ for:
   ``aten._fused_rms_norm`` (the same kernel), ``rms_norm`` (the C++ op without autograd);
 - ``fwd`` (a training forward, no backward): inputs require grad, so ``F.rms_norm`` runs its
   eager decomposition (~6 ops) recording the graph;
-- ``fwd+bwd``: the same forward, then backward of a fixed upstream gradient.
+- ``fwd+bwd``: the same forward, then backward of a fixed upstream gradient;
+plus one row of bf16 x [1000, 384] with an fp32 weight (megatron's local spec under bf16),
+fwd+bwd, torch's mixed-dtype path vs the C++ op.
 The middle side ("torch-fn") is a ``torch.autograd.Function``: ``aten._fused_rms_norm`` forward
 and the closed-form backward in ~7 eager ops (xh = x rstd; gw = g w; dot = mean(gw xh);
 dx = (gw - xh dot) rstd; dw = sum over rows of g xh). Times are process CPU seconds
@@ -103,6 +105,29 @@ def _shape_rows(shape: tuple[int, ...], gen: torch.Generator, repeat: int,
             for label, wrap in (("fwd no-grad", nograd), ("fwd", fwd), ("fwd+bwd", step))]
 
 
+def _mixed_row(gen: torch.Generator, repeat: int, inner: int) -> str:
+    """bf16 x [1000, 384] with an fp32 weight (megatron's local spec under bf16), fwd+bwd:
+    torch's mixed-dtype path (F.rms_norm's decomposition) vs the C++ op."""
+    x = torch.randn(1000, 384, generator=gen).bfloat16().requires_grad_()
+    w = (1 + 0.1 * torch.randn(384, generator=gen)).requires_grad_()
+    grad = torch.randn(1000, 384, generator=gen).bfloat16()
+
+    def step(fn):
+        def run():
+            x.grad = w.grad = None
+            fn(x, w).backward(grad)
+        return run
+
+    import warnings
+
+    with warnings.catch_warnings():  # torch warns once that it cannot fuse mixed dtypes
+        warnings.simplefilter("ignore")
+        eager, ext = _time_sides([step(lambda a, b: F.rms_norm(a, (384,), b, EPS)),
+                                  step(lambda a, b: norm.rms_norm(a, b, EPS))], repeat, inner)
+    return (f"{'rmsnorm [1000x384] bf16 x, fp32 w, fwd+bwd':<44} eager {eager * 1e3:7.3f} ms   "
+            f"C++ {ext * 1e3:7.3f} ms   eager/C++ {eager / ext:5.2f}x")
+
+
 def bench_rmsnorm(repeat: int, inner: int = 20) -> list[str]:
     """The cell's rows (module doc), fp32 on CPU."""
     from hybridrl.kernels import ops
@@ -114,6 +139,7 @@ def bench_rmsnorm(repeat: int, inner: int = 20) -> list[str]:
     gen = torch.Generator().manual_seed(5)
     for shape in SHAPES:
         rows += _shape_rows(shape, gen, repeat, inner)
+    rows.append(_mixed_row(gen, repeat, inner))
     return rows
 
 
