@@ -108,32 +108,7 @@ inline void widen(const float* src, float* dst, int64_t n) {
   __builtin_memcpy(dst, src, n * sizeof(float));
 }
 
-inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(src[i].x) << 16);
-  }
-}
-
-// c10::BFloat16(float): round to nearest even, any NaN -> 0x7FC0 (integer code, vectorizes).
-inline void narrow(const float* src, c10::BFloat16* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = __builtin_bit_cast(uint32_t, src[i]);
-    const uint32_t rounded = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
-    dst[i].x = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
-  }
-}
-
-inline void widen(const c10::Half* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + kHalfLanes <= n; i += kHalfLanes) widen_half(src + i, dst + i);
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-inline void narrow(const float* src, c10::Half* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + kHalfLanes <= n; i += kHalfLanes) narrow_half(src + i, dst + i);
-  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
-}
+#include "lowp_convert.h"  // widen / narrow for bf16 and fp16 (this path's copy)
 
 constexpr int64_t kBlock = 512;  // fp32 elements per stack buffer (2 KiB)
 
