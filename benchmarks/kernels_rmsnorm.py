@@ -23,6 +23,7 @@ alternating rounds of ``inner`` calls each after one warm-up round; the header n
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -117,8 +118,6 @@ def _mixed_row(gen: torch.Generator, repeat: int, inner: int) -> str:
             x.grad = w.grad = None
             fn(x, w).backward(grad)
         return run
-
-    import warnings
 
     with warnings.catch_warnings():  # torch warns once that it cannot fuse mixed dtypes
         warnings.simplefilter("ignore")

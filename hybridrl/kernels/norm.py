@@ -12,7 +12,7 @@ Contract:
   gradient then comes back in fp32) and the extension is built (and not turned off by
   ``HYBRIDRL_KERNELS=reference``). The output is ``(x * rstd) * weight`` in fp32, rounded once to
   ``x``'s dtype (torch's mixed-dtype path rounds ``x * rstd`` to ``x``'s dtype before the weight:
-  at most one ulp of that dtype apart). Otherwise (CUDA, fp64, other dtype mixes, no extension)
+  within 2 ulps of that dtype, tested). Otherwise (CUDA, fp64, other dtype mixes, no extension)
   it is ``F.rms_norm(x, (x.shape[-1],), weight, eps)`` itself, without a warning: that is the
   full-speed path there.
 - Gradients flow to ``x`` and ``weight`` through a ``torch.autograd.Function``; under no_grad (or

@@ -15,10 +15,9 @@ Contract:
 - ``LeanMLP`` (``make_mlp_lean(mlp)`` swaps a built ``MLP``'s class, as the lean transformer
   layer does for its dense MLP): megatron's ``MLP``; in the plain case (gated SiLU, no fused
   bias-activation, no TE activation, no clamp or GLU offset, no per-token scale) the forward
-  is fc1 -> (+ bias) ->
-  ``hybridrl.kernels.swiglu.swiglu`` (silu of the first half times the second, one fused op
-  with its backward on CPU) -> fc2: megatron's products in one pass. Anything else calls
-  megatron's forward unchanged.
+  is fc1 -> (+ bias) -> ``hybridrl.kernels.swiglu.swiglu`` (silu of the first half times the
+  second, one fused op with its backward on CPU) -> fc2: megatron's products in one pass.
+  Anything else calls megatron's forward unchanged.
 - Numerics: tests/distributed/test_models_local_spec.py (whole models against megatron's own
   local spec, fp32 and bf16) and the kernels' own tests (tests/unit/test_kernels_*.py).
 """
@@ -33,28 +32,31 @@ from hybridrl.kernels.norm import FusedRMSNorm
 from hybridrl.kernels.swiglu import swiglu
 
 
-def _fused(norm: torch.nn.Module) -> torch.nn.Module:
-    """``norm`` as a ``FusedRMSNorm`` when it is a plain ``torch.nn.RMSNorm`` (same args)."""
-    if type(norm) is not torch.nn.RMSNorm:
-        return norm
-    return FusedRMSNorm(normalized_shape=norm.normalized_shape, eps=norm.eps,
-                        elementwise_affine=norm.elementwise_affine)
+def _torch_norm(config, hidden_size: int, eps: float, kwargs: dict, what: str) -> torch.nn.Module:
+    """megatron's torch norm, a ``FusedRMSNorm`` when it is an RMSNorm; under sequence
+    parallelism (which ``WrappedTorchNorm`` refuses) an RMSNorm only (``what``: the error's
+    words before "RMSNorm")."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if config.sequence_parallel:
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"{what} RMSNorm, got {config.normalization}")
+        return FusedRMSNorm(normalized_shape=hidden_size, eps=eps)
+    norm = WrappedTorchNorm(config, hidden_size, eps, **kwargs)
+    if type(norm) is torch.nn.RMSNorm:  # FusedRMSNorm adds no state: the same module, fused
+        norm.__class__ = FusedRMSNorm
+    return norm
 
 
 class SequenceParallelNorm:
     """megatron's torch RMSNorm that allows sequence parallelism (see the module docstring)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        if not config.sequence_parallel:
-            return _fused(WrappedTorchNorm(config, hidden_size, eps, **kwargs))
-        if config.normalization != "RMSNorm":
-            raise ValueError("model.sequence_parallel on the local spec needs RMSNorm, got "
-                             f"{config.normalization}")
-        norm = FusedRMSNorm(normalized_shape=hidden_size, eps=eps)
-        for param in norm.parameters():
-            param.sequence_parallel = True  # grads all-reduced over TP (finalize_model_grads)
+        norm = _torch_norm(config, hidden_size, eps, kwargs,
+                           "model.sequence_parallel on the local spec needs")
+        if config.sequence_parallel:
+            for param in norm.parameters():
+                param.sequence_parallel = True  # grads all-reduced over TP (finalize_model_grads)
         return norm
 
 
@@ -62,14 +64,8 @@ class QKNorm:
     """Qwen3's per-head q/k RMSNorm on the local spec (see the module docstring)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        if not config.sequence_parallel:
-            return _fused(WrappedTorchNorm(config, hidden_size, eps, **kwargs))
-        if config.normalization != "RMSNorm":
-            raise ValueError("q/k norms with model.sequence_parallel on the local spec need "
-                             f"RMSNorm, got {config.normalization}")
-        return FusedRMSNorm(normalized_shape=hidden_size, eps=eps)
+        return _torch_norm(config, hidden_size, eps, kwargs,
+                           "q/k norms with model.sequence_parallel on the local spec need")
 
 
 class LeanMLP(MLP):
